@@ -1,0 +1,123 @@
+"""Shared input checks and dispatch rules for every kernel in :mod:`xoffload.kernels`.
+
+Dispatch rule (DESIGN.md): a CUDA tensor runs the Triton kernel; a CPU tensor runs the PyTorch
+reference, unless Triton's interpreter is on (``TRITON_INTERPRET=1`` set before Triton is
+imported), in which case the Triton code runs on the CPU.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+_CPU_BACKEND: list = []  # stack set by cpu_backend(); empty = follow TRITON_INTERPRET
+
+
+def interpreter_on() -> bool:
+    """True when CPU tensors run the Triton code under Triton's interpreter.
+
+    That is when ``TRITON_INTERPRET=1`` (set before Triton is imported), unless overridden by
+    :func:`cpu_backend`.
+    """
+    if _CPU_BACKEND:
+        return _CPU_BACKEND[-1] == "interpreter"
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def cpu_backend(name: str):
+    """Choose what CPU tensors run inside the block: ``"reference"`` (PyTorch fp32 reference) or
+    ``"interpreter"`` (the Triton code; needs ``TRITON_INTERPRET=1`` before Triton was imported).
+
+    Whole-model runs on the CPU use ``"reference"`` so that they finish in seconds even when the
+    test process has the interpreter on. Raises ValueError for another name.
+    """
+    if name not in ("reference", "interpreter"):
+        raise ValueError(f"cpu_backend must be 'reference' or 'interpreter', got {name!r}")
+    _CPU_BACKEND.append(name)
+    try:
+        yield
+    finally:
+        _CPU_BACKEND.pop()
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether the Triton kernel runs for a tensor on ``t``'s device (CUDA, or CPU under the interpreter)."""
+    return t.is_cuda or interpreter_on()
+
+
+def next_pow2(n: int) -> int:
+    """Smallest power of two >= max(n, 1)."""
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def default_scale(head_dim: int, softmax_scale: float | None) -> float:
+    """``softmax_scale`` or ``1/sqrt(head_dim)``; raises ValueError on a non-finite or non-positive value."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    s = float(softmax_scale)
+    if not math.isfinite(s) or s <= 0:
+        raise ValueError(f"softmax_scale must be a finite positive number, got {softmax_scale!r}")
+    return s
+
+
+def check_tensor(name: str, t, ndim: int | None = None, dtypes=SUPPORTED_DTYPES) -> None:
+    """Raise TypeError/ValueError unless ``t`` is a tensor of ``ndim`` dims, a supported dtype and a contiguous last dim."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise TypeError(f"{name} has dtype {t.dtype}; supported: {', '.join(str(d) for d in dtypes)}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dims, got shape {tuple(t.shape)}")
+    if t.dim() > 0 and t.shape[-1] > 1 and t.stride(-1) != 1:
+        raise ValueError(
+            f"{name} must have a contiguous last dim (stride 1), got shape {tuple(t.shape)} strides {tuple(t.stride())}"
+        )
+
+
+def check_same(names_tensors, what: str = "dtype and device") -> None:
+    """Raise TypeError if tensors differ in dtype, ValueError if they differ in device."""
+    (n0, t0), *rest = names_tensors
+    for n, t in rest:
+        if t.dtype != t0.dtype:
+            raise TypeError(f"{n} has dtype {t.dtype} but {n0} has {t0.dtype}; all must match")
+        if t.device != t0.device:
+            raise ValueError(f"{n} is on {t.device} but {n0} is on {t0.device}; all must be on one device")
+
+
+def check_heads(hq: int, hkv: int, d: int, q_name="q", k_name="k") -> None:
+    """Raise ValueError for GQA ratio or head_dim problems."""
+    if hkv <= 0 or hq <= 0:
+        raise ValueError(f"head counts must be positive: {q_name} has {hq} heads, {k_name} has {hkv}")
+    if hq % hkv != 0:
+        raise ValueError(f"{q_name} heads ({hq}) must be a multiple of {k_name} heads ({hkv}) (GQA)")
+    if d <= 0 or d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {d}")
+
+
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device) -> None:
+    """Validate an int32 ``cu_seqlens`` of length B+1: starts at 0, non-decreasing, ends at ``total``.
+
+    Reads the values on the host (validation only; callers in a hot loop may skip it).
+    """
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.numel() < 1:
+        raise ValueError(f"{name} must be 1-D of length batch+1, got shape {tuple(cu.shape)}")
+    if cu.device != device:
+        raise ValueError(f"{name} is on {cu.device} but the inputs are on {device}")
+    c = cu.cpu()
+    if int(c[0]) != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(c[0])}")
+    if c.numel() > 1 and bool((c[1:] < c[:-1]).any()):
+        raise ValueError(f"{name} must be non-decreasing, got {c.tolist()[:16]}")
+    if int(c[-1]) != total:
+        raise ValueError(f"{name}[-1] = {int(c[-1])} must equal the packed length {total}")
