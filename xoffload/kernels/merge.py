@@ -1,0 +1,381 @@
+"""Exact merging of partial attention states by their log-sum-exp (LSE).
+
+Two attention results over disjoint key sets, ``(o_a, lse_a)`` and ``(o_b, lse_b)``, combine into
+the attention over the union (flash-decoding / ring attention merge, Dao et al. 2023; the
+``merge_state`` of FlashInfer):
+
+    lse = log(exp(lse_a) + exp(lse_b))
+    o   = exp(lse_a - lse) * o_a + exp(lse_b - lse) * o_b
+
+computed in fp32 with the max subtracted first. A pair of empty states (-inf, -inf) merges to
+(0, -inf), never NaN; a side whose LSE is -inf contributes nothing, even if its output holds NaN
+or garbage (e.g. an uninitialised buffer).
+
+Layout (the outputs of :func:`flash_attn_with_lse` and :func:`decode_attn_with_lse`): an output
+``o`` has shape ``[..., S, H, D]`` and its LSE has shape ``[..., H, S]`` (fp32, natural log), where
+``...`` is any number (>= 0) of leading dims. So the dense layout ``o [B, S, H, D]`` /
+``lse [B, H, S]``, the varlen layout ``o [T, H, D]`` / ``lse [H, T]`` and the decode layout
+``o [B, 1, H, D]`` / ``lse [B, H, 1]`` are all accepted. Only the last dim of an output must be
+contiguous; every other stride (also of the LSEs) is honoured.
+
+CUDA tensors run an elementwise Triton kernel; CPU tensors run :func:`reference.merge_ref`, or the
+Triton code under ``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels._common`).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import reference
+from ._common import SUPPORTED_DTYPES, check_same, check_tensor, next_pow2, use_triton
+
+__all__ = ["merge_attention_states", "merge_attention_states_n", "merge_attention_states_"]
+
+
+# ----------------------------------------------------------------------------------------------
+# validation
+# ----------------------------------------------------------------------------------------------
+def _lse_shape(o_shape) -> tuple:
+    *lead, s, h, _d = o_shape
+    return tuple(lead) + (h, s)
+
+
+def _check_state(o_name, o, lse_name, lse, min_dim=3):
+    check_tensor(o_name, o)
+    if o.dim() < min_dim:
+        raise ValueError(
+            f"{o_name} must have shape [..., S, H, D] (at least {min_dim} dims), got {tuple(o.shape)}"
+        )
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"{lse_name} must be a torch.Tensor, got {type(lse).__name__}")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"{lse_name} must be float32 (natural-log LSE), got {lse.dtype}")
+    want = _lse_shape(o.shape)
+    if tuple(lse.shape) != want:
+        raise ValueError(
+            f"{lse_name} has shape {tuple(lse.shape)} but {o_name} {tuple(o.shape)} ([..., S, H, D]) "
+            f"needs [..., H, S] = {want}"
+        )
+    if lse.device != o.device:
+        raise ValueError(f"{lse_name} is on {lse.device} but {o_name} is on {o.device}")
+
+
+def _check_out(out, out_lse, o_shape, device):
+    if out is not None:
+        check_tensor("out", out)
+        if tuple(out.shape) != tuple(o_shape):
+            raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(o_shape)}")
+        if out.device != device:
+            raise ValueError(f"out is on {out.device} but the inputs are on {device}")
+    if out_lse is not None:
+        if not isinstance(out_lse, torch.Tensor):
+            raise TypeError(f"out_lse must be a torch.Tensor, got {type(out_lse).__name__}")
+        if out_lse.dtype != torch.float32:
+            raise TypeError(f"out_lse must be float32, got {out_lse.dtype}")
+        want = _lse_shape(o_shape)
+        if tuple(out_lse.shape) != want:
+            raise ValueError(f"out_lse has shape {tuple(out_lse.shape)}, expected {want}")
+        if out_lse.device != device:
+            raise ValueError(f"out_lse is on {out_lse.device} but the inputs are on {device}")
+
+
+def _as4(name, o):
+    """View ``[..., S, H, D]`` as ``[L, S, H, D]`` (copying only a non-viewable input)."""
+    s, h, d = o.shape[-3:]
+    lead = 1
+    for x in o.shape[:-3]:
+        lead *= x
+    try:
+        return o.view(lead, s, h, d)
+    except RuntimeError:
+        if name in ("out",):
+            raise ValueError(
+                f"{name} with shape {tuple(o.shape)} strides {tuple(o.stride())}: its leading dims "
+                f"cannot be flattened into one without a copy; pass a tensor whose leading dims can"
+            ) from None
+        return o.reshape(lead, s, h, d)
+
+
+def _as3(name, lse):
+    """View ``[..., H, S]`` as ``[L, H, S]``."""
+    h, s = lse.shape[-2:]
+    lead = 1
+    for x in lse.shape[:-2]:
+        lead *= x
+    try:
+        return lse.view(lead, h, s)
+    except RuntimeError:
+        if name in ("out_lse",):
+            raise ValueError(
+                f"{name} with shape {tuple(lse.shape)} strides {tuple(lse.stride())}: its leading dims "
+                f"cannot be flattened without a copy"
+            ) from None
+        return lse.reshape(lead, h, s)
+
+
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _row_offsets(r, S, H, so_l, so_s, so_h, sl_l, sl_h, sl_s):
+    # row r -> (l, s, h) with h fastest; int64 offsets into o [L, S, H, D] and lse [L, H, S]
+    r = r.to(tl.int64)
+    h = r % H
+    t = r // H
+    s = t % S
+    l = t // S
+    return l * so_l + s * so_s + h * so_h, l * sl_l + h * sl_h + s * sl_s
+
+
+
+@triton.jit
+def _merge2_kernel(
+    OA, LA, OB, LB, O, LO,
+    n_rows, S, H, D,
+    sa_l, sa_s, sa_h, sla_l, sla_h, sla_s,
+    sb_l, sb_s, sb_h, slb_l, slb_h, slb_s,
+    so_l, so_s, so_h, slo_l, slo_h, slo_s,
+    WRITE_LSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    oa_off, la_off = _row_offsets(rows, S, H, sa_l, sa_s, sa_h, sla_l, sla_h, sla_s)
+    ob_off, lb_off = _row_offsets(rows, S, H, sb_l, sb_s, sb_h, slb_l, slb_h, slb_s)
+    oo_off, lo_off = _row_offsets(rows, S, H, so_l, so_s, so_h, slo_l, slo_h, slo_s)
+    la = tl.load(LA + la_off, mask=rmask, other=float("-inf"))
+    lb = tl.load(LB + lb_off, mask=rmask, other=float("-inf"))
+    m = tl.maximum(la, lb)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp(la - m_safe)  # exp(-inf) = 0
+    wb = tl.exp(lb - m_safe)
+    tot = wa + wb
+    tot_safe = tl.where(tot > 0.0, tot, 1.0)
+    inv = tl.where(tot > 0.0, 1.0 / tot_safe, 0.0)
+    wa = wa * inv
+    wb = wb * inv
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        msk = rmask[:, None] & (d < D)[None, :]
+        oa = tl.load(OA + oa_off[:, None] + d[None, :], mask=msk, other=0.0).to(tl.float32)
+        ob = tl.load(OB + ob_off[:, None] + d[None, :], mask=msk, other=0.0).to(tl.float32)
+        o = tl.where(wa[:, None] > 0.0, wa[:, None] * oa, 0.0)
+        o += tl.where(wb[:, None] > 0.0, wb[:, None] * ob, 0.0)
+        tl.store(O + oo_off[:, None] + d[None, :], o.to(O.dtype.element_ty), mask=msk)
+    if WRITE_LSE:
+        lse = tl.where(tot > 0.0, m_safe + tl.log(tot_safe), float("-inf"))
+        tl.store(LO + lo_off, lse, mask=rmask)
+
+
+
+@triton.jit
+def _mergen_kernel(
+    OS, LS, O, LO,
+    N, n_rows, S, H, D,
+    si_n, si_l, si_s, si_h, sli_n, sli_l, sli_h, sli_s,
+    so_l, so_s, so_h, slo_l, slo_h, slo_s,
+    WRITE_LSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = rows < n_rows
+    oi_off, li_off = _row_offsets(rows, S, H, si_l, si_s, si_h, sli_l, sli_h, sli_s)
+    oo_off, lo_off = _row_offsets(rows, S, H, so_l, so_s, so_h, slo_l, slo_h, slo_s)
+    # pass 1 over the (small) LSEs: max and sum of exp
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for n in range(0, N):
+        ln = tl.load(LS + n * sli_n + li_off, mask=rmask, other=float("-inf"))
+        m = tl.maximum(m, ln)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tot = tl.zeros([BLOCK_R], tl.float32)
+    for n in range(0, N):
+        ln = tl.load(LS + n * sli_n + li_off, mask=rmask, other=float("-inf"))
+        tot += tl.exp(ln - m_safe)
+    tot_safe = tl.where(tot > 0.0, tot, 1.0)
+    inv = tl.where(tot > 0.0, 1.0 / tot_safe, 0.0)
+    # pass 2 over the outputs
+    for d0 in range(0, D, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        msk = rmask[:, None] & (d < D)[None, :]
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        for n in range(0, N):
+            ln = tl.load(LS + n * sli_n + li_off, mask=rmask, other=float("-inf"))
+            w = tl.exp(ln - m_safe) * inv
+            on = tl.load(OS + n * si_n + oi_off[:, None] + d[None, :], mask=msk & (w > 0.0)[:, None],
+                         other=0.0).to(tl.float32)
+            acc += w[:, None] * on
+        tl.store(O + oo_off[:, None] + d[None, :], acc.to(O.dtype.element_ty), mask=msk)
+    if WRITE_LSE:
+        lse = tl.where(tot > 0.0, m_safe + tl.log(tot_safe), float("-inf"))
+        tl.store(LO + lo_off, lse, mask=rmask)
+
+
+def _block_sizes(d: int, elem_bytes: int):
+    block_d = min(next_pow2(max(d, 16)), 256)
+    # ~8 KiB of each input per program: enough bytes in flight, many programs
+    block_r = max(1, min(128, 8192 // (block_d * elem_bytes)))
+    block_r = next_pow2(block_r)
+    return block_r, block_d
+
+
+def _launch_merge2(o_a, lse_a, o_b, lse_b, out, out_lse):
+    """Triton 2-way merge; all tensors already validated, out/out_lse allocated (out_lse may be None)."""
+    k = _merge2_kernel
+    oa, ob, oo = _as4("o_a", o_a), _as4("o_b", o_b), _as4("out", out)
+    la, lb = _as3("lse_a", lse_a), _as3("lse_b", lse_b)
+    lo = _as3("out_lse", out_lse) if out_lse is not None else la
+    L, S, H, D = oa.shape
+    n_rows = L * S * H
+    if n_rows == 0 or D == 0:
+        return
+    block_r, block_d = _block_sizes(D, oa.element_size())
+    grid = (triton_cdiv(n_rows, block_r),)
+    k[grid](
+        oa, la, ob, lb, oo, lo,
+        n_rows, S, H, D,
+        oa.stride(0), oa.stride(1), oa.stride(2), la.stride(0), la.stride(1), la.stride(2),
+        ob.stride(0), ob.stride(1), ob.stride(2), lb.stride(0), lb.stride(1), lb.stride(2),
+        oo.stride(0), oo.stride(1), oo.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
+        WRITE_LSE=out_lse is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+    )
+
+
+def _launch_mergen(outs, lses, out, out_lse):
+    """Triton N-way merge over dim 0 of outs ``[N, ..., S, H, D]`` / lses ``[N, ..., H, S]``.
+
+    Tensors already validated; out ``[..., S, H, D]`` (any float dtype), out_lse may be None.
+    Used by :func:`decode_attn_with_lse` to reduce its splits.
+    """
+    k = _mergen_kernel
+    N = outs.shape[0]
+    s, h, d = outs.shape[-3:]
+    lead = 1
+    for x in outs.shape[1:-3]:
+        lead *= x
+    try:
+        oi = outs.view(N, lead, s, h, d)
+    except RuntimeError:
+        oi = outs.reshape(N, lead, s, h, d)
+    try:
+        li = lses.view(N, lead, h, s)
+    except RuntimeError:
+        li = lses.reshape(N, lead, h, s)
+    oo = _as4("out", out)
+    lo = _as3("out_lse", out_lse) if out_lse is not None else li[0]
+    n_rows = lead * s * h
+    if n_rows == 0 or d == 0:
+        return
+    block_r, block_d = _block_sizes(d, oi.element_size())
+    grid = (triton_cdiv(n_rows, block_r),)
+    k[grid](
+        oi, li, oo, lo,
+        N, n_rows, s, h, d,
+        oi.stride(0), oi.stride(1), oi.stride(2), oi.stride(3),
+        li.stride(0), li.stride(1), li.stride(2), li.stride(3),
+        oo.stride(0), oo.stride(1), oo.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
+        WRITE_LSE=out_lse is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+    )
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _merge_reference(outs, lses):
+    """CPU path: :func:`reference.merge_ref` in our layout; an empty (-inf) state's output is
+    zeroed first so that garbage there cannot leak in (0 * NaN)."""
+    lt = lses.transpose(-1, -2)  # [N, ..., S, H]
+    outs = torch.where(torch.isneginf(lt).unsqueeze(-1), torch.zeros((), dtype=outs.dtype), outs)
+    o, lse = reference.merge_ref(outs, lt)
+    return o, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# public API
+# ----------------------------------------------------------------------------------------------
+def merge_attention_states(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None):
+    """Merge two partial attention states over disjoint key sets into the state over their union.
+
+    Args:
+        o_a, o_b: outputs ``[..., S, H, D]`` (fp16/bf16/fp32, same dtype, shape and device; only
+            the last dim must be contiguous). E.g. ``[B, S, H, D]`` (dense), ``[T, H, D]``
+            (varlen), ``[B, 1, H, D]`` (decode).
+        lse_a, lse_b: fp32 natural-log LSEs ``[..., H, S]`` (``[B, H, S]``, ``[H, T]``,
+            ``[B, H, 1]``); -inf marks an empty state (no keys).
+        out: optional output ``[..., S, H, D]`` of any supported float dtype (cast on store); may
+            be ``o_a`` or ``o_b`` itself (in-place). Its leading dims must be flattenable.
+        out_lse: optional fp32 ``[..., H, S]``; may be ``lse_a`` or ``lse_b``.
+
+    Returns:
+        ``(o, lse)``: o ``[..., S, H, D]`` in ``o_a.dtype`` (or ``out``), lse fp32 ``[..., H, S]``.
+        Computed in fp32; (-inf, -inf) gives (0, -inf); a -inf side contributes exactly 0.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, mismatched output dtypes, a non-fp32 LSE.
+        ValueError: shapes that disagree (naming the argument and shapes), tensors on different
+            devices, a non-contiguous last dim of an output.
+    """
+    _check_state("o_a", o_a, "lse_a", lse_a)
+    _check_state("o_b", o_b, "lse_b", lse_b)
+    check_same([("o_a", o_a), ("o_b", o_b)])
+    if o_a.shape != o_b.shape:
+        raise ValueError(f"o_a has shape {tuple(o_a.shape)} but o_b has {tuple(o_b.shape)}; they must match")
+    _check_out(out, out_lse, o_a.shape, o_a.device)
+    if out is None:
+        out = torch.empty(o_a.shape, dtype=o_a.dtype, device=o_a.device)
+    if out_lse is None:
+        out_lse = torch.empty(_lse_shape(o_a.shape), dtype=torch.float32, device=o_a.device)
+    if use_triton(o_a):
+        _launch_merge2(o_a, lse_a, o_b, lse_b, out, out_lse)
+    else:
+        o, lse = _merge_reference(torch.stack([o_a, o_b]), torch.stack([lse_a, lse_b]))
+        out.copy_(o)
+        out_lse.copy_(lse.transpose(-1, -2))
+    return out, out_lse
+
+
+def merge_attention_states_n(outs, lses, *, out=None, out_lse=None):
+    """Merge N partial attention states stacked along a leading dim (N-way form).
+
+    Args:
+        outs: ``[N, ..., S, H, D]`` (fp16/bf16/fp32; last dim contiguous), e.g. ``[N, B, S, H, D]``
+            or ``[N, T, H, D]``.
+        lses: fp32 ``[N, ..., H, S]``, e.g. ``[N, B, H, S]`` or ``[N, H, T]``.
+        out: optional ``[..., S, H, D]`` of any supported float dtype (cast on store).
+        out_lse: optional fp32 ``[..., H, S]``.
+
+    Returns:
+        ``(o, lse)``: o ``[..., S, H, D]`` in ``outs.dtype`` (or ``out``), lse fp32 ``[..., H, S]``.
+        N = 0 gives (0, -inf). Computed in fp32; all -inf gives (0, -inf), never NaN.
+
+    Raises:
+        TypeError / ValueError as :func:`merge_attention_states`.
+    """
+    _check_state("outs", outs, "lses", lses, min_dim=4)
+    o_shape = tuple(outs.shape[1:])
+    _check_out(out, out_lse, o_shape, outs.device)
+    if out is None:
+        out = torch.empty(o_shape, dtype=outs.dtype, device=outs.device)
+    if out_lse is None:
+        out_lse = torch.empty(_lse_shape(o_shape), dtype=torch.float32, device=outs.device)
+    if outs.shape[0] == 0:
+        out.zero_()
+        out_lse.fill_(float("-inf"))
+    elif use_triton(outs):
+        _launch_mergen(outs, lses, out, out_lse)
+    else:
+        o, lse = _merge_reference(outs, lses)
+        out.copy_(o)
+        out_lse.copy_(lse.transpose(-1, -2))
+    return out, out_lse
+
+
+def merge_attention_states_(o_acc, lse_acc, o_b, lse_b):
+    """In-place accumulation: ``(o_acc, lse_acc) <- merge((o_acc, lse_acc), (o_b, lse_b))``.
+
+    Shapes and dtypes as :func:`merge_attention_states` (``o_b`` must have ``o_acc``'s dtype).
+    Start an accumulator with ``o_acc = 0``, ``lse_acc = -inf``. Returns ``(o_acc, lse_acc)``.
+    ``o_acc`` / ``lse_acc`` must have flattenable leading dims (any plain tensor does).
+    """
+    return merge_attention_states(o_acc, lse_acc, o_b, lse_b, out=o_acc, out_lse=lse_acc)
