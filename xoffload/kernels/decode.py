@@ -9,9 +9,11 @@ share a KV head (GQA group) are packed into the M dimension of one program so th
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
 from . import reference
-from ._common import check_heads, check_same, check_tensor, default_scale, use_triton
+from ._common import check_heads, check_same, check_tensor, default_scale, next_pow2, use_triton
 
 __all__ = ["decode_attn_with_lse"]
 
@@ -100,9 +102,205 @@ def decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, *, softmax_scale=No
     return out.to(q.dtype), lse
 
 
-def _decode_triton(q, k_cache, v_cache, cache_seqlens, scale, num_splits):
-    # Placeholder until the split-KV Triton kernel lands: the fp32 reference (same results).
-    s_max = k_cache.shape[1]
-    lens = cache_seqlens.clamp(0, s_max)
-    out, lse = reference.decode_attention_ref(q, k_cache, v_cache, lens, softmax_scale=scale)
-    return out.to(q.dtype), lse
+# ----------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------
+_LOG2E = 1.4426950408889634
+_MIN_CHUNK = 256  # keys: a split shorter than this costs more in merging than it gains
+_MAX_SPLITS = 128
+
+
+@triton.jit
+def _decode_split_kernel(
+    Q, K, V, Lens, O, L,
+    qk_scale, S_max, Hkv, GROUP, D, NUM_SPLITS, M_BLOCKS,
+    s_qb, s_qh,
+    s_kb, s_kn, s_kh,
+    s_vb, s_vn, s_vh,
+    s_os, s_ob, s_oh,
+    s_ls, s_lb, s_lh,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One program: KV head ``hk`` of sequence ``b`` (its GROUP query heads as the M rows, in
+    blocks of BLOCK_M), keys ``[split*chunk, (split+1)*chunk)`` with chunk = ceil(len/NUM_SPLITS)
+    rounded up to BLOCK_N. Writes out = softmax(q k^T) v over that chunk and its natural-log LSE
+    (-inf, out 0 for an empty chunk), cast to O's / L's element type."""
+    pid = tl.program_id(0)
+    split = tl.program_id(1)
+    mb = pid % M_BLOCKS
+    t = pid // M_BLOCKS
+    hk = t % Hkv
+    b = (t // Hkv).to(tl.int64)
+
+    seqlen = tl.load(Lens + b)
+    seqlen = tl.minimum(tl.maximum(seqlen, 0), S_max)
+    chunk = tl.cdiv(tl.cdiv(seqlen, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, seqlen)
+
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)  # index inside the GQA group
+    mmask = offs_m < GROUP
+    hq = hk * GROUP + offs_m
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    offs_n = tl.arange(0, BLOCK_N)
+
+    q = tl.load(Q + b * s_qb + hq[:, None] * s_qh + offs_d[None, :],
+                mask=mmask[:, None] & dmask[None, :], other=0.0)
+
+    lo64 = lo.to(tl.int64)
+    k_ptrs = K + b * s_kb + hk * s_kh + lo64 * s_kn + offs_n[:, None] * s_kn + offs_d[None, :]
+    v_ptrs = V + b * s_vb + hk * s_vh + lo64 * s_vn + offs_n[:, None] * s_vn + offs_d[None, :]
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    # every block visited holds >= 1 valid key, so m_i is finite after the first block
+    for start in range(lo, hi, BLOCK_N):
+        nmask = (start + offs_n) < hi
+        k = tl.load(k_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 units
+        s = tl.where(nmask[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+        m_i = m_new
+        k_ptrs += BLOCK_N * s_kn
+        v_ptrs += BLOCK_N * s_vn
+
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    split64 = split.to(tl.int64)
+    tl.store(O + split64 * s_os + b * s_ob + hq[:, None] * s_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+    tl.store(L + split64 * s_ls + b * s_lb + hq * s_lh, lse, mask=mmask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    OP, LP, O, L,
+    Hq, D, NUM_SPLITS,
+    s_ps, s_pb, s_ph, s_lps, s_lpb, s_lph,
+    s_ob, s_oh, s_lb, s_lh,
+    SPLITS_P2: tl.constexpr, SPLIT_BLOCK: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """One program per (b, query head): LSE-weighted merge of the NUM_SPLITS partial states."""
+    pid = tl.program_id(0)
+    h = pid % Hq
+    b = (pid // Hq).to(tl.int64)
+    sp = tl.arange(0, SPLITS_P2)
+    lp = tl.load(LP + sp * s_lps + b * s_lpb + h * s_lph, mask=sp < NUM_SPLITS, other=float("-inf"))
+    m = tl.max(lp, 0)
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    tot = tl.sum(tl.exp(lp - m_safe), 0)
+    tot_safe = tl.where(tot > 0.0, tot, 1.0)
+    inv = tl.where(tot > 0.0, 1.0 / tot_safe, 0.0)
+    offs_d = tl.arange(0, BLOCK_D)
+    dmask = offs_d < D
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for s0 in range(0, NUM_SPLITS, SPLIT_BLOCK):
+        si = s0 + tl.arange(0, SPLIT_BLOCK)
+        smask = si < NUM_SPLITS
+        ls = tl.load(LP + si * s_lps + b * s_lpb + h * s_lph, mask=smask, other=float("-inf"))
+        w = tl.exp(ls - m_safe) * inv
+        o = tl.load(OP + si[:, None].to(tl.int64) * s_ps + b * s_pb + h * s_ph + offs_d[None, :],
+                    mask=(smask & (w > 0.0))[:, None] & dmask[None, :], other=0.0)
+        acc += tl.sum(w[:, None] * o, 0)
+    tl.store(O + b * s_ob + h * s_oh + offs_d, acc.to(O.dtype.element_ty), mask=dmask)
+    lse = tl.where(tot > 0.0, m_safe + tl.log(tot_safe), float("-inf"))
+    tl.store(L + b * s_lb + h * s_lh, lse)
+
+
+_SM_COUNT = {}
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 4  # interpreter: a few splits, so that the split/merge path is exercised
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def default_num_splits(batch: int, hkv: int, group: int, s_max: int, num_sms: int) -> int:
+    """Split count from shapes only (never from cache_seqlens' values; CUDA-graph safe).
+
+    Aim for about four programs per SM (``batch * hkv * m_blocks * splits ~= 4 * num_sms``) so a
+    single long sequence fills the GPU (B=1, Hkv=8 at 128K on 132 SMs: 66 splits of 2K keys), but
+    no split shorter than 256 keys of ``S_max`` and at most 128 splits.
+    """
+    m_blocks = -(-group // _block_m(group))
+    progs = max(1, batch * hkv * m_blocks)
+    want = -(-4 * num_sms // progs)
+    by_len = max(1, -(-s_max // _MIN_CHUNK))
+    return int(max(1, min(want, by_len, _MAX_SPLITS)))
+
+
+def _block_m(group: int) -> int:
+    return min(max(16, next_pow2(group)), 64)
+
+
+def _default_config(d: int, dtype) -> dict:
+    block_d = max(16, next_pow2(d))
+    if dtype == torch.float32:
+        return dict(block_n=32 if block_d > 128 else 64, num_warps=4, num_stages=2)
+    if block_d > 128:
+        return dict(block_n=32, num_warps=4, num_stages=3)
+    return dict(block_n=64, num_warps=4, num_stages=3)
+
+
+def _decode_triton(q, k_cache, v_cache, cache_seqlens, scale, num_splits, config=None):
+    """Launch the split kernel (and the reduce kernel when num_splits > 1). ``config`` (block_n,
+    num_warps, num_stages) overrides the default tile choice (benchmarks sweep it)."""
+    b, _, hq, d = q.shape
+    _, s_max, hkv, _ = k_cache.shape
+    group = hq // hkv
+    block_m = _block_m(group)
+    m_blocks = -(-group // block_m)
+    block_d = max(16, next_pow2(d))
+    cfg = dict(_default_config(d, q.dtype))
+    if config:
+        cfg.update(config)
+    if num_splits is None:
+        num_splits = default_num_splits(b, hkv, group, s_max, _sm_count(q.device))
+    out = torch.empty(b, 1, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, 1, dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        o_dst, l_dst = out, lse
+        o_strides = (0, out.stride(0), out.stride(2))
+        l_strides = (0, lse.stride(0), lse.stride(1))
+    else:
+        o_dst = torch.empty(num_splits, b, hq, d, dtype=torch.float32, device=q.device)
+        l_dst = torch.empty(num_splits, b, hq, dtype=torch.float32, device=q.device)
+        o_strides = o_dst.stride()[:3]
+        l_strides = l_dst.stride()
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (b * hkv * m_blocks, num_splits)
+    _decode_split_kernel[grid](
+        q, k_cache, v_cache, cache_seqlens, o_dst, l_dst,
+        scale * _LOG2E, s_max, hkv, group, d, num_splits, m_blocks,
+        q.stride(0), q.stride(2),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        *o_strides, *l_strides,
+        BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, DOT_PREC=prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if num_splits > 1:
+        splits_p2 = next_pow2(num_splits)
+        _decode_reduce_kernel[(b * hq,)](
+            o_dst, l_dst, out, lse,
+            hq, d, num_splits,
+            o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),
+            l_dst.stride(0), l_dst.stride(1), l_dst.stride(2),
+            out.stride(0), out.stride(2), lse.stride(0), lse.stride(1),
+            SPLITS_P2=splits_p2, SPLIT_BLOCK=min(splits_p2, max(1, 4096 // block_d)), BLOCK_D=block_d,
+            num_warps=4,
+        )
+    return out, lse
