@@ -158,10 +158,10 @@ def _merge2_kernel(
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         msk = rmask[:, None] & (d < D)[None, :]
-        oa = tl.load(OA + oa_off[:, None] + d[None, :], mask=msk, other=0.0).to(tl.float32)
-        ob = tl.load(OB + ob_off[:, None] + d[None, :], mask=msk, other=0.0).to(tl.float32)
-        o = tl.where(wa[:, None] > 0.0, wa[:, None] * oa, 0.0)
-        o += tl.where(wb[:, None] > 0.0, wb[:, None] * ob, 0.0)
+        # a side with weight 0 (LSE -inf) is not read at all: garbage/NaN there cannot leak in
+        oa = tl.load(OA + oa_off[:, None] + d[None, :], mask=msk & (wa > 0.0)[:, None], other=0.0)
+        ob = tl.load(OB + ob_off[:, None] + d[None, :], mask=msk & (wb > 0.0)[:, None], other=0.0)
+        o = wa[:, None] * oa.to(tl.float32) + wb[:, None] * ob.to(tl.float32)
         tl.store(O + oo_off[:, None] + d[None, :], o.to(O.dtype.element_ty), mask=msk)
     if WRITE_LSE:
         lse = tl.where(tot > 0.0, m_safe + tl.log(tot_safe), float("-inf"))

@@ -1,0 +1,244 @@
+"""Tests of merge_attention_states (2-way, N-way, in-place) against exact attention and merge_ref.
+
+CPU: the Triton code under the interpreter and the reference path. GPU (``-m cuda``): bf16/fp16.
+"""
+import pytest
+import torch
+
+from tests.helpers import EPS32, assert_lse_match, max_err
+from xoffload.kernels import cpu_backend, merge_attention_states, merge_attention_states_, merge_attention_states_n
+from xoffload.kernels.reference import attention_ref, merge_ref
+
+NEG_INF = float("-inf")
+
+
+def _backends(device):
+    # on the CPU exercise both paths (interpreted Triton and the PyTorch reference)
+    return ["interpreter", "reference"] if device == "cpu" else [None]
+
+
+class _maybe_backend:
+    def __init__(self, name):
+        self.cm = cpu_backend(name) if name else None
+
+    def __enter__(self):
+        if self.cm:
+            self.cm.__enter__()
+
+    def __exit__(self, *a):
+        if self.cm:
+            self.cm.__exit__(*a)
+
+
+def _split_attention(b, sq, hq, hkv, d, sk, cut, device, causal=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, sq, hq, d, generator=g).to(device)
+    k = torch.randn(b, sk, hkv, d, generator=g).to(device)
+    v = torch.randn(b, sk, hkv, d, generator=g).to(device)
+    whole = attention_ref(q, k, v)
+    parts = [attention_ref(q, k[:, a:e], v[:, a:e]) for a, e in zip([0] + cut, cut + [sk])]
+    return whole, parts
+
+
+def _ref_merge(outs, lses):
+    """merge_ref in the [.., S, H, D] / [.., H, S] layout."""
+    o, l = merge_ref(outs, lses.transpose(-1, -2))
+    return o, l.transpose(-1, -2)
+
+
+@pytest.mark.parametrize("d", [64, 80])
+def test_split_merged_equals_whole(device, d):
+    (fo, fl), [(oa, la), (ob, lb)] = _split_attention(2, 5, 6, 2, d, 50, [20], device)
+    for be in _backends(device):
+        with _maybe_backend(be):
+            o, l = merge_attention_states(oa, la, ob, lb)
+        assert o.dtype == torch.float32 and l.shape == la.shape
+        assert max_err(o, fo) <= 8 * EPS32 * max(1.0, float(fo.abs().max())), be
+        assert_lse_match(l, fl)
+
+
+def test_split_merged_with_flash_attn_kernel(device):
+    # partials from the project's own attention kernel, if it is there yet
+    try:
+        from xoffload.kernels import flash_attn_with_lse
+        flash_attn_with_lse.__name__
+    except (ImportError, AttributeError):
+        pytest.skip("flash_attn_with_lse not available")
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 7, 4, 64, generator=g).half().to(device)
+    k = torch.randn(1, 64, 2, 64, generator=g).half().to(device)
+    v = torch.randn(1, 64, 2, 64, generator=g).half().to(device)
+    oa, la = flash_attn_with_lse(q, k[:, :29], v[:, :29])
+    ob, lb = flash_attn_with_lse(q, k[:, 29:], v[:, 29:])
+    fo, fl = attention_ref(q, k, v)
+    o, l = merge_attention_states(oa, la, ob, lb)
+    # each partial is rounded to fp16 once (<= 1/2 ulp), then merged in fp32 and rounded again
+    tol = 4 * torch.finfo(torch.float16).eps * max(1.0, float(fo.abs().max()))
+    assert max_err(o, fo) <= tol
+    assert_lse_match(l, fl)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_merge_matches_reference_and_dtype(device, dtype):
+    g = torch.Generator().manual_seed(2)
+    oa = torch.randn(2, 9, 4, 96, generator=g).to(dtype).to(device)
+    ob = torch.randn(2, 9, 4, 96, generator=g).to(dtype).to(device)
+    la = (torch.randn(2, 4, 9, generator=g) * 5).to(device)
+    lb = (torch.randn(2, 4, 9, generator=g) * 5).to(device)
+    ro, rl = _ref_merge(torch.stack([oa, ob]), torch.stack([la, lb]))
+    for be in _backends(device):
+        with _maybe_backend(be):
+            o, l = merge_attention_states(oa, la, ob, lb)
+        assert o.dtype == dtype
+        # fp32 math, one rounding to the output dtype
+        assert max_err(o, ro) <= 2 * torch.finfo(dtype).eps * max(1.0, float(ro.abs().max())), be
+        assert_lse_match(l, rl)
+
+
+def test_merge_neg_inf_rows(device):
+    g = torch.Generator().manual_seed(3)
+    oa = torch.randn(1, 4, 3, 64, generator=g).half().to(device)
+    ob = torch.randn(1, 4, 3, 64, generator=g).half().to(device)
+    la = torch.randn(1, 3, 4, generator=g).to(device)
+    lb = torch.randn(1, 3, 4, generator=g).to(device)
+    la[0, 0, :] = NEG_INF  # a empty in head 0
+    lb[0, 1, :] = NEG_INF  # b empty in head 1
+    la[0, 2, 1] = NEG_INF
+    lb[0, 2, 1] = NEG_INF  # both empty at (head 2, row 1)
+    # garbage where the LSE says "empty" must not leak in
+    oa[0, :, 0] = float("nan")
+    ob[0, :, 1] = float("inf")
+    oa[0, 1, 2] = float("nan")
+    ob[0, 1, 2] = float("nan")
+    for be in _backends(device):
+        with _maybe_backend(be):
+            o, l = merge_attention_states(oa, la, ob, lb)
+        assert not torch.isnan(o).any() and not torch.isnan(l).any(), be
+        assert torch.isneginf(l[0, 2, 1]) and float(o[0, 1, 2].abs().max()) == 0.0, be
+        # one side empty: the other side comes through exactly
+        assert torch.equal(o[0, :, 0], ob[0, :, 0]) and torch.equal(l[0, 0], lb[0, 0]), be
+        assert torch.equal(o[0, :, 1], oa[0, :, 1]) and torch.equal(l[0, 1], la[0, 1]), be
+
+
+def test_merge_n_way_and_layouts(device):
+    # dense layout [N, B, S, H, D] with 4 splits of the keys, one of them empty for some rows
+    (fo, fl), parts = _split_attention(2, 3, 4, 4, 64, 70, [10, 33, 50], device, seed=4)
+    outs = torch.stack([p[0] for p in parts])
+    lses = torch.stack([p[1] for p in parts])
+    for be in _backends(device):
+        with _maybe_backend(be):
+            o, l = merge_attention_states_n(outs, lses)
+        assert max_err(o, fo) <= 16 * EPS32 * max(1.0, float(fo.abs().max())), be
+        assert_lse_match(l, fl)
+    # varlen layout: o [T, H, D], lse [H, T]; non-contiguous views; fp16 out of fp32 partials
+    ov = outs[:, 1]  # [N, S, H, D] with S as "T"
+    lv = lses[:, 1]  # [N, H, S]
+    big = torch.zeros(4, 3, 4, 80, device=device)
+    big[..., 8:72] = ov
+    ov_nc = big[..., 8:72]
+    lv_nc = lv.transpose(-1, -2).contiguous().transpose(-1, -2)
+    out16 = torch.empty(3, 4, 64, dtype=torch.float16, device=device)
+    for be in _backends(device):
+        with _maybe_backend(be):
+            o, l = merge_attention_states_n(ov_nc, lv_nc, out=out16)
+        assert o is out16
+        assert max_err(o, fo[1]) <= 2 * torch.finfo(torch.float16).eps * max(1.0, float(fo.abs().max()))
+        assert_lse_match(l, fl[1])
+    # N = 0: (0, -inf)
+    o, l = merge_attention_states_n(outs[:0], lses[:0])
+    assert float(o.abs().max()) == 0.0 and torch.isneginf(l).all()
+    # N = 1: identity
+    o, l = merge_attention_states_n(outs[:1], lses[:1])
+    assert torch.equal(o, outs[0]) and torch.equal(l, lses[0])
+
+
+def test_merge_n_all_empty(device):
+    outs = torch.full((3, 1, 2, 2, 16), float("nan"), device=device)
+    lses = torch.full((3, 1, 2, 2), NEG_INF, device=device)
+    for be in _backends(device):
+        with _maybe_backend(be):
+            o, l = merge_attention_states_n(outs, lses)
+        assert float(o.abs().max()) == 0.0 and torch.isneginf(l).all(), be
+
+
+def test_merge_in_place_accumulation(device):
+    # decode-style layout o [B, 1, H, D], lse [B, H, 1]; accumulate 3 key chunks from (0, -inf)
+    (fo, fl), parts = _split_attention(3, 1, 6, 2, 64, 40, [5, 21], device, seed=5)
+    for be in _backends(device):
+        o_acc = torch.zeros_like(fo)
+        l_acc = torch.full_like(fl, NEG_INF)
+        with _maybe_backend(be):
+            for o_b, l_b in parts:
+                r = merge_attention_states_(o_acc, l_acc, o_b, l_b)
+                assert r[0] is o_acc and r[1] is l_acc
+        assert max_err(o_acc, fo) <= 16 * EPS32 * max(1.0, float(fo.abs().max())), be
+        assert_lse_match(l_acc, fl)
+
+
+def test_merge_out_argument(device):
+    (fo, fl), [(oa, la), (ob, lb)] = _split_attention(1, 4, 2, 2, 64, 30, [12], device, seed=6)
+    out = torch.empty_like(oa)
+    out_lse = torch.empty_like(la)
+    o, l = merge_attention_states(oa, la, ob, lb, out=out, out_lse=out_lse)
+    assert o is out and l is out_lse
+    assert max_err(o, fo) <= 8 * EPS32 * max(1.0, float(fo.abs().max()))
+
+
+def test_merge_bad_inputs():
+    oa = torch.randn(2, 3, 4, 64).half()
+    la = torch.randn(2, 4, 3)
+    with pytest.raises(TypeError, match="o_b has dtype"):
+        merge_attention_states(oa, la, oa.float(), la)
+    with pytest.raises(ValueError, match="device"):
+        merge_attention_states(oa, la, oa.to("meta"), la.to("meta"))
+    with pytest.raises(ValueError, match="lse_b is on"):
+        merge_attention_states(oa, la, oa, la.to("meta"))
+    with pytest.raises(ValueError, match=r"lse_a has shape \(2, 3, 4\)"):
+        merge_attention_states(oa, la.transpose(1, 2), oa, la)
+    with pytest.raises(TypeError, match="lse_b must be float32"):
+        merge_attention_states(oa, la, oa, la.half())
+    nc = torch.randn(2, 3, 64, 4).half().transpose(-1, -2)
+    with pytest.raises(ValueError, match="o_b must have a contiguous last dim"):
+        merge_attention_states(oa, la, nc, la)
+    with pytest.raises(ValueError, match="o_a must have shape"):
+        merge_attention_states(oa[0, 0], la[0, 0], oa[0, 0], la[0, 0])
+    with pytest.raises(ValueError, match="o_a has shape"):
+        merge_attention_states(oa, la, oa[:1], la[:1])
+    with pytest.raises(ValueError, match="out has shape"):
+        merge_attention_states(oa, la, oa, la, out=oa[:1])
+    with pytest.raises(TypeError, match="out_lse must be float32"):
+        merge_attention_states(oa, la, oa, la, out_lse=la.half())
+    with pytest.raises(TypeError, match="o_a must be a torch.Tensor"):
+        merge_attention_states(None, la, oa, la)
+    with pytest.raises(TypeError, match="dtype"):
+        merge_attention_states(oa.int(), la, oa.int(), la)
+    with pytest.raises(ValueError, match="outs must have shape"):
+        merge_attention_states_n(oa[0], la[0])
+    with pytest.raises(ValueError, match="lses has shape"):
+        merge_attention_states_n(oa[None], la)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("d", [64, 80, 128, 256])
+def test_merge_gpu(dtype, d):
+    torch.manual_seed(7)
+    n, b, s, h = 3, 2, 1000, 32
+    outs = torch.randn(n, b, s, h, d, device="cuda").to(dtype)
+    lses = torch.randn(n, b, h, s, device="cuda") * 20
+    lses[0, :, 3] = NEG_INF
+    lses[:, 1, 5, :7] = NEG_INF
+    ro, rl = _ref_merge(outs, lses)
+    tol = 2 * torch.finfo(dtype).eps * max(1.0, float(ro.abs().max()))
+    o, l = merge_attention_states(outs[0], lses[0], outs[1], lses[1])
+    ro2, rl2 = _ref_merge(outs[:2], lses[:2])
+    assert max_err(o, ro2) <= tol
+    assert_lse_match(l, rl2)
+    o, l = merge_attention_states_n(outs, lses)
+    assert max_err(o, ro) <= tol
+    assert_lse_match(l, rl)
+    assert not torch.isnan(o).any()
+    o_acc, l_acc = outs[0].clone(), lses[0].clone()
+    merge_attention_states_(o_acc, l_acc, outs[1], lses[1])
+    assert max_err(o_acc, ro2) <= tol
