@@ -225,7 +225,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
 
 
 # Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize).
-_INTERP_CFG = (32, 32, 4, 1, False)
+_INTERP_CFG = (64, 32, 4, 1, False)  # BLOCK_M != BLOCK_N, as on the GPU
 
 
 def _gpu_config(block_d: int, causal: bool, dtype: torch.dtype):
@@ -251,8 +251,10 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k.shape[-2]
     block_d = max(16, next_pow2(d))
-    if q.is_cuda:
-        cfg = _CFG_OVERRIDE[-1] if _CFG_OVERRIDE else _gpu_config(block_d, causal, q.dtype)
+    if _CFG_OVERRIDE:
+        cfg = _CFG_OVERRIDE[-1]
+    elif q.is_cuda:
+        cfg = _gpu_config(block_d, causal, q.dtype)
     else:
         cfg = _INTERP_CFG
     block_m, block_n, num_warps, num_stages, ws = cfg
