@@ -1,0 +1,468 @@
+"""CPU tests of the offload runtime (issue 3 section 2 and 4): allocator, block tables, decode-buffer
+flushes at block boundaries, ring sizes, request isolation, random lifecycles, bad input.
+
+Host mode (device="cpu") runs the same bookkeeping as the GPU path with synchronous copies.
+"""
+import random
+
+import pytest
+import torch
+
+from xoffload.kernels._common import interpreter_on
+from xoffload.runtime import (BlockAllocator, CpuKVPool, LayerRing, OffloadEngine, PoolAllocationError,
+                              PoolExhaustedError, block_runs, gather_blocks)
+
+H, D = 1, 2
+DT = torch.float32
+
+
+class Ref:
+    """Reference KV per (seq, layer), kept as plain CPU tensors."""
+
+    def __init__(self, eng, seed=0):
+        self.eng = eng
+        self.g = torch.Generator().manual_seed(seed)
+        self.k, self.v = {}, {}
+
+    def rand(self, t):
+        e = self.eng
+        return torch.randn(t, e.num_kv_heads, e.head_dim, generator=self.g).to(e.dtype)
+
+    def prefill(self, seq, T, chunks=1):
+        e = self.eng
+        bounds = [round(i * T / chunks) for i in range(chunks + 1)]
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            for l in range(e.num_layers):
+                k, v = self.rand(b - a), self.rand(b - a)
+                e.offload_layer(seq, l, k, v)
+                self._add(seq, l, k, v)
+
+    def _add(self, seq, l, k, v):
+        key = (seq, l)
+        self.k[key] = torch.cat([self.k.get(key, k[:0]), k])
+        self.v[key] = torch.cat([self.v.get(key, v[:0]), v])
+
+    def step(self, seq, check=True):
+        e = self.eng
+        e.begin_step(seq)
+        for l in range(e.num_layers):
+            kn, vn = self.rand(1), self.rand(1)
+            k, v = e.layer_kv(seq, l, kn, vn)
+            self._add(seq, l, kn, vn)
+            if check:
+                assert torch.equal(k, self.k[(seq, l)]), f"layer {l} K differs at len {k.shape[0]}"
+                assert torch.equal(v, self.v[(seq, l)]), f"layer {l} V differs"
+            e.end_layer(seq, l)
+        e.end_step(seq)
+
+    def check_host(self, seq):
+        e = self.eng
+        for l in range(e.num_layers):
+            k, v = e.host_kv(seq, l)
+            assert torch.equal(k, self.k[(seq, l)]) and torch.equal(v, self.v[(seq, l)]), f"host layer {l}"
+
+    def check_fetch(self, seq, ids=None):
+        e = self.eng
+        bs = e.block_size
+        nb = e.num_seq_blocks(seq)
+        ids = list(range(nb)) if ids is None else ids
+        for l in range(e.num_layers):
+            k, v = e.fetch_blocks(seq, l, ids)
+            rk, rv = self.k[(seq, l)], self.v[(seq, l)]
+            pad = nb * bs - rk.shape[0]
+            rk = torch.cat([rk, rk.new_zeros(pad, *rk.shape[1:])]).view(nb, bs, *rk.shape[1:])
+            rv = torch.cat([rv, rv.new_zeros(pad, *rv.shape[1:])]).view(nb, bs, *rv.shape[1:])
+            assert torch.equal(k.view(len(ids), bs, *k.shape[1:]), rk[ids]), f"fetch layer {l}"
+            assert torch.equal(v.view(len(ids), bs, *v.shape[1:]), rv[ids]), f"fetch layer {l}"
+
+
+def eng_(layers=2, bs=16, max_tokens=256, nb=None, nbuf=4, dtype=DT, h=H, d=D):
+    return OffloadEngine(layers, h, d, dtype=dtype, device="cpu", max_tokens=max_tokens, block_size=bs,
+                         num_buffers=nbuf, num_blocks=nb)
+
+
+# ----------------------------------------------------------------------------- allocator
+def test_allocator_exhaustion_names_needed_and_free():
+    a = BlockAllocator(5, block_size=16)
+    a.add(0)
+    a.allocate(0, 4)
+    a.add(1)
+    before = a.snapshot()
+    with pytest.raises(PoolExhaustedError) as ei:
+        a.allocate(1, 3)
+    msg = str(ei.value)
+    assert "needs 3" in msg and "only 1 of 5" in msg and "48 tokens" in msg, msg
+    assert isinstance(ei.value, ValueError)
+    assert a.snapshot() == before  # nothing changed
+
+
+def test_allocator_free_returns_all_and_reuse():
+    a = BlockAllocator(8)
+    start = a.snapshot()
+    for s in range(3):
+        a.add(s)
+    a.allocate(0, 3)
+    a.allocate(1, 2)
+    a.allocate(0, 1)
+    a.allocate(2, 2)
+    assert a.num_free == 0
+    assert a.free(0) == 4 and a.num_free == 4
+    assert not a.has(0)
+    with pytest.raises(ValueError):
+        a.table(0)
+    a.add(3)
+    got = a.allocate(3, 4)  # reuses the freed blocks
+    assert sorted(got) == sorted([0, 1, 2, 5])
+    for s in (1, 2, 3):
+        a.free(s)
+    assert a.snapshot() == start and a.num_free == 8
+
+
+def test_block_tables_prefer_contiguous_runs():
+    a = BlockAllocator(16)
+    a.add(0)
+    a.add(1)
+    assert a.allocate(0, 2) == [0, 1]
+    assert a.allocate(1, 3) == [2, 3, 4]
+    assert a.allocate(0, 2) == [5, 6]  # cannot extend 0..1: takes the next run
+    assert a.allocate(0, 1) == [7]     # extends contiguously
+    assert a.table(0) == (0, 1, 5, 6, 7) and a.table(1) == (2, 3, 4)
+    assert a.owns(0, 6) and not a.owns(0, 2)
+    a.free(1)
+    a.add(2)
+    assert a.allocate(2, 4) == [8, 9, 10, 11]  # first run long enough (2..4 is too short)
+    assert block_runs(a.table(0), 0, 80, 16) == [(0, 0, 32), (80, 32, 48)]
+    assert block_runs(a.table(0), 20, 40, 16) == [(20, 20, 12), (80, 32, 8)]
+    assert block_runs(a.table(0), 3, 3, 16) == []
+
+
+def test_engine_exhaustion_error_and_no_change():
+    e = eng_(bs=16, nb=3, max_tokens=1000)
+    r = Ref(e)
+    s0, s1 = e.add_sequence(), e.add_sequence()
+    r.prefill(s0, 20)  # 2 blocks
+    with pytest.raises(PoolExhaustedError, match=r"needs 2 more block.*only 1 of 3"):
+        e.offload_layer(s1, 0, r.rand(17), r.rand(17))
+    assert e.layer_len(s1, 0) == 0 and e.num_seq_blocks(s1) == 0 and e.num_free_blocks == 1
+    r.check_host(s0)
+
+
+# --------------------------------------------------------------------------- pool memory
+def test_pool_layout_and_size():
+    p = CpuKVPool(3, 5, 16, 2, 8, torch.float16, pin=False, slab_bytes=10_000)
+    assert p.nbytes == 3 * 2 * 5 * 16 * 2 * 8 * 2
+    assert p.allocated_bytes <= 1.05 * p.nbytes + 2 * 4096 * 3
+    assert len(p.k) == 3 and p.k[0].shape == (5, 16, 2, 8) and p.k[0].is_contiguous()
+    for l in range(3):  # K and V of all layers are distinct memory
+        p.k[l].fill_(l)
+        p.v[l].fill_(10 + l)
+    for l in range(3):
+        assert bool((p.k[l] == l).all()) and bool((p.v[l] == 10 + l).all())
+    assert p.k_rows(1).shape == (80, 2, 8)
+    big = CpuKVPool(2, 64, 1024, 2, 64, torch.float16, pin=False)  # 64 MiB, one slab
+    assert big.nbytes <= big.allocated_bytes <= 1.05 * big.nbytes
+    big.close()
+    p.close()
+
+
+def test_pool_failed_allocation_names_size_and_hint():
+    with pytest.raises(PoolAllocationError) as ei:
+        CpuKVPool(1, 2 ** 36, 1024, 8, 128, torch.bfloat16, pin=False)
+    msg = str(ei.value)
+    assert "GiB" in msg and str(2 ** 36 * 1024 * 8 * 128 * 2 * 2) in msg and "fewer blocks" in msg
+    assert "smaller block_size" in msg
+    assert isinstance(ei.value, MemoryError)
+    with pytest.raises(PoolAllocationError, match="fewer blocks"):
+        OffloadEngine(1, 8, 128, device="cpu", max_tokens=1024, num_blocks=2 ** 36)
+
+
+# ------------------------------------------------------------------------ decode flushes
+@pytest.mark.parametrize("n", [1023, 1024, 1025, 2047, 2048, 2049])
+def test_decode_flush_at_block_boundaries_bs1024(n):
+    e = eng_(layers=2, bs=1024, max_tokens=4096, nb=8)
+    r = Ref(e, seed=n)
+    s = e.add_sequence()
+    r.prefill(s, n - 2, chunks=2)
+    for _ in range(4):  # lengths n-1, n, n+1, n+2
+        r.step(s)
+        r.check_host(s)
+    assert e.seq_len(s) == n + 2
+    r.check_fetch(s)
+    # prefill ending exactly at the length, then one step
+    s2 = e.add_sequence()
+    r.prefill(s2, n)
+    r.step(s2)
+    r.check_host(s2)
+    r.check_fetch(s2)
+
+
+@pytest.mark.parametrize("bs,prefill,steps", [(16, 0, 40), (16, 5, 40), (16, 32, 17), (256, 250, 10),
+                                              (256, 0, 3), (256, 512, 2)])
+def test_decode_flush_small_blocks(bs, prefill, steps):
+    e = eng_(layers=3, bs=bs, max_tokens=1024, nbuf=2)
+    r = Ref(e, seed=bs + prefill)
+    s = e.add_sequence()
+    if prefill:
+        r.prefill(s, prefill, chunks=3)
+    for i in range(steps):
+        r.step(s)
+        if i % 7 == 0 or i == steps - 1:
+            r.check_host(s)
+            r.check_fetch(s)
+    assert e.seq_len(s) == prefill + steps
+
+
+def test_offload_after_decode_second_turn():
+    e = eng_(layers=2, bs=16)
+    r = Ref(e)
+    s = e.add_sequence()
+    r.prefill(s, 10)
+    for _ in range(3):
+        r.step(s)  # 13 tokens: 3 in the decode buffer
+    r.prefill(s, 9)  # second turn: decode buffer goes to the pool first
+    r.check_host(s)
+    for _ in range(12):
+        r.step(s)
+    r.check_host(s)
+    r.check_fetch(s, [2, 0, 1, 1])
+
+
+# ----------------------------------------------------------------------------------- ring
+@pytest.mark.parametrize("nbuf", [1, 2, 3, 4, 5])
+def test_ring_sizes_over_30_layers(nbuf):
+    e = eng_(layers=30, bs=4, max_tokens=64, nbuf=nbuf)
+    r = Ref(e, seed=nbuf)
+    s = e.add_sequence()
+    r.prefill(s, 7)
+    for _ in range(3):
+        r.step(s)
+    r.check_host(s)
+    ring = e._rings[0]
+    assert len(e._rings) == 1 and ring.loads == 3 * 30  # every layer loaded once per step
+
+
+def test_layer_ring_refuses_overwrite_in_use():
+    ring = LayerRing(2, 8, 1, 2, dtype=torch.float32, device="cpu")
+    seen = []
+
+    def fill(layer):
+        def f(k, v):
+            k.fill_(layer)
+            v.fill_(-layer)
+            seen.append(layer)
+        return f
+
+    ring.load(0, fill(0))
+    ring.load(1, fill(1))
+    k0, v0 = ring.acquire(0)
+    assert bool((k0 == 0).all()) and bool((v0 == 0).all())
+    with pytest.raises(RuntimeError, match="in use"):
+        ring.load(2, fill(2))  # slot 0 still being read
+    with pytest.raises(RuntimeError, match="not loaded"):
+        ring.acquire(2)
+    ring.release(0)
+    ring.load(2, fill(2))
+    k1, _ = ring.acquire(1)
+    assert bool((k1 == 1).all())
+    ring.release(1)
+    k2, v2 = ring.acquire(2)
+    assert bool((k2 == 2).all()) and bool((v2 == -2).all())
+    with pytest.raises(RuntimeError):
+        ring.release(1)
+    assert seen == [0, 1, 2] and ring.in_use() == [2]
+    with pytest.raises(ValueError):
+        LayerRing(0, 8, 1, 2)
+
+
+# ----------------------------------------------------------------------- request isolation
+def _run_request(e, seed, T, steps, fetch_ids):
+    r = Ref(e, seed=seed)
+    s = e.add_sequence()
+    r.prefill(s, T, chunks=2)
+    outs = []
+    for _ in range(steps):
+        e.begin_step(s)
+        for l in range(e.num_layers):
+            k, v = e.layer_kv(s, l, r.rand(1), r.rand(1))
+            outs.append((k.clone(), v.clone()))
+            e.end_layer(s, l)
+        e.end_step(s)
+    for l in range(e.num_layers):
+        outs.append(e.fetch_blocks(s, l, fetch_ids))
+        outs.append(e.host_kv(s, l))
+    return s, outs
+
+
+def test_request_after_another_is_bit_identical():
+    def fresh():
+        return eng_(layers=3, bs=16, max_tokens=256, nb=24, nbuf=2)
+
+    _, alone = _run_request(fresh(), seed=7, T=37, steps=12, fetch_ids=[2, 0, 3])
+    e = fresh()
+    s_a, _ = _run_request(e, seed=1, T=90, steps=20, fetch_ids=[5, 1])  # fills most of the pool
+    e.free(s_a)
+    _, after = _run_request(e, seed=7, T=37, steps=12, fetch_ids=[2, 0, 3])
+    assert len(alone) == len(after)
+    for (ka, va), (kb, vb) in zip(alone, after):
+        assert torch.equal(ka, kb) and torch.equal(va, vb)
+
+
+def test_twenty_sequences_random_lifecycle_restore_pool():
+    e = eng_(layers=2, bs=8, max_tokens=128, nb=120, nbuf=2)
+    start = e.allocator.snapshot()
+    rnd = random.Random(0)
+    r = Ref(e, seed=3)
+    live = []
+    for i in range(20):
+        s = e.add_sequence()
+        r.prefill(s, rnd.randint(0, 40), chunks=rnd.randint(1, 2))
+        for _ in range(rnd.randint(0, 6)):
+            r.step(s)
+        live.append(s)
+        if rnd.random() < 0.4 and live:
+            victim = live.pop(rnd.randrange(len(live)))
+            e.free(victim)
+    rnd.shuffle(live)
+    for s in live[: len(live) // 2]:
+        r.check_host(s)
+    for s in live:
+        e.free(s)
+    assert e.allocator.snapshot() == start
+    assert e.sequences() == [] and e.num_free_blocks == 120
+    s = e.add_sequence()
+    assert e.seq_len(s) == 0 and e.num_seq_blocks(s) == 0
+    e.reset()
+    assert e.allocator.snapshot() == start
+
+
+# ------------------------------------------------------------------------- sparse / misc
+def test_fetch_blocks_without_prefetch_during_step():
+    e = eng_(layers=2, bs=8, max_tokens=128)
+    r = Ref(e)
+    s = e.add_sequence()
+    r.prefill(s, 21)
+    e.begin_step(s, prefetch=False)
+    for l in range(2):
+        kn, vn = r.rand(1), r.rand(1)
+        kd, vd = e.append_kv(s, l, kn, vn)
+        r._add(s, l, kn, vn)
+        assert torch.equal(kd, r.k[(s, l)][21:]) and torch.equal(vd, r.v[(s, l)][21:])
+        k, _ = e.fetch_blocks(s, l, torch.tensor([2, 0]))
+        ref = torch.cat([r.k[(s, l)][16:22], torch.zeros(2, H, D), r.k[(s, l)][:8]])
+        assert torch.equal(k, ref)
+        e.end_layer(s, l)
+    e.end_step(s)
+    r.check_host(s)
+    r.check_fetch(s, [1, 2, 2])
+    with pytest.raises(ValueError, match="prefetch=False"):
+        e.begin_step(s, prefetch=False)
+        e.layer_kv(s, 0, r.rand(1), r.rand(1))
+
+
+def test_seq_ids_are_engine_ints():
+    e = eng_()
+    ids = [e.add_sequence() for _ in range(3)]
+    assert ids == [0, 1, 2]
+    e.free(1)
+    assert e.add_sequence() == 3  # never reused
+    with pytest.raises(TypeError):
+        e.seq_len("0")
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_bad_input_clear_errors_and_no_other_change():
+    e = eng_(layers=2, bs=8, max_tokens=40, nb=20)
+    r = Ref(e)
+    a, b = e.add_sequence(), e.add_sequence()
+    r.prefill(a, 13)
+    r.prefill(b, 5)
+    snap = e.allocator.snapshot()
+
+    def unchanged():
+        r.check_host(a)
+        r.check_host(b)
+        assert e.allocator.snapshot() == snap
+
+    with pytest.raises(ValueError, match="max_tokens"):
+        e.offload_layer(b, 0, r.rand(36), r.rand(36))
+    unchanged()
+    with pytest.raises(TypeError, match="dtype"):
+        e.offload_layer(b, 0, r.rand(3).half(), r.rand(3).half())
+    with pytest.raises(ValueError, match=r"\[T, 1, 2\]"):
+        e.offload_layer(b, 0, torch.zeros(3, 2, 2), torch.zeros(3, 2, 2))
+    with pytest.raises(ValueError, match="tokens"):
+        e.offload_layer(b, 0, r.rand(3), r.rand(4))
+    with pytest.raises(TypeError):
+        e.offload_layer(b, 0, [1.0], r.rand(1))
+    with pytest.raises(ValueError, match="layer"):
+        e.offload_layer(b, 2, r.rand(1), r.rand(1))
+    unchanged()
+    with pytest.raises(ValueError, match="not owned"):
+        e.fetch_blocks(b, 0, [0, 1])
+    with pytest.raises(ValueError, match="not owned"):
+        e.fetch_blocks(a, 0, [-1])
+    with pytest.raises(TypeError):
+        e.fetch_blocks(a, 0, torch.tensor([0.0]))
+    unchanged()
+    c = e.add_sequence()
+    r.prefill(c, 9)
+    e.free(c)
+    with pytest.raises(ValueError, match="freed"):
+        e.offload_layer(c, 0, r.rand(1), r.rand(1))
+    with pytest.raises(ValueError, match="freed"):
+        e.begin_step(c)
+    with pytest.raises(ValueError, match="freed"):
+        e.fetch_blocks(c, 0, [0])
+    with pytest.raises(ValueError, match="unknown"):
+        e.seq_len(99)
+    unchanged()
+    # decode misuse
+    with pytest.raises(ValueError, match="begin_step"):
+        e.layer_kv(a, 0, r.rand(1), r.rand(1))
+    e.offload_layer(b, 0, r.rand(1), r.rand(1))
+    r._add(b, 0, *(e.host_kv(b, 0)[i][-1:] for i in (0, 1)))
+    with pytest.raises(ValueError, match="different token counts"):
+        e.begin_step(b)
+    e.begin_step(a)
+    with pytest.raises(ValueError, match="expected layer 0"):
+        e.layer_kv(a, 1, r.rand(1), r.rand(1))
+    with pytest.raises(ValueError, match="1 token"):
+        e.layer_kv(a, 0, r.rand(2), r.rand(2))
+    with pytest.raises(ValueError, match="decode step"):
+        e.offload_layer(a, 0, r.rand(1), r.rand(1))
+    with pytest.raises(ValueError, match="finished 0 of 2"):
+        e.end_step(a)
+    r.check_host(a)
+    e.free(a)  # abandoning a step is allowed
+
+
+def test_engine_arg_validation():
+    with pytest.raises(ValueError):
+        OffloadEngine(0, 1, 2, device="cpu")
+    with pytest.raises(ValueError):
+        OffloadEngine(1, 1, 2, device="cpu", num_buffers=0)
+    with pytest.raises(ValueError):
+        OffloadEngine(1, 1, 2, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            OffloadEngine(1, 1, 2, device="cuda")
+
+
+# ---------------------------------------------------------------------------- gather kernel
+@pytest.mark.skipif(not (interpreter_on() or torch.cuda.is_available()), reason="needs Triton interpreter or GPU")
+@pytest.mark.parametrize("shape,dtype", [((6, 16, 2, 8), torch.float16), ((5, 3, 1, 5), torch.float32)])
+def test_gather_kernel_matches_index_select(shape, dtype):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    src_k = torch.randn(shape, generator=g).to(dtype)
+    src_v = torch.randn(shape, generator=g).to(dtype)
+    ids = torch.tensor([4, 0, 4, 2], dtype=torch.int32, device=dev)
+    out_k = torch.empty((4,) + shape[1:], dtype=dtype, device=dev)
+    out_v = torch.empty_like(out_k)
+    sk, sv = (src_k.to(dev), src_v.to(dev))
+    gather_blocks(sk, sv, ids, out_k, out_v, backend="triton", block=64)
+    idx = ids.long().cpu()
+    assert torch.equal(out_k.cpu(), src_k[idx]) and torch.equal(out_v.cpu(), src_v[idx])
+    gather_blocks(src_k, src_v, idx, out_k.cpu(), out_v.cpu(), backend="torch")
+    with pytest.raises(ValueError):
+        gather_blocks(sk, sv, ids, out_k[:3], out_v[:3])

@@ -1,0 +1,645 @@
+"""OffloadEngine: a sequence's KV lives in the host pool; layers stream through a GPU ring.
+
+Lifecycle of one sequence (see ``/tmp/runtime_contract.md`` and DESIGN.md, Runtime)::
+
+    seq = eng.add_sequence()
+    for each prefill chunk, for each layer l:  eng.offload_layer(seq, l, k, v)     # async D2H
+    for each decode step:
+        eng.begin_step(seq)                    # prefetch layers 0..N-1 into the ring
+        for l in range(num_layers):
+            k, v = eng.layer_kv(seq, l, k_new, v_new)   # all tokens of layer l incl. the new one
+            ... attention on the current stream ...
+            eng.end_layer(seq, l)              # compute-done; ring refills; full block -> pool
+        eng.end_step(seq)
+    eng.free(seq)
+
+Ordering is by CUDA events only (no ``torch.cuda.synchronize()``):
+
+* prefill D2H: the offload stream waits on an event recorded on the caller's current stream, then
+  copies; the source tensors are kept alive until the copy's event completes.
+* ring loads: a slot's load stream waits on the slot's compute-done event and on the layer's last
+  pool-write event (prefill offload or decode flush) before copying.
+* ``layer_kv``: the caller's current stream waits on the slot's load-done event and on the layer's
+  last decode-buffer flush (the flush reads the decode buffer that the new token overwrites).
+* ``end_layer``: compute-done recorded on the current stream; a full decode block is flushed D2H on
+  the offload stream after an event on the current stream.
+* ``free``: the offload stream (the only pool writer) waits on events of the current stream and the
+  ring load streams, so reused blocks are not overwritten while a read is in flight.
+
+Host mode (``device="cpu"``): the same code with host tensors; copies are synchronous and the
+streams/events are no-ops.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._streams import Pending, Sync
+from .allocator import BlockAllocator, block_runs
+from .gather import gather_blocks
+from .pool import CpuKVPool
+from .ring import LayerRing
+
+_MIN_COPY_BYTES = 1 << 20  # below this per run, a whole-layer load uses the gather kernel
+
+
+class _Step:
+    __slots__ = ("start_len", "ring", "next_layer", "open")
+
+    def __init__(self, start_len, ring):
+        self.start_len = start_len
+        self.ring = ring
+        self.next_layer = 0
+        self.open = None  # layer whose new token was appended and not yet ended
+
+
+class _Seq:
+    __slots__ = ("id", "layer_len", "pool_len", "dec_len", "write_ev", "flush_ev", "dec_k", "dec_v",
+                 "step")
+
+    def __init__(self, sid, num_layers):
+        self.id = sid
+        self.layer_len = [0] * num_layers  # tokens stored per layer (pool + decode buffer)
+        self.pool_len = [0] * num_layers   # of which in the host pool
+        self.dec_len = [0] * num_layers    # of which in the GPU decode buffer
+        self.write_ev = [None] * num_layers  # last pool write (prefill D2H or flush) per layer
+        self.flush_ev = [None] * num_layers  # last flush read of the decode buffer per layer
+        self.dec_k = None  # [num_layers, block_size, Hkv, D] on the device, allocated lazily
+        self.dec_v = None
+        self.step = None
+
+
+def _check_int(name, val, lo):
+    if not isinstance(val, int) or isinstance(val, bool) or val < lo:
+        raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
+
+
+class OffloadEngine:
+    """KV offload engine for ``num_layers`` layers of ``[tokens, num_kv_heads, head_dim]`` K and V.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: model shape.
+        dtype: K/V dtype (every tensor handed in must have it).
+        device: ``"cuda"`` (or ``"cuda:i"``/torch.device) for the GPU path; ``"cpu"`` for host mode
+            (synchronous copies, same bookkeeping).
+        max_tokens: most tokens one sequence may hold (size of each ring buffer).
+        block_size: tokens per pool block.
+        num_buffers: ring buffers N (>= 1); layers l..l+N-1 are in flight while l computes.
+        num_blocks: pool blocks per layer; None => ``ceil(max_tokens / block_size)``.
+        pin: register the pool memory with CUDA (CUDA device only).
+        gather: use the Triton gather kernel for scattered reads of the pool (default: when the
+            device is CUDA and the pool is pinned).
+
+    GPU memory: each active decode step holds a ring of N x 2 x round_up(max_tokens, block_size)
+    x Hkv x D elements; each sequence that has decoded holds a decode buffer of num_layers x 2 x
+    block_size x Hkv x D elements.
+
+    Raises:
+        ValueError/TypeError for bad arguments; PoolAllocationError (a MemoryError) when the host
+        pool cannot be allocated (message names the size and suggests fewer/smaller blocks).
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *,
+                 dtype: torch.dtype = torch.bfloat16, device="cuda", max_tokens: int = 131072,
+                 block_size: int = 1024, num_buffers: int = 4, num_blocks: int | None = None,
+                 pin: bool = True, gather: bool | None = None):
+        _check_int("num_layers", num_layers, 1)
+        _check_int("num_kv_heads", num_kv_heads, 1)
+        _check_int("head_dim", head_dim, 1)
+        _check_int("max_tokens", max_tokens, 1)
+        _check_int("block_size", block_size, 1)
+        _check_int("num_buffers", num_buffers, 1)
+        if num_blocks is None:
+            num_blocks = math.ceil(max_tokens / block_size)
+        _check_int("num_blocks", num_blocks, 0)
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        dev = torch.device(device)
+        if dev.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"device {device!r} asked for but CUDA is not available; use device='cpu'")
+            if dev.index is None:
+                dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.type != "cpu":
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.device = dev
+        self.max_tokens = max_tokens
+        self.block_size = block_size
+        self.num_buffers = num_buffers
+        self.buffer_tokens = math.ceil(max_tokens / block_size) * block_size
+        self._sync = Sync(dev)
+        self.pool = CpuKVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                              pin=pin and dev.type == "cuda")
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        self.use_gather = (dev.type == "cuda" and self.pool.pinned) if gather is None else bool(gather)
+        if self.use_gather and dev.type == "cuda" and not self.pool.pinned:
+            raise ValueError("gather=True on CUDA needs a pinned pool (pin=True)")
+        self._offload_stream = self._sync.stream()
+        self._pending = Pending()
+        self._rings: list[LayerRing] = []
+        self._free_rings: list[LayerRing] = []
+        self._seqs: dict[int, _Seq] = {}
+        self._next_id = 0
+        self._closed = False
+
+    # =================================================================== sequences
+    def add_sequence(self) -> int:
+        """Register a new, empty sequence; returns its engine-assigned int id (never reused)."""
+        self._check_open()
+        sid = self._next_id
+        self._next_id += 1
+        self.allocator.add(sid)
+        self._seqs[sid] = _Seq(sid, self.num_layers)
+        return sid
+
+    def sequences(self) -> list[int]:
+        """Ids of the live (added, not freed) sequences."""
+        return list(self._seqs)
+
+    def seq_len(self, seq: int) -> int:
+        """Tokens stored for ``seq`` (pool + decode buffer). During a decode step: the length
+        before the step (it becomes +1 at ``end_step``). During prefill, before every layer got
+        the same chunk: the smallest layer length."""
+        s = self._get(seq)
+        if s.step is not None:
+            return s.step.start_len
+        return min(s.layer_len)
+
+    def layer_len(self, seq: int, layer: int) -> int:
+        """Tokens stored for one layer of ``seq`` (committed; excludes an open step's new token)."""
+        return self._get(seq).layer_len[self._layer(layer)]
+
+    def block_table(self, seq: int) -> tuple[int, ...]:
+        """Physical pool block ids of ``seq`` (logical block i -> element i)."""
+        self._get(seq)
+        return self.allocator.table(seq)
+
+    def num_seq_blocks(self, seq: int) -> int:
+        """Blocks owned by ``seq`` (valid logical ids for :meth:`fetch_blocks` are 0..this-1)."""
+        self._get(seq)
+        return len(self.allocator.table(seq))
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Free pool blocks."""
+        return self.allocator.num_free
+
+    # ==================================================================== prefill
+    def offload_layer(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Append ``T`` tokens of layer ``layer`` to ``seq`` in the host pool, asynchronously.
+
+        Args:
+            k, v: ``[T, Hkv, D]`` tensors on the engine's device with the engine's dtype (last dim
+                contiguous; other strides allowed). The caller may free or overwrite them right
+                after this call: the copy runs on the offload stream after an event recorded on the
+                caller's current stream, and the tensors are kept alive until it is done.
+
+        Raises:
+            ValueError: unknown/freed seq, bad layer, shape mismatch, device mismatch, called
+                during a decode step, or the layer would pass ``max_tokens``.
+            TypeError: wrong dtype or not a tensor.
+            PoolExhaustedError (ValueError): not enough free blocks (names needed and free).
+            Nothing is changed when an error is raised.
+        """
+        s = self._get(seq)
+        l = self._layer(layer)
+        if s.step is not None:
+            raise ValueError(f"offload_layer: sequence {seq} is inside a decode step (call end_step first)")
+        T = self._check_kv("k", k, "v", v, None)
+        if T == 0:
+            return
+        new_len = s.layer_len[l] + T
+        if new_len > self.max_tokens:
+            raise ValueError(
+                f"offload_layer: layer {l} of sequence {seq} would hold {new_len} tokens "
+                f"({s.layer_len[l]} + {T}), more than max_tokens={self.max_tokens}")
+        self._ensure_blocks(s, new_len)
+        self._pending.prune()
+        off = self._offload_stream
+        off.wait_event(self._sync.record())
+        flushed = s.dec_len[l] > 0
+        with self._sync.use(off):
+            if flushed:  # tokens decoded since the last full block go first (pool stays in order)
+                self._dec_to_pool(s, l)
+            self._write_pool(s, l, s.pool_len[l], k, v)
+        ev = self._sync.record(off)
+        s.write_ev[l] = ev
+        if flushed:
+            s.flush_ev[l] = ev
+        self._pending.add(ev, k, v)
+        s.pool_len[l] += T
+        s.layer_len[l] = new_len
+
+    # ===================================================================== decode
+    def begin_step(self, seq: int, *, prefetch: bool = True) -> None:
+        """Start a decode step of ``seq``: make room for one token and (``prefetch=True``) start
+        loading layers ``0..num_buffers-1`` into a ring.
+
+        With ``prefetch=False`` no ring is used: append the new token with :meth:`append_kv` and
+        read blocks with :meth:`fetch_blocks` (sparse decode).
+
+        Raises ValueError: seq unknown or already in a step, layers of unequal length, the
+        sequence is at ``max_tokens``; PoolExhaustedError when no block is free for the new token.
+        """
+        s = self._get(seq)
+        if s.step is not None:
+            raise ValueError(f"begin_step: sequence {seq} is already in a decode step")
+        if len(set(s.layer_len)) != 1:
+            raise ValueError(
+                f"begin_step: layers of sequence {seq} hold different token counts {sorted(set(s.layer_len))}; "
+                f"offload_layer must give every layer the same tokens before decoding")
+        n = s.layer_len[0]
+        if n + 1 > self.max_tokens:
+            raise ValueError(f"begin_step: sequence {seq} already holds {n} tokens = max_tokens={self.max_tokens}")
+        self._ensure_blocks(s, n + 1)
+        if s.dec_k is None:
+            shape = (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
+            s.dec_k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            s.dec_v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        self._pending.prune()
+        ring = self._take_ring() if prefetch else None
+        s.step = _Step(n, ring)
+        if ring is not None:
+            try:
+                for l in range(min(self.num_buffers, self.num_layers)):
+                    self._load(s, ring, l)
+            except BaseException:
+                s.step = None
+                self._free_rings.append(ring)
+                raise
+
+    def layer_kv(self, seq: int, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Append the step's new token to ``layer`` and return all of that layer's K and V.
+
+        Args:
+            k_new, v_new: ``[1, Hkv, D]`` (or ``[Hkv, D]``) on the device, engine dtype.
+        Returns:
+            ``(k, v)``: contiguous device views ``[n_total, Hkv, D]`` (n_total = seq_len after the
+            step) of the ring buffer; valid until :meth:`end_layer`. The current stream has been
+            made to wait for the layer's load.
+        Raises ValueError for a seq not in a prefetching step, layers out of order (layers must go
+        0, 1, ..., each ended before the next), bad shapes/device; TypeError for dtype.
+        """
+        s = self._get(seq)
+        step = self._open_layer(s, layer, "layer_kv")
+        if step.ring is None:
+            raise ValueError("layer_kv: this step was begun with prefetch=False; use append_kv and fetch_blocks")
+        kn, vn = self._check_new(k_new, v_new)
+        l = layer
+        kb, vb = step.ring.acquire(l)
+        d = self._append_dec(s, l, kn, vn)
+        p = s.pool_len[l]
+        kb[p:p + d + 1].copy_(s.dec_k[l, :d + 1])
+        vb[p:p + d + 1].copy_(s.dec_v[l, :d + 1])
+        step.open = l
+        return kb[:p + d + 1], vb[:p + d + 1]
+
+    def append_kv(self, seq: int, layer: int, k_new: torch.Tensor, v_new: torch.Tensor):
+        """Append the step's new token to ``layer`` without the ring (steps begun with
+        ``prefetch=False``). Returns the decode buffer's views ``(k, v)`` ``[m, Hkv, D]`` holding the
+        layer's tokens not yet in the pool (the last one is the new token); valid until
+        :meth:`end_layer`. Same errors as :meth:`layer_kv`."""
+        s = self._get(seq)
+        step = self._open_layer(s, layer, "append_kv")
+        if step.ring is not None:
+            raise ValueError("append_kv: this step prefetches layers; use layer_kv (or begin_step(prefetch=False))")
+        kn, vn = self._check_new(k_new, v_new)
+        d = self._append_dec(s, layer, kn, vn)
+        step.open = layer
+        return s.dec_k[layer, :d + 1], s.dec_v[layer, :d + 1]
+
+    def end_layer(self, seq: int, layer: int) -> None:
+        """Finish ``layer`` of the current step: record compute-done on the current stream (its
+        ring slot may then be refilled with layer ``layer + num_buffers``), commit the new token,
+        and flush the decode buffer to the pool asynchronously when it completes a block.
+
+        Raises ValueError if ``layer`` is not the open layer of ``seq``'s step."""
+        s = self._get(seq)
+        step = s.step
+        if step is None or step.open != layer:
+            raise ValueError(
+                f"end_layer: layer {layer} of sequence {seq} is not open (call layer_kv/append_kv first; "
+                f"open layer: {None if step is None else step.open})")
+        l = layer
+        if step.ring is not None:
+            step.ring.release(l)
+        s.dec_len[l] += 1
+        s.layer_len[l] += 1
+        step.open = None
+        step.next_layer = l + 1
+        if s.layer_len[l] % self.block_size == 0:
+            off = self._offload_stream
+            off.wait_event(self._sync.record())
+            with self._sync.use(off):
+                self._dec_to_pool(s, l)
+            ev = self._sync.record(off)
+            s.write_ev[l] = ev
+            s.flush_ev[l] = ev
+        if step.ring is not None and l + self.num_buffers < self.num_layers:
+            self._load(s, step.ring, l + self.num_buffers)
+
+    def end_step(self, seq: int) -> None:
+        """Finish the decode step (after the last layer's ``end_layer``); seq_len grows by one and
+        the ring is returned for the next step. ValueError if layers are missing."""
+        s = self._get(seq)
+        step = s.step
+        if step is None:
+            raise ValueError(f"end_step: sequence {seq} is not in a decode step")
+        if step.next_layer != self.num_layers or step.open is not None:
+            raise ValueError(
+                f"end_step: sequence {seq} finished {step.next_layer} of {self.num_layers} layers")
+        if step.ring is not None:
+            self._free_rings.append(step.ring)
+        s.step = None
+
+    # ===================================================================== sparse
+    def fetch_blocks(self, seq: int, layer: int, block_ids):
+        """Gather logical blocks of one layer into new device tensors, in one step.
+
+        Args:
+            block_ids: logical block indices of ``seq`` (0 = its first ``block_size`` tokens), any
+                order, repeats allowed: a list/tuple of ints or a 1-D integer tensor. A CUDA tensor
+                is read on the host (the host waits for the current stream); pass a host list to
+                avoid that.
+        Returns:
+            ``(k, v)`` device tensors ``[len(block_ids) * block_size, Hkv, D]``; block i of the
+            output is logical block ``block_ids[i]``. Tokens still in the decode buffer (including
+            an open step's new token) are included; rows past the layer's last token are zero.
+            Runs on the current stream, which waits for the layer's pool writes. Pinned CUDA pools
+            use the Triton gather kernel (reads pinned memory directly).
+        Raises:
+            ValueError: unknown/freed seq, bad layer, a block id the sequence does not own.
+            TypeError: block_ids of a non-integer type.
+        """
+        s = self._get(seq)
+        l = self._layer(layer)
+        ids = self._ids(block_ids)
+        table = self.allocator.table(seq)
+        bad = [b for b in ids if not 0 <= b < len(table)]
+        if bad:
+            raise ValueError(
+                f"fetch_blocks: block(s) {bad[:8]} not owned by sequence {seq} (it owns logical blocks "
+                f"0..{len(table) - 1})" if table else
+                f"fetch_blocks: block(s) {bad[:8]} not owned by sequence {seq} (it owns no blocks)")
+        bs, n = self.block_size, len(ids)
+        shape = (n * bs, self.num_kv_heads, self.head_dim)
+        out_k = torch.empty(shape, dtype=self.dtype, device=self.device)
+        out_v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        if n == 0:
+            return out_k, out_v
+        self._pending.prune()
+        cur = self._sync.current()
+        if s.write_ev[l] is not None:
+            cur.wait_event(s.write_ev[l])
+        phys = [table[b] for b in ids]
+        self._gather(l, phys, out_k.view(n, bs, self.num_kv_heads, self.head_dim),
+                     out_v.view(n, bs, self.num_kv_heads, self.head_dim))
+        # tokens not in the pool: decode buffer rows, then zeros
+        p = s.pool_len[l]
+        live = s.layer_len[l] + (1 if (s.step is not None and s.step.open == l) else 0)
+        for i, b in enumerate(ids):
+            b0 = b * bs
+            if b0 + bs <= p:
+                continue
+            a = max(p, b0)
+            e = min(live, b0 + bs)
+            if e > a:
+                out_k[i * bs + a - b0:i * bs + e - b0].copy_(s.dec_k[l, a - p:e - p])
+                out_v[i * bs + a - b0:i * bs + e - b0].copy_(s.dec_v[l, a - p:e - p])
+            z = max(e, a) - b0
+            if z < bs:
+                out_k[i * bs + z:(i + 1) * bs].zero_()
+                out_v[i * bs + z:(i + 1) * bs].zero_()
+        return out_k, out_v
+
+    # ================================================================== lifecycle
+    def free(self, seq: int) -> None:
+        """Return every block of ``seq`` and drop every record of it (an open step is abandoned;
+        the ring returns to the engine). Later use of ``seq`` raises ValueError."""
+        s = self._get(seq)
+        cur_ev = self._sync.record()
+        if s.step is not None and s.step.ring is not None:
+            s.step.ring.release_all()
+            self._free_rings.append(s.step.ring)
+        s.step = None
+        off = self._offload_stream
+        # the offload stream is the only pool writer: order later writes after in-flight reads
+        off.wait_event(cur_ev)
+        for ring in self._rings:
+            for st in ring.load_streams():
+                off.wait_event(self._sync.record(st))
+        if s.dec_k is not None:
+            self._pending.add(self._sync.record(off), s.dec_k, s.dec_v)
+        self.allocator.free(seq)
+        del self._seqs[seq]
+
+    def reset(self) -> None:
+        """Free every sequence (the pool and rings are kept for reuse)."""
+        for sid in list(self._seqs):
+            self.free(sid)
+        self._pending.prune()
+
+    def host_kv(self, seq: int, layer: int):
+        """Debug/test accessor: the layer's committed tokens as CPU tensors ``[layer_len, Hkv, D]``.
+
+        Blocks the host until the layer's pending pool writes are done (event wait) and reads the
+        decode buffer with a blocking copy. Not for the hot path."""
+        s = self._get(seq)
+        l = self._layer(layer)
+        if s.write_ev[l] is not None:
+            s.write_ev[l].synchronize()
+        table = self.allocator.table(seq)
+        ks, vs = [], []
+        for phys, _, m in block_runs(table, 0, s.pool_len[l], self.block_size):
+            ks.append(self.pool.k_rows(l)[phys:phys + m].clone())
+            vs.append(self.pool.v_rows(l)[phys:phys + m].clone())
+        d = s.dec_len[l]
+        if d:
+            ks.append(s.dec_k[l, :d].to("cpu"))
+            vs.append(s.dec_v[l, :d].to("cpu"))
+        empty = torch.empty(0, self.num_kv_heads, self.head_dim, dtype=self.dtype)
+        return (torch.cat(ks) if ks else empty), (torch.cat(vs) if vs else empty.clone())
+
+    def close(self) -> None:
+        """Wait (event waits) for the engine's in-flight copies, then unregister and drop the pool."""
+        if self._closed:
+            return
+        self._closed = True
+        evs = [self._sync.record(), self._sync.record(self._offload_stream)]
+        for ring in self._rings:
+            evs.extend(self._sync.record(st) for st in ring.load_streams())
+        for ev in evs:
+            ev.synchronize()
+        self._pending.wait_all()
+        self._seqs.clear()
+        self.allocator.reset()
+        self._rings, self._free_rings = [], []
+        self.pool.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ================================================================== internals
+    def _check_open(self):
+        if self._closed:
+            raise ValueError("the OffloadEngine is closed")
+
+    def _get(self, seq) -> _Seq:
+        self._check_open()
+        if not isinstance(seq, int) or isinstance(seq, bool):
+            raise TypeError(f"sequence id must be an int from add_sequence(), got {type(seq).__name__}")
+        s = self._seqs.get(seq)
+        if s is None:
+            if 0 <= seq < self._next_id:
+                raise ValueError(f"sequence {seq} was freed")
+            raise ValueError(f"unknown sequence {seq} (not returned by add_sequence)")
+        return s
+
+    def _layer(self, layer) -> int:
+        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
+        return layer
+
+    def _check_kv(self, kn, k, vn, v, tokens):
+        for name, t in ((kn, k), (vn, v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{name} has dtype {t.dtype}; this engine stores {self.dtype}")
+            if t.dim() != 3 or tuple(t.shape[1:]) != (self.num_kv_heads, self.head_dim):
+                raise ValueError(
+                    f"{name} must be [T, {self.num_kv_heads}, {self.head_dim}] (tokens, kv heads, head_dim), "
+                    f"got {tuple(t.shape)}")
+            if t.device != self.device:
+                raise ValueError(f"{name} is on {t.device}; this engine's device is {self.device}")
+            if t.shape[-1] > 1 and t.stride(-1) != 1:
+                raise ValueError(f"{name} must have a contiguous last dim, got strides {tuple(t.stride())}")
+        if k.shape[0] != v.shape[0]:
+            raise ValueError(f"{kn} has {k.shape[0]} tokens but {vn} has {v.shape[0]}")
+        if tokens is not None and k.shape[0] != tokens:
+            raise ValueError(f"{kn}/{vn} must hold {tokens} token(s), got {k.shape[0]}")
+        return k.shape[0]
+
+    def _check_new(self, k_new, v_new):
+        if isinstance(k_new, torch.Tensor) and k_new.dim() == 2:
+            k_new = k_new.unsqueeze(0)
+        if isinstance(v_new, torch.Tensor) and v_new.dim() == 2:
+            v_new = v_new.unsqueeze(0)
+        self._check_kv("k_new", k_new, "v_new", v_new, 1)
+        return k_new, v_new
+
+    def _open_layer(self, s, layer, what):
+        step = s.step
+        if step is None:
+            raise ValueError(f"{what}: sequence {s.id} is not in a decode step (call begin_step first)")
+        l = self._layer(layer)
+        if step.open is not None:
+            raise ValueError(f"{what}: layer {step.open} of sequence {s.id} is still open (call end_layer first)")
+        if l != step.next_layer:
+            raise ValueError(f"{what}: expected layer {step.next_layer} of sequence {s.id}, got {l} (layers go in order)")
+        return step
+
+    def _append_dec(self, s, l, kn, vn) -> int:
+        """Write the new token into the decode buffer on the current stream; returns its row."""
+        if s.flush_ev[l] is not None:
+            self._sync.current().wait_event(s.flush_ev[l])
+        d = s.dec_len[l]
+        s.dec_k[l, d].copy_(kn[0])
+        s.dec_v[l, d].copy_(vn[0])
+        return d
+
+    def _ensure_blocks(self, s, n_tokens):
+        need = math.ceil(n_tokens / self.block_size) - len(self.allocator.table(s.id))
+        if need > 0:
+            self.allocator.allocate(s.id, need)
+
+    def _write_pool(self, s, l, start, k, v):
+        """Enqueue copies of k/v (token 0 = sequence token ``start``) into the pool, one per run."""
+        table = self.allocator.table(s.id)
+        pk, pv = self.pool.k_rows(l), self.pool.v_rows(l)
+        for phys, t, m in block_runs(table, start, start + k.shape[0], self.block_size):
+            a = t - start
+            pk[phys:phys + m].copy_(k[a:a + m], non_blocking=True)
+            pv[phys:phys + m].copy_(v[a:a + m], non_blocking=True)
+
+    def _dec_to_pool(self, s, l):
+        """Copy the decode buffer of layer l into the pool (on the current = offload stream)."""
+        d = s.dec_len[l]
+        self._write_pool(s, l, s.pool_len[l], s.dec_k[l, :d], s.dec_v[l, :d])
+        s.flush_ev[l] = None  # replaced by the caller's event
+        s.pool_len[l] += d
+        s.dec_len[l] = 0
+
+    def _take_ring(self) -> LayerRing:
+        if self._free_rings:
+            return self._free_rings.pop()
+        ring = LayerRing(self.num_buffers, self.buffer_tokens, self.num_kv_heads, self.head_dim,
+                         dtype=self.dtype, device=self.device)
+        self._rings.append(ring)
+        return ring
+
+    def _load(self, s, ring, l):
+        def fill(kb, vb):
+            self._read_layer(s, l, kb, vb)
+        ring.load(l, fill, (s.write_ev[l],))
+
+    def _read_layer(self, s, l, kb, vb):
+        """Enqueue on the current stream: the layer's pool tokens -> kb/vb rows [0, pool_len)."""
+        n = s.pool_len[l]
+        if n == 0:
+            return
+        bs = self.block_size
+        table = self.allocator.table(s.id)
+        runs = block_runs(table, 0, n, bs)
+        small = min(m for _, _, m in runs) * self.pool.block_bytes // bs < _MIN_COPY_BYTES
+        if self.use_gather and len(runs) > 1 and small:
+            nb = math.ceil(n / bs)
+            shp = (nb, bs, self.num_kv_heads, self.head_dim)
+            self._gather(l, table[:nb], kb[:nb * bs].view(shp), vb[:nb * bs].view(shp))
+            return
+        pk, pv = self.pool.k_rows(l), self.pool.v_rows(l)
+        for phys, t, m in runs:
+            kb[t:t + m].copy_(pk[phys:phys + m], non_blocking=True)
+            vb[t:t + m].copy_(pv[phys:phys + m], non_blocking=True)
+
+    def _gather(self, l, phys, out_k, out_v):
+        """Blocks ``phys`` of layer l -> out_k/out_v ``[n, bs, Hkv, D]`` on the current stream."""
+        if self.device.type == "cpu":
+            idx = torch.tensor(phys, dtype=torch.int64)
+            gather_blocks(self.pool.k[l], self.pool.v[l], idx, out_k, out_v, backend="torch")
+            return
+        if not self.use_gather:
+            for i, b in enumerate(phys):  # one copy per block (unpinned pool)
+                out_k[i].copy_(self.pool.k[l][b], non_blocking=True)
+                out_v[i].copy_(self.pool.v[l][b], non_blocking=True)
+            return
+        # ids go H2D on the current stream from pinned staging (a pageable copy would wait for
+        # the stream); the index tensor is allocated and used on this stream only
+        host = torch.tensor(list(phys), dtype=torch.int32).pin_memory()
+        idx = host.to(self.device, non_blocking=True)
+        gather_blocks(self.pool.k[l], self.pool.v[l], idx, out_k, out_v, backend="triton")
+
+    @staticmethod
+    def _ids(block_ids) -> list[int]:
+        if isinstance(block_ids, torch.Tensor):
+            if block_ids.dtype.is_floating_point or block_ids.dtype.is_complex or block_ids.dtype == torch.bool:
+                raise TypeError(f"block_ids must be integers, got dtype {block_ids.dtype}")
+            if block_ids.dim() != 1:
+                raise ValueError(f"block_ids must be 1-D, got shape {tuple(block_ids.shape)}")
+            return [int(x) for x in block_ids.tolist()]
+        try:
+            ids = list(block_ids)
+        except TypeError:
+            raise TypeError(f"block_ids must be a list of ints or a 1-D integer tensor, got {type(block_ids).__name__}") from None
+        for x in ids:
+            if not isinstance(x, int) or isinstance(x, bool):
+                raise TypeError(f"block_ids must be ints, got {type(x).__name__} ({x!r})")
+        return ids

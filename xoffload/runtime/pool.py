@@ -1,0 +1,189 @@
+"""Host KV pool: K and V of every layer in (optionally pinned) host memory, layer-major.
+
+Layout: ``pool.k[layer]`` and ``pool.v[layer]`` are contiguous ``[num_blocks, block_size,
+num_kv_heads, head_dim]`` tensors, so one layer's blocks are large contiguous pieces.
+
+Pinning (DESIGN.md, Runtime): plain host memory is allocated in slabs (``torch.empty`` on the CPU,
+page-aligned inside the allocation) and each slab is registered with
+``torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)``; the exact size is pinned, where
+``pin_memory=True`` rounds up to a power of two (5 GiB cost 8 GiB). Slabs are unregistered by
+:meth:`CpuKVPool.close` (also on garbage collection).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+DEFAULT_SLAB_BYTES = 1 << 30
+
+
+class PoolAllocationError(MemoryError):
+    """Host memory for the pool could not be allocated or pinned (a MemoryError subclass)."""
+
+
+def _err_code(ret) -> int:
+    try:
+        return int(ret)
+    except (TypeError, ValueError):
+        return int(getattr(ret, "value", 1))
+
+
+def _mem_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+class CpuKVPool:
+    """Layer-major host K/V storage for ``num_layers x num_blocks x block_size`` tokens.
+
+    Args:
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim: the shape (all ints; blocks
+            may be 0, the others >= 1).
+        dtype: element dtype (fp16/bf16/fp32 or any fixed-size dtype).
+        pin: register the memory with CUDA (page-locked, device-readable through UVA). Ignored
+            (plain memory) when CUDA is not available.
+        slab_bytes: target size of one allocation+registration; whole layers are grouped into a
+            slab up to this size (a layer larger than it gets a slab of its own).
+
+    Attributes:
+        k, v: lists of ``[num_blocks, block_size, Hkv, D]`` host tensors, one per layer.
+        nbytes: bytes asked for (K and V of every layer).
+        allocated_bytes: bytes actually allocated (nbytes plus < 2 pages of alignment per slab).
+        pinned: whether the memory is registered with CUDA.
+
+    Raises:
+        ValueError: a non-positive dimension.
+        PoolAllocationError: the host memory could not be allocated or registered; the message
+            names the size asked and suggests fewer blocks or a smaller block size.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.bfloat16, *, pin: bool = True,
+                 slab_bytes: int = DEFAULT_SLAB_BYTES):
+        for name, val, lo in (("num_layers", num_layers, 1), ("num_blocks", num_blocks, 0),
+                              ("block_size", block_size, 1), ("num_kv_heads", num_kv_heads, 1),
+                              ("head_dim", head_dim, 1)):
+            if not isinstance(val, int) or isinstance(val, bool) or val < lo:
+                raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        self.num_layers = num_layers
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.dtype = dtype
+        self.itemsize = torch.empty((), dtype=dtype).element_size()
+        self.block_bytes = block_size * num_kv_heads * head_dim * self.itemsize  # one of K or V
+        self.layer_bytes = 2 * num_blocks * self.block_bytes
+        self.nbytes = num_layers * self.layer_bytes
+        self.pinned = bool(pin) and torch.cuda.is_available()
+        self._slabs: list[torch.Tensor] = []
+        self._registered: list[tuple[int, int]] = []
+        self.allocated_bytes = 0
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+
+        if self.pinned:
+            avail = _mem_available()
+            if avail is not None and self.nbytes > avail:
+                raise PoolAllocationError(self._fail_msg(f"only {avail / 2**30:.2f} GiB of host memory is available"))
+        per_slab = max(1, slab_bytes // max(self.layer_bytes, 1))
+        blk_shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        try:
+            for l0 in range(0, num_layers, per_slab):
+                nl = min(per_slab, num_layers - l0)
+                raw = self._alloc_slab(nl * self.layer_bytes)
+                if raw is None:
+                    empty = torch.empty(blk_shape, dtype=dtype)
+                    for _ in range(nl):
+                        self.k.append(empty)
+                        self.v.append(empty)
+                    continue
+                lay = raw.view(dtype).view(nl, 2, *blk_shape)
+                for i in range(nl):
+                    self.k.append(lay[i, 0])
+                    self.v.append(lay[i, 1])
+        except BaseException:
+            self.close()
+            raise
+
+    # ------------------------------------------------------------------ helpers
+    def _fail_msg(self, reason: str) -> str:
+        kind = "pinned " if self.pinned else ""
+        return (
+            f"could not allocate {self.nbytes / 2**30:.3f} GiB ({self.nbytes} bytes) of {kind}host memory "
+            f"for the KV pool ({self.num_layers} layers x {self.num_blocks} blocks x {self.block_size} "
+            f"tokens x {self.num_kv_heads} kv heads x {self.head_dim} x {self.itemsize} B x 2 for K and V): "
+            f"{reason}. Hint: use fewer blocks (num_blocks / max_tokens) or a smaller block_size."
+        )
+
+    def _alloc_slab(self, nbytes: int):
+        """A page-aligned uint8 view of ``nbytes`` inside a fresh allocation, registered if pinned."""
+        if nbytes == 0:
+            return None
+        span = _round_up(nbytes, PAGE)
+        try:
+            base = torch.empty(span + PAGE, dtype=torch.uint8)
+        except (RuntimeError, MemoryError) as e:
+            raise PoolAllocationError(self._fail_msg(f"allocating a slab of {span + PAGE} bytes failed ({e})")) from None
+        off = (-base.data_ptr()) % PAGE
+        raw = base[off:off + nbytes]
+        self._slabs.append(base)
+        self.allocated_bytes += span + PAGE
+        if self.pinned:
+            ptr = raw.data_ptr()
+            cudart = torch.cuda.cudart()
+            ret = cudart.cudaHostRegister(ptr, span, 0)
+            code = _err_code(ret)
+            if code != 0:
+                try:
+                    why = cudart.cudaGetErrorString(ret)
+                except Exception:  # noqa: BLE001 - message only
+                    why = f"error {code}"
+                raise PoolAllocationError(self._fail_msg(f"cudaHostRegister of {span} bytes failed: {why}"))
+            self._registered.append((ptr, span))
+        return raw
+
+    # ------------------------------------------------------------------ views
+    def k_rows(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K as flat token rows ``[num_blocks * block_size, Hkv, D]`` (a view)."""
+        return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    def v_rows(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s V as flat token rows ``[num_blocks * block_size, Hkv, D]`` (a view)."""
+        return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    # --------------------------------------------------------------- lifetime
+    def close(self) -> None:
+        """Unregister every slab and drop the memory. The caller must make sure no copy that
+        reads or writes the pool is still in flight (the engine's ``close`` waits for its own)."""
+        regs, self._registered = self._registered, []
+        if regs:
+            cudart = torch.cuda.cudart()
+            for ptr, _ in regs:
+                cudart.cudaHostUnregister(ptr)
+        self.k, self.v, self._slabs = [], [], []
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    def __repr__(self):
+        return (f"CpuKVPool(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"nbytes={self.nbytes}, pinned={self.pinned})")
