@@ -141,3 +141,170 @@ def block_sparse_attention_ref(q, k, v, block_mask, *, block_size=128, causal=Tr
         outs.append(o)
         lses.append(l)
     return torch.stack(outs), torch.stack(lses)
+
+
+# ----------------------------------------------------------------------------------------------
+# XAttention estimate and block selection references (owner: xattention helper)
+# ----------------------------------------------------------------------------------------------
+
+def xattn_strided_scores_ref(q, k, *, stride, q_start, k_offset=0, causal=True, softmax_scale=None):
+    """Strided antidiagonal scores of one batch item (XAttention, Xu et al. 2025), fp32.
+
+    q ``[Sq, Hq, D]`` (relative rows; row r sits at absolute position ``q_start + r``), k
+    ``[Sk, Hkv, D]`` (key r at absolute position ``k_offset + r``; ``k_offset % stride == 0``).
+    Strided query row i pairs query rows ``i*S + S-1-t`` with key rows ``j*S + t``, t = 0..S-1,
+    and the score is ``softmax_scale / S * sum_t q[i*S+S-1-t] . k[j*S+t]`` over the valid terms:
+    both rows exist and, with ``causal``, the key's absolute position is <= the query's.
+    A cell with no valid term is not visible.
+
+    Returns (scores ``[Hq, nr, nc]`` fp32 natural units, -inf where not visible;
+    visible bool ``[Hq, nr, nc]``) with ``nr = ceil(Sq/S)``, ``nc = ceil(Sk/S)``.
+    """
+    sq, hq, d = q.shape
+    sk, hkv, _ = k.shape
+    s_ = int(stride)
+    scale = _scale(d, softmax_scale)
+    nr, nc = -(-sq // s_), -(-sk // s_)
+    qp = torch.zeros(nr * s_, hq, d, device=q.device)
+    qp[:sq] = q.float()
+    kp = torch.zeros(nc * s_, hkv, d, device=q.device)
+    kp[:sk] = k.float()
+    kp = kp.repeat_interleave(hq // hkv, dim=1)
+    i = torch.arange(nr, device=q.device)[:, None]
+    j = torch.arange(nc, device=q.device)[None, :]
+    acc = torch.zeros(hq, nr, nc, device=q.device)
+    vis = torch.zeros(nr, nc, dtype=torch.bool, device=q.device)
+    for t in range(s_):
+        qrow = i * s_ + (s_ - 1 - t)
+        krow = j * s_ + t
+        valid = (qrow < sq) & (krow < sk)
+        if causal:
+            valid = valid & (k_offset + krow <= q_start + qrow)
+        qt = qp[s_ - 1 - t::s_].permute(1, 0, 2)  # [Hq, nr, D]
+        kt = kp[t::s_].permute(1, 0, 2)  # [Hq, nc, D]
+        acc += torch.matmul(qt, kt.transpose(1, 2)) * valid
+        vis |= valid
+    scores = (acc * (scale / s_)).masked_fill(~vis, NEG_INF)
+    return scores, vis.expand(hq, nr, nc)
+
+
+def xattn_estimate_ref(q, k, *, stride=8, block_size=128, q_start=None, causal=True, softmax_scale=None):
+    """Reference for :func:`xattn_estimate` (one-shot, straight from the definition).
+
+    q ``[B, Sq, Hq, D]``, k ``[B, Sk, Hkv, D]``; ``q_start`` defaults to ``Sk - Sq``. Each strided
+    query row is softmax-normalised over its visible cells (a row with none contributes 0); block
+    score ``[I, J]`` sums the normalised cells of strided rows ``I*B/S .. (I+1)*B/S - 1`` and
+    strided columns ``J*B/S .. (J+1)*B/S - 1``. Returns fp32 ``[B, Hq, ceil(Sq/B), ceil(Sk/B)]``.
+    """
+    b, sq, hq, _ = q.shape
+    sk = k.shape[1]
+    q_start = sk - sq if q_start is None else int(q_start)
+    cb = block_size // stride
+    nqb, nkb = -(-sq // block_size), -(-sk // block_size)
+    out = torch.zeros(b, hq, nqb, nkb, device=q.device)
+    for x in range(b):
+        s, _ = xattn_strided_scores_ref(q[x], k[x], stride=stride, q_start=q_start, causal=causal,
+                                        softmax_scale=softmax_scale)
+        p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)  # all -inf rows -> 0
+        pp = torch.zeros(hq, nqb * cb, nkb * cb, device=q.device)
+        pp[:, : p.shape[1], : p.shape[2]] = p
+        out[x] = pp.view(hq, nqb, cb, nkb, cb).sum(dim=(2, 4))
+    return out
+
+
+def xattn_chunk_stats_ref(q, k, *, stride, block_size, q_start, k_offset=0, causal=True, softmax_scale=None):
+    """Reference for :func:`xattn_chunk_stats`: (row_max, row_sum, block_lse) of one KV chunk.
+
+    Shapes: row_max / row_sum fp32 ``[B, Hq, R]`` with ``R = ceil(Sq/B) * B/S``; block_lse fp32
+    ``[B, Hq, R, ceil(Sk_chunk/B)]`` = log of the sum of exp(score) over a row's cells in one key
+    block (-inf when none is visible). row_max is -inf and row_sum 0 for rows with no visible cell.
+    """
+    b, sq, hq, _ = q.shape
+    skc = k.shape[1]
+    cb = block_size // stride
+    nqb, nkb = -(-sq // block_size), -(-skc // block_size)
+    r = nqb * cb
+    bl = torch.full((b, hq, r, nkb), NEG_INF, device=q.device)
+    for x in range(b):
+        s, _ = xattn_strided_scores_ref(q[x], k[x], stride=stride, q_start=q_start, k_offset=k_offset,
+                                        causal=causal, softmax_scale=softmax_scale)
+        sp = torch.full((hq, r, nkb * cb), NEG_INF, device=q.device)
+        sp[:, : s.shape[1], : s.shape[2]] = s
+        bl[x] = torch.logsumexp(sp.view(hq, r, nkb, cb), dim=-1)
+    rmax = bl.amax(dim=-1) if nkb else torch.full((b, hq, r), NEG_INF, device=q.device)
+    safe = torch.where(torch.isneginf(rmax), torch.zeros_like(rmax), rmax)
+    rsum = torch.exp(bl - safe[..., None]).sum(-1) if nkb else torch.zeros(b, hq, r, device=q.device)
+    return rmax, rsum, bl
+
+
+def xattn_block_scores_ref(block_lse, row_max, row_sum, *, rows_per_block):
+    """Reference for :func:`xattn_block_scores`: ``sum_{rows of I} exp(block_lse - row_lse)``.
+
+    block_lse ``[B, H, R, nkb]``, row_max/row_sum ``[B, H, R]`` (merged over all chunks); rows
+    whose sum is 0 contribute nothing. Returns fp32 ``[B, H, R // rows_per_block, nkb]``.
+    """
+    b, h, r, nkb = block_lse.shape
+    lse = row_max + torch.log(row_sum)
+    p = torch.exp(block_lse - lse[..., None])
+    p = torch.nan_to_num(p, nan=0.0, posinf=0.0)
+    p = torch.where(torch.isfinite(lse)[..., None], p, torch.zeros_like(p))
+    return p.view(b, h, r // rows_per_block, rows_per_block, nkb).sum(3)
+
+
+def select_blocks_ref(scores, threshold, *, sq, sk, block_size, q_start=None, causal=True, keep_last=0):
+    """Reference for :func:`select_blocks`, one row at a time (slow, for tests).
+
+    scores ``[B, H, nqb, nkb]``; threshold float or per-head sequence/tensor of length H.
+    Visible blocks (causal): block (I, J) holds a key some query row of I may see, judged on
+    absolute positions (query row r at ``q_start + r``, default ``q_start = sk - sq``). Always kept
+    (when visible): block 0 (sink), the blocks holding the absolute positions of the query block's
+    first and last rows (diagonal), and the ``keep_last`` blocks ending at the last of those. Then
+    the remaining visible blocks in descending score (ties: lower index first) until the kept
+    score reaches ``threshold`` x the row's visible score; the block that crosses is kept.
+    ``threshold >= 1`` keeps every visible block. Returns bool ``[B, H, nqb, nkb]``.
+    """
+    b, h, nqb, nkb = scores.shape
+    q_start = sk - sq if q_start is None else int(q_start)
+    if isinstance(threshold, (int, float)):
+        taus = [float(threshold)] * h
+    else:
+        taus = [float(x) for x in torch.as_tensor(threshold).flatten().tolist()]
+    out = torch.zeros(b, h, nqb, nkb, dtype=torch.bool)
+    sc = scores.detach().float().cpu()
+    for I in range(nqb):
+        first = q_start + I * block_size
+        last = q_start + min((I + 1) * block_size, sq) - 1
+        vis = []
+        for J in range(nkb):
+            lo_key, hi_key = J * block_size, min((J + 1) * block_size, sk) - 1
+            ok = lo_key <= hi_key
+            if causal:
+                ok = ok and lo_key <= last
+            vis.append(ok)
+        forced = set()
+        if vis[0] if nkb else False:
+            forced.add(0)
+        if last >= 0:  # diagonal: the key blocks meeting positions [max(first, 0), last]
+            lo_d, hi_d = max(first, 0) // block_size, min(last // block_size, nkb - 1)
+            for J in range(lo_d, hi_d + 1):
+                forced.add(J)
+            for J in range(hi_d - keep_last + 1, hi_d + 1):
+                forced.add(J)
+        forced = {J for J in forced if 0 <= J < nkb and vis[J]}
+        for x in range(b):
+            for hh in range(h):
+                row = sc[x, hh, I]
+                total = sum(float(row[J]) for J in range(nkb) if vis[J])
+                kept = set(forced)
+                mass = sum(float(row[J]) for J in kept)
+                cand = sorted((J for J in range(nkb) if vis[J] and J not in kept),
+                              key=lambda J: (-float(row[J]), J))
+                tau = taus[hh]
+                for J in cand:
+                    if tau < 1.0 and mass >= tau * total:
+                        break
+                    kept.add(J)
+                    mass += float(row[J])
+                for J in kept:
+                    out[x, hh, I, J] = True
+    return out
