@@ -22,6 +22,7 @@ DEFAULT_WARPS = 8
 
 _kernel = None
 _MAX_GRID_Y = 65535
+_HOST_ARG = ["ptr"]  # how host sources are handed to Triton: HostPtr, or the tensor if that fails
 
 
 class HostPtr:
@@ -129,7 +130,8 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, block_ids: torch.Ten
         raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
     raw = _RAW[src_k.element_size()]
     block_elems = src_k[0].numel()
-    if out_k.is_cuda and not src_k.is_cuda:
+    host_src = out_k.is_cuda and not src_k.is_cuda
+    if host_src and _HOST_ARG[0] == "ptr":
         sk, sv = HostPtr(src_k, raw), HostPtr(src_v, raw)
     else:
         sk, sv = src_k.view(raw), src_v.view(raw)
@@ -143,8 +145,18 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, block_ids: torch.Ten
         else:
             ids, ok, ov = block_ids[i0:i1], dk[i0:i1], dv[i0:i1]
         grid = (triton_cdiv(block_elems, blk), i1 - i0)
-        kern[grid](sk, sv, ok, ov, ids, block_elems, BLOCK=blk, EVEN=(block_elems % blk == 0),
-                   num_warps=num_warps)
+        try:
+            kern[grid](sk, sv, ok, ov, ids, block_elems, BLOCK=blk, EVEN=(block_elems % blk == 0),
+                       num_warps=num_warps)
+        except (TypeError, ValueError, AttributeError, KeyError):
+            # argument processing failed before any launch: retry once with the host tensors
+            # themselves (Triton maps registered host pointers through cuPointerGetAttribute)
+            if not (host_src and _HOST_ARG[0] == "ptr"):
+                raise
+            _HOST_ARG[0] = "tensor"
+            sk, sv = src_k.view(raw), src_v.view(raw)
+            kern[grid](sk, sv, ok, ov, ids, block_elems, BLOCK=blk, EVEN=(block_elems % blk == 0),
+                       num_warps=num_warps)
 
 
 def triton_cdiv(a: int, b: int) -> int:

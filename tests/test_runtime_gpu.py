@@ -1,0 +1,225 @@
+"""GPU tests of the offload runtime (issue 3 section 2): stream/event ordering against synchronous
+references, 100 iterations each, plus pinned-memory residency and the UVA gather path.
+
+(a) slow writer then offload, (b) 2-buffer ring with slowed attention, (c) D2H source deleted and
+its memory poisoned, (d) ring size not dividing the layer count over many decode steps, (e) compute
+on a non-default stream. Tests may synchronize; the library never does.
+"""
+import pytest
+import torch
+
+from xoffload.runtime import CpuKVPool, OffloadEngine
+
+pytestmark = pytest.mark.cuda
+
+ITERS = 100
+BF = torch.bfloat16
+
+
+def _rand(t, h, d, g):
+    return torch.randn(t, h, d, device="cuda", generator=g).to(BF)
+
+
+def _gen(seed):
+    return torch.Generator(device="cuda").manual_seed(seed)
+
+
+def test_a_slow_writer_then_offload():
+    T, h, d = 300, 8, 128
+    e = OffloadEngine(2, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_blocks=8)
+    g = _gen(0)
+    naive_bad = 0
+    side = torch.cuda.Stream()
+    for it in range(ITERS):
+        s = e.add_sequence()
+        fk, fv = _rand(T, h, d, g), _rand(T, h, d, g)
+        k = torch.zeros(T, h, d, device="cuda", dtype=BF)
+        v = torch.zeros_like(k)
+        torch.cuda._sleep(200_000)  # a slow kernel ...
+        k.copy_(fk)                 # ... after which K/V get their final values
+        v.copy_(fv)
+        e.offload_layer(s, 0, k, v)  # enqueued at once
+        e.offload_layer(s, 1, fk, fv)
+        if it < 5:  # control: the same copy on a side stream without the event is wrong
+            naive = torch.empty(T, h, d, dtype=BF, pin_memory=True)
+            with torch.cuda.stream(side):
+                naive.copy_(k, non_blocking=True)
+        torch.cuda.synchronize()
+        if it < 5:
+            naive_bad += int(not torch.equal(naive, fk.cpu()))
+        hk, hv = e.host_kv(s, 0)
+        assert torch.equal(hk, fk.cpu()) and torch.equal(hv, fv.cpu()), f"iteration {it}"
+        e.free(s)
+    assert naive_bad > 0, "the race this test guards against did not show up in the control"
+    e.close()
+
+
+def test_b_two_buffer_ring_slow_attention():
+    L, h, d, T = 6, 8, 128, 300
+    e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=64, num_buffers=2)
+    g = _gen(1)
+    s = e.add_sequence()
+    ref_k, ref_v = [], []
+    for l in range(L):
+        k, v = _rand(T, h, d, g), _rand(T, h, d, g)
+        e.offload_layer(s, l, k, v)
+        ref_k.append(k)
+        ref_v.append(v)
+    for it in range(ITERS):
+        e.begin_step(s)
+        seen = []
+        for l in range(L):
+            kn, vn = _rand(1, h, d, g), _rand(1, h, d, g)
+            ref_k[l] = torch.cat([ref_k[l], kn])
+            ref_v[l] = torch.cat([ref_v[l], vn])
+            k, v = e.layer_kv(s, l, kn, vn)
+            torch.cuda._sleep(50_000)  # slow attention: the next prefetch is already enqueued
+            seen.append((k.clone(), v.clone()))
+            e.end_layer(s, l)
+        e.end_step(s)
+        for l in range(L):
+            assert torch.equal(seen[l][0], ref_k[l]) and torch.equal(seen[l][1], ref_v[l]), f"it {it} layer {l}"
+    e.close()
+
+
+def test_c_source_deleted_and_poisoned():
+    T, h, d = 256, 8, 128
+    e = OffloadEngine(1, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_blocks=4)
+    g = _gen(2)
+    for it in range(ITERS):
+        s = e.add_sequence()
+        rk, rv = _rand(T, h, d, g), _rand(T, h, d, g)
+        k, v = rk.clone(), rv.clone()
+        with torch.cuda.stream(e._offload_stream):
+            torch.cuda._sleep(200_000)  # the D2H copy will start late
+        e.offload_layer(s, 0, k, v)
+        del k, v
+        poison = [torch.full((T, h, d), float("nan"), device="cuda", dtype=BF) for _ in range(4)]
+        torch.cuda.synchronize()
+        hk, hv = e.host_kv(s, 0)
+        assert torch.equal(hk, rk.cpu()) and torch.equal(hv, rv.cpu()), f"iteration {it}"
+        del poison
+        e.free(s)
+    e.close()
+
+
+def _decode_check(e, s, L, ref_k, ref_v, g, h, d, sleep=0):
+    e.begin_step(s)
+    for l in range(L):
+        kn, vn = _rand(1, h, d, g), _rand(1, h, d, g)
+        ref_k[l] = torch.cat([ref_k[l], kn])
+        ref_v[l] = torch.cat([ref_v[l], vn])
+        k, v = e.layer_kv(s, l, kn, vn)
+        if sleep:
+            torch.cuda._sleep(sleep)
+        ok = torch.equal(k, ref_k[l]) and torch.equal(v, ref_v[l])
+        e.end_layer(s, l)
+        assert ok, f"layer {l} at length {ref_k[l].shape[0]}"
+    e.end_step(s)
+
+
+def test_d_ring_not_dividing_layers_wraparound():
+    L, h, d, bs = 7, 3, 64, 16
+    e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=bs, num_buffers=3)
+    g = _gen(3)
+    s = e.add_sequence()
+    ref_k, ref_v = [], []
+    for l in range(L):
+        k, v = _rand(37, h, d, g), _rand(37, h, d, g)
+        e.offload_layer(s, l, k, v)
+        ref_k.append(k)
+        ref_v.append(v)
+    for it in range(ITERS):  # crosses 6 block boundaries: flushes + reloads of flushed blocks
+        _decode_check(e, s, L, ref_k, ref_v, g, h, d)
+        if it % 25 == 24:
+            nb = e.num_seq_blocks(s)
+            ids = list(range(nb))[::-1]
+            for l in (0, L - 1):
+                fk, fv = e.fetch_blocks(s, l, ids)
+                n = ref_k[l].shape[0]
+                pad = nb * bs - n
+                rk = torch.cat([ref_k[l], ref_k[l].new_zeros(pad, h, d)]).view(nb, bs, h, d)[ids]
+                assert torch.equal(fk.view(nb, bs, h, d), rk)
+    assert e.seq_len(s) == 37 + ITERS
+    e.close()
+
+
+def test_e_compute_on_non_default_stream():
+    L, h, d = 5, 8, 128
+    e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=1024, block_size=64, num_buffers=2)
+    g = _gen(4)
+    st = torch.cuda.Stream()
+    with torch.cuda.stream(st):
+        s = e.add_sequence()
+        ref_k, ref_v = [], []
+        for l in range(L):
+            k = torch.zeros(200, h, d, device="cuda", dtype=BF)
+            v = torch.zeros_like(k)
+            fk, fv = _rand(200, h, d, g), _rand(200, h, d, g)
+            torch.cuda._sleep(100_000)
+            k.copy_(fk)
+            v.copy_(fv)
+            e.offload_layer(s, l, k, v)  # offload waits on an event of stream st
+            ref_k.append(fk)
+            ref_v.append(fv)
+        for _ in range(ITERS):
+            _decode_check(e, s, L, ref_k, ref_v, g, h, d, sleep=30_000)
+    torch.cuda.synchronize()
+    for l in range(L):
+        hk, _ = e.host_kv(s, l)
+        assert torch.equal(hk, ref_k[l].cpu())
+    e.close()
+
+
+def test_fragmented_tables_use_gather_and_fetch_blocks_match():
+    # two sequences prefilled chunk by chunk interleave their blocks: whole-layer loads use the
+    # gather kernel (runs of one 96 KiB block), fetch_blocks reads pinned memory through UVA
+    L, h, d, bs = 3, 3, 64, 256
+    e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=4096, block_size=bs, num_blocks=40)
+    assert e.use_gather and e.pool.pinned and e.pool.k[0].is_pinned()
+    g = _gen(5)
+    a, b = e.add_sequence(), e.add_sequence()
+    refs = {a: [[], []], b: [[], []]}
+    for _ in range(6):
+        for s in (a, b):
+            for l in range(L):
+                k, v = _rand(bs, h, d, g), _rand(bs, h, d, g)
+                e.offload_layer(s, l, k, v)
+                if len(refs[s][0]) <= l:
+                    refs[s][0].append(k)
+                    refs[s][1].append(v)
+                else:
+                    refs[s][0][l] = torch.cat([refs[s][0][l], k])
+                    refs[s][1][l] = torch.cat([refs[s][1][l], v])
+    assert e.block_table(a) == tuple(range(0, 12, 2))
+    for _ in range(20):
+        _decode_check(e, a, L, refs[a][0], refs[a][1], g, h, d)
+    ids = [5, 0, 3, 3, 6]
+    for l in range(L):
+        fk, fv = e.fetch_blocks(a, l, torch.tensor(ids, device="cuda"))
+        n = refs[a][0][l].shape[0]
+        nb = e.num_seq_blocks(a)
+        rk = torch.cat([refs[a][0][l], refs[a][0][l].new_zeros(nb * bs - n, h, d)]).view(nb, bs, h, d)
+        rv = torch.cat([refs[a][1][l], refs[a][1][l].new_zeros(nb * bs - n, h, d)]).view(nb, bs, h, d)
+        assert torch.equal(fk.view(len(ids), bs, h, d), rk[ids]) and torch.equal(fv.view(len(ids), bs, h, d), rv[ids])
+    e.close()
+
+
+def _rss():
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def test_pinned_pool_resident_size():
+    torch.cuda.init()
+    before = _rss()
+    p = CpuKVPool(4, 40, 1024, 8, 128, BF, pin=True, slab_bytes=1 << 28)  # 640 MiB in 4 slabs
+    grew = _rss() - before
+    assert p.pinned and p.k[0].is_pinned() and p.v[3].is_pinned()
+    assert p.allocated_bytes <= 1.05 * p.nbytes
+    assert 0.9 * p.nbytes <= grew <= 1.05 * p.nbytes, (grew, p.nbytes)
+    p.close()
+    assert _rss() - before < 0.1 * p.nbytes
