@@ -1,0 +1,230 @@
+"""Benchmark: split-KV decode attention (decode_attn_with_lse) against the HBM copy bandwidth.
+
+Bytes counted: the K and V actually read (B * Sk * Hkv * D * 2 tensors * element size); q, the
+output and the split partials are ignored (< 1% at the lengths that matter). The ceiling is the
+device-to-device copy bandwidth measured in the same run (bytes read + written / time).
+Peers on the same cache: torch SDPA with the FLASH and EFFICIENT backends (enable_gqa), and
+FlexAttention (compiled; only with ``--flex``, it takes a while to compile).
+
+Run: ``python benchmarks/bench_decode.py [--quick] [--flex] [--out PATH]`` (table + JSON into
+benchmarks/results/decode.json), or ``pytest benchmarks/bench_decode.py`` (pytest-benchmark;
+numbers in extra_info). Skips cleanly without CUDA.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+HAS_CUDA = torch.cuda.is_available()
+HEADS = {"d128_32_8": (32, 8, 128), "d64_9_3": (9, 3, 64)}  # Llama-3.1-8B, SmolLM2 shapes
+
+
+# ------------------------------------------------------------------------------------ helpers
+def env_info() -> dict:
+    import triton
+
+    commit = os.environ.get("GIT_COMMIT")
+    if not commit:
+        try:
+            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                    text=True, timeout=10).stdout.strip() or "unknown"
+        except Exception:
+            commit = "unknown"
+    return {
+        "gpu": torch.cuda.get_device_name() if HAS_CUDA else None,
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if HAS_CUDA else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "commit": commit,
+    }
+
+
+def bench_ms(fn) -> float:
+    """Median GPU time in ms (triton.testing.do_bench: CUDA events, L2 flushed between runs)."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
+
+
+def hbm_copy_gbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written per second)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    del src, dst
+    return 2 * nbytes / ms / 1e6
+
+
+def _inputs(b, sk, hq, hkv, d, dtype=torch.bfloat16):
+    q = torch.randn(b, 1, hq, d, dtype=dtype, device="cuda")
+    k = torch.randn(b, sk, hkv, d, dtype=dtype, device="cuda")
+    v = torch.randn(b, sk, hkv, d, dtype=dtype, device="cuda")
+    lens = torch.full((b,), sk, dtype=torch.int32, device="cuda")
+    return q, k, v, lens
+
+
+def _sdpa_fn(q, k, v, backend):
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    be = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION}[backend]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def fn():
+        with sdpa_kernel(be):
+            return F.scaled_dot_product_attention(qt, kt, vt, enable_gqa=True)
+
+    fn()  # raises if the backend refuses these inputs
+    return fn
+
+
+_FLEX = {}
+
+
+def _flex_fn(q, k, v):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if "f" not in _FLEX:
+        _FLEX["f"] = torch.compile(flex_attention, dynamic=False)
+    f = _FLEX["f"]
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def fn():
+        return f(qt, kt, vt, enable_gqa=True, return_lse=True)
+
+    fn()
+    return fn
+
+
+def run_case(b, sk, heads, hbm, peers=("flash", "efficient"), flex=False) -> dict:
+    from xoffload.kernels import decode_attn_with_lse
+    from xoffload.kernels.decode import _sm_count, default_num_splits
+
+    hq, hkv, d = HEADS[heads]
+    q, k, v, lens = _inputs(b, sk, hq, hkv, d)
+    nbytes = 2 * b * sk * hkv * d * k.element_size()
+    ms = bench_ms(lambda: decode_attn_with_lse(q, k, v, lens, check=False))
+    gbps = nbytes / ms / 1e6
+    row = {
+        "kernel": "decode", "B": b, "Sk": sk, "Hq": hq, "Hkv": hkv, "D": d, "dtype": "bf16",
+        "num_splits": default_num_splits(b, hkv, hq // hkv, sk, _sm_count(q.device)),
+        "bytes": nbytes, "ms": ms, "GBps": gbps, "frac_of_hbm_copy": gbps / hbm, "peers": {},
+    }
+    names = list(peers) + (["flex"] if flex else [])
+    for name in names:
+        try:
+            fn = _flex_fn(q, k, v) if name == "flex" else _sdpa_fn(q, k, v, name)
+            pms = bench_ms(fn)
+            row["peers"][name] = {"ms": pms, "GBps": nbytes / pms / 1e6, "speedup_vs_peer": pms / ms}
+        except Exception as e:  # a backend that refuses the shape is recorded, not fatal
+            row["peers"][name] = {"error": f"{type(e).__name__}: {str(e)[:160]}"}
+    del q, k, v
+    torch.cuda.empty_cache()
+    return row
+
+
+def sweep(b, sk, heads, hbm, splits, configs) -> list:
+    """Tile / split-count sweep of the Triton kernel (records what the default should be)."""
+    from xoffload.kernels.decode import _decode_triton, _sm_count, default_num_splits
+
+    hq, hkv, d = HEADS[heads]
+    q, k, v, lens = _inputs(b, sk, hq, hkv, d)
+    nbytes = 2 * b * sk * hkv * d * k.element_size()
+    base = default_num_splits(b, hkv, hq // hkv, sk, _sm_count(q.device))
+    rows = []
+    for ns in splits:
+        ns = base if ns == "default" else int(ns)
+        for cfg in configs:
+            try:
+                ms = bench_ms(lambda: _decode_triton(q, k, v, lens, d ** -0.5, ns, cfg))
+                rows.append({"B": b, "Sk": sk, "heads": heads, "num_splits": ns, **cfg, "ms": ms,
+                             "GBps": nbytes / ms / 1e6, "frac_of_hbm_copy": nbytes / ms / 1e6 / hbm})
+            except Exception as e:
+                rows.append({"num_splits": ns, **cfg, "error": f"{type(e).__name__}: {str(e)[:160]}"})
+    del q, k, v
+    torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------- pytest-benchmark
+_HBM = {}
+
+
+def _hbm():
+    if "v" not in _HBM:
+        _HBM["v"] = hbm_copy_gbps()
+    return _HBM["v"]
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("b", [1, 8])
+@pytest.mark.parametrize("sk", [4096, 32768, 131072])
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_bench_decode(benchmark, b, sk, heads):
+    row = benchmark.pedantic(lambda: run_case(b, sk, heads, _hbm()), rounds=1, iterations=1)
+    benchmark.extra_info.update({k: v for k, v in row.items() if k != "peers"})
+    benchmark.extra_info["hbm_copy_GBps"] = _hbm()
+    for name, p in row["peers"].items():
+        for k, v in p.items():
+            benchmark.extra_info[f"{name}_{k}"] = v
+
+
+# ------------------------------------------------------------------------------------- script
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer lengths, short tile sweep")
+    ap.add_argument("--flex", action="store_true", help="also FlexAttention (compiles; slow)")
+    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "decode.json"))
+    args = ap.parse_args(argv)
+    if not HAS_CUDA:
+        print("bench_decode: no CUDA GPU, skipped")
+        return 0
+    hbm = hbm_copy_gbps()
+    print(f"HBM copy bandwidth: {hbm:.0f} GB/s (read + write)")
+    lengths = [4096, 32768, 131072] if args.quick else [4096, 16384, 65536, 131072, 262144, 524288]
+    rows = []
+    hdr = f"{'heads':>10} {'B':>2} {'Sk':>7} {'splits':>6} {'ms':>8} {'GB/s':>7} {'%copy':>6}  peers (ms, ours x faster)"
+    print(hdr)
+    for heads in HEADS:
+        for b in (1, 8):
+            for sk in lengths:
+                r = run_case(b, sk, heads, hbm, flex=args.flex)
+                rows.append(r)
+                ps = "  ".join(
+                    f"{n}: {p['ms']:.3f} ({p['speedup_vs_peer']:.2f}x)" if "ms" in p else f"{n}: n/a"
+                    for n, p in r["peers"].items())
+                print(f"{heads:>10} {b:>2} {sk:>7} {r['num_splits']:>6} {r['ms']:>8.3f} {r['GBps']:>7.0f} "
+                      f"{100 * r['frac_of_hbm_copy']:>5.1f}%  {ps}", flush=True)
+    if args.quick:
+        configs = [dict(block_n=64, num_warps=4, num_stages=3), dict(block_n=64, num_warps=4, num_stages=4),
+                   dict(block_n=128, num_warps=4, num_stages=2), dict(block_n=32, num_warps=4, num_stages=4)]
+        splits = ["default", 33, 66, 256]
+    else:
+        configs = [dict(block_n=bn, num_warps=w, num_stages=st)
+                   for bn in (32, 64, 128) for w in (4, 8) for st in (2, 3, 4)]
+        splits = ["default", 16, 33, 66, 132, 256]
+    sw = sweep(1, 131072, "d128_32_8", hbm, splits, configs)
+    print("sweep at B=1, Sk=128K, 32/8 heads, D=128:")
+    for r in sw:
+        print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
+    res = {"benchmark": "decode", **env_info(), "hbm_copy_GBps": hbm, "rows": rows, "sweep_128k": sw,
+           "target": "Sk=128K: >= 0.75 of HBM copy bandwidth"}
+    os.makedirs(os.path.dirname(args.out), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
