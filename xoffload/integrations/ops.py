@@ -1,0 +1,231 @@
+"""xoffload kernels as ``torch.library`` custom ops, so they survive ``torch.compile`` and CUDA graphs.
+
+Registered ops (namespace ``xoffload``, callable as ``torch.ops.xoffload.<name>``):
+
+==========================================  =====================================================
+``flash_attn_with_lse(q, k, v, causal,      q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` ->
+softmax_scale)``                            (out ``[B, Sq, Hq, Dv]`` in q's dtype,
+                                            lse ``[B, Hq, Sq]`` fp32)
+``flash_attn_varlen_with_lse(q, k, v,       packed q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, int32
+cu_seqlens_q, cu_seqlens_k, max_seqlen_q,   ``cu_seqlens_*`` ``[B+1]`` -> (out ``[Tq, Hq, Dv]``,
+max_seqlen_k, causal, softmax_scale)``      lse ``[Hq, Tq]`` fp32)
+``decode_attn_with_lse(q, k_cache,          q ``[B, 1, Hq, D]``, caches ``[B, S_max, Hkv, D]``,
+v_cache, cache_seqlens, softmax_scale)``    int32 ``cache_seqlens [B]`` -> (out ``[B, 1, Hq, Dv]``,
+                                            lse ``[B, Hq, 1]`` fp32). Never reads
+                                            ``cache_seqlens`` on the host (CUDA-graph safe).
+``merge_attention_states(o_a, lse_a, o_b,   o ``[..., S, H, D]``, lse ``[..., H, S]`` fp32 ->
+lse_b)``                                    merged (o, lse), exact by LSE
+``kvcache_append_(k_cache!, v_cache!, k,    writes k/v ``[B, S_new, Hkv, D]`` into the caches at
+v, cache_seqlens, cache_batch_idx)``        rows ``cache_batch_idx`` (or 0..B-1), positions
+                                            ``cache_seqlens[b] + i``; in place, returns nothing
+==========================================  =====================================================
+
+Each op has a fake (meta) implementation giving output shapes/dtypes without running a kernel, so
+``torch.compile(fullgraph=True)`` traces through it (the kernel is opaque to Dynamo/Inductor) and
+``torch.library.opcheck`` passes. Outputs are freshly allocated contiguous tensors (never views of
+the inputs). The ops are forward-only (no autograd formula): calling them on tensors that require
+grad and then calling ``backward`` raises.
+
+The Python helpers at the bottom (:func:`flash_attn`, :func:`flash_attn_varlen`, :func:`decode_attn`,
+:func:`merge`, :func:`kvcache_append`) call the kernels directly in eager mode (no dispatcher
+overhead) and the custom ops while ``torch.compile`` traces; the rest of
+:mod:`xoffload.integrations` uses them.
+"""
+from typing import List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+import xoffload.kernels as _K
+
+__all__ = [
+    "flash_attn",
+    "flash_attn_varlen",
+    "decode_attn",
+    "merge",
+    "kvcache_append",
+    "OP_NAMES",
+]
+
+OP_NAMES = (
+    "flash_attn_with_lse",
+    "flash_attn_varlen_with_lse",
+    "decode_attn_with_lse",
+    "merge_attention_states",
+    "kvcache_append_",
+)
+
+
+def _fresh(t: Tensor, inputs) -> Tensor:
+    """``t`` as a contiguous tensor that shares no storage with any of ``inputs`` (custom-op rule)."""
+    if not t.is_contiguous():
+        return t.contiguous()
+    if t.numel() > 0:
+        ptr = t.untyped_storage().data_ptr()
+        for x in inputs:
+            if isinstance(x, Tensor) and x.numel() > 0 and x.untyped_storage().data_ptr() == ptr:
+                return t.clone()
+    return t
+
+
+def _decode_kernel(q, k_cache, v_cache, cache_seqlens, softmax_scale):
+    """The decode kernel without host-side validation of ``cache_seqlens`` (no device sync)."""
+    return _K.decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale, check=False)
+
+
+# ----------------------------------------------------------------------------------------------
+# custom ops
+# ----------------------------------------------------------------------------------------------
+@torch.library.custom_op("xoffload::flash_attn_with_lse", mutates_args=())
+def _flash_attn_with_lse_op(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float]
+) -> Tuple[Tensor, Tensor]:
+    out, lse = _K.flash_attn_with_lse(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    return _fresh(out, (q, k, v)), _fresh(lse, (q, k, v))
+
+
+@_flash_attn_with_lse_op.register_fake
+def _(q, k, v, causal, softmax_scale):
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("xoffload::flash_attn_varlen_with_lse", mutates_args=())
+def _flash_attn_varlen_with_lse_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    causal: bool,
+    softmax_scale: Optional[float],
+) -> Tuple[Tensor, Tensor]:
+    out, lse = _K.flash_attn_varlen_with_lse(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale
+    )
+    ins = (q, k, v)
+    return _fresh(out, ins), _fresh(lse, ins)
+
+
+@_flash_attn_varlen_with_lse_op.register_fake
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+    t, hq, _ = q.shape
+    return q.new_empty((t, hq, v.shape[-1])), q.new_empty((hq, t), dtype=torch.float32)
+
+
+@torch.library.custom_op("xoffload::decode_attn_with_lse", mutates_args=())
+def _decode_attn_with_lse_op(
+    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, softmax_scale: Optional[float]
+) -> Tuple[Tensor, Tensor]:
+    out, lse = _decode_kernel(q, k_cache, v_cache, cache_seqlens, softmax_scale)
+    ins = (q, k_cache, v_cache)
+    return _fresh(out, ins), _fresh(lse, ins)
+
+
+@_decode_attn_with_lse_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, softmax_scale):
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("xoffload::merge_attention_states", mutates_args=())
+def _merge_attention_states_op(o_a: Tensor, lse_a: Tensor, o_b: Tensor, lse_b: Tensor) -> Tuple[Tensor, Tensor]:
+    o, lse = _K.merge_attention_states(o_a, lse_a, o_b, lse_b)
+    ins = (o_a, lse_a, o_b, lse_b)
+    return _fresh(o, ins), _fresh(lse, ins)
+
+
+@_merge_attention_states_op.register_fake
+def _(o_a, lse_a, o_b, lse_b):
+    return o_a.new_empty(o_a.shape), lse_a.new_empty(lse_a.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("xoffload::kvcache_append_", mutates_args=("k_cache", "v_cache"))
+def _kvcache_append_op(
+    k_cache: Tensor,
+    v_cache: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cache_seqlens: Tensor,
+    cache_batch_idx: Optional[Tensor],
+) -> None:
+    _append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx)
+
+
+@_kvcache_append_op.register_fake
+def _(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx):
+    return None
+
+
+def _append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx):
+    """Device-side scatter (no host read): ``cache[row_b, cache_seqlens[b] + i] = new[b, i]``."""
+    b, s_new = k.shape[:2]
+    if b == 0 or s_new == 0:
+        return
+    dev = k_cache.device
+    pos = cache_seqlens.to(device=dev, dtype=torch.long)[:, None] + torch.arange(s_new, device=dev)[None, :]
+    if cache_batch_idx is None:
+        rows = torch.arange(b, device=dev)[:, None]
+    else:
+        rows = cache_batch_idx.to(device=dev, dtype=torch.long)[:, None]
+    k_cache[rows, pos] = k.to(k_cache.dtype)
+    v_cache[rows, pos] = v.to(v_cache.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
+# helpers used by the rest of xoffload.integrations: direct kernel call in eager, op under compile
+# ----------------------------------------------------------------------------------------------
+def _compiling() -> bool:
+    return torch.compiler.is_compiling()
+
+
+def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float]):
+    """Dense attention with LSE (:func:`xoffload.kernels.flash_attn_with_lse`); compile-safe."""
+    if _compiling():
+        return torch.ops.xoffload.flash_attn_with_lse(q, k, v, causal, softmax_scale)
+    return _K.flash_attn_with_lse(q, k, v, causal=causal, softmax_scale=softmax_scale)
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+    """Varlen attention with LSE (:func:`xoffload.kernels.flash_attn_varlen_with_lse`); compile-safe."""
+    if _compiling():
+        return torch.ops.xoffload.flash_attn_varlen_with_lse(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale
+        )
+    return _K.flash_attn_varlen_with_lse(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale
+    )
+
+
+def decode_attn(q, k_cache, v_cache, cache_seqlens, softmax_scale, check: bool = True):
+    """Decode attention with LSE (:func:`xoffload.kernels.decode_attn_with_lse`); compile- and
+    CUDA-graph-safe. ``check=False`` (forced while compiling or capturing a CUDA graph) skips the
+    host-side validation of ``cache_seqlens`` values, so nothing syncs with the device."""
+    if _compiling():
+        return torch.ops.xoffload.decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, softmax_scale)
+    if check and not _capturing(q):
+        return _K.decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale)
+    return _decode_kernel(q, k_cache, v_cache, cache_seqlens, softmax_scale)
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """Two-way LSE merge (:func:`xoffload.kernels.merge_attention_states`); compile-safe."""
+    if _compiling():
+        return torch.ops.xoffload.merge_attention_states(o_a, lse_a, o_b, lse_b)
+    return _K.merge_attention_states(o_a, lse_a, o_b, lse_b)
+
+
+def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None) -> None:
+    """Write ``k``/``v`` ``[B, S_new, Hkv, D]`` into the caches in place at ``cache_seqlens`` (no
+    host sync); compile- and CUDA-graph-safe. Out-of-range positions raise an IndexError on the
+    CPU and a device-side assert on CUDA."""
+    if _compiling():
+        torch.ops.xoffload.kvcache_append_(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx)
+    else:
+        _append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx)
+
+
+def _capturing(t: Tensor) -> bool:
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
