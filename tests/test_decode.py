@@ -16,9 +16,9 @@ HAS_CUDA = torch.cuda.is_available()
 
 def _make(b, s_max, hq, hkv, d, dtype, device, scale=1.0, seed=0):
     """q [B,1,Hq,D] and K/V caches [B,S_max,Hkv,D] that are slices of larger buffers (non-contiguous)."""
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    q = (torch.randn(b, 1, hq + 2, d, generator=g) * scale).to(dtype).to(device)[:, :, 1:hq + 1]
-    buf = (torch.randn(b, s_max + 5, hkv, 2 * d + 8, generator=g) * scale).to(dtype).to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    q = (torch.randn(b, 1, hq + 2, d, generator=g, device=device) * scale).to(dtype)[:, :, 1:hq + 1]
+    buf = (torch.randn(b, s_max + 5, hkv, 2 * d + 8, generator=g, device=device) * scale).to(dtype)
     k = buf[:, 3:s_max + 3, :, :d]
     v = buf[:, 5:s_max + 5, :, d + 8:]
     return q, k, v
