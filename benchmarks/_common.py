@@ -1,0 +1,121 @@
+"""Helpers shared by the benchmark modules (benchmarks/bench_*.py).
+
+- :func:`env_record`: GPU name, SM count, torch / triton / CUDA versions, git commit, UTC date.
+- :func:`bench_ms`: median GPU time in ms through ``triton.testing.do_bench`` (CUDA events).
+- :func:`hbm_copy_gbps`: device-to-device copy bandwidth (bytes read + written per second), the
+  ceiling memory-bound kernels are compared against.
+- :func:`write_json`: result file ``benchmarks/results/<name>.json`` (and a copy under
+  ``$XOFFLOAD_BENCH_OUT`` when that is set, for runs on a remote machine).
+- :data:`requires_cuda`: ``pytest.mark.skipif`` for machines without a GPU.
+- :func:`tflops`, :func:`fmt_table`: small formatting helpers.
+
+Importing this module puts the repository root on ``sys.path`` so that ``python
+benchmarks/bench_x.py`` finds the ``xoffload`` package without installing it.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS_DIR = os.path.join(ROOT, "benchmarks", "results")
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="benchmark needs a CUDA GPU")
+
+
+def git_commit() -> str:
+    """``$GIT_COMMIT`` if set (copies of the tree without .git), else ``git rev-parse HEAD``."""
+    commit = os.environ.get("GIT_COMMIT")
+    if commit:
+        return commit
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                             timeout=10)
+        return out.stdout.strip() or "unknown"
+    except Exception:
+        return "unknown"
+
+
+def env_record() -> dict:
+    """Where and with what a benchmark ran: GPU, versions, commit, date (UTC, ISO 8601)."""
+    import triton
+
+    rec = {
+        "gpu": torch.cuda.get_device_name() if HAS_CUDA else None,
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if HAS_CUDA else None,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+    if HAS_CUDA:
+        try:
+            rec["cudnn"] = torch.backends.cudnn.version()
+        except Exception:
+            rec["cudnn"] = None
+    return rec
+
+
+def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
+    """Median GPU time of ``fn()`` in milliseconds (``triton.testing.do_bench``: CUDA events, L2
+    cleared between repetitions). ``warmup`` / ``rep`` are target durations in ms."""
+    from triton.testing import do_bench
+
+    return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def hbm_copy_gbps(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth in GB/s (1e9 bytes/s), counting bytes read plus bytes
+    written, over a copy of ``nbytes`` (default 2 GiB, well past the L2)."""
+    n = nbytes // 2
+    src = torch.empty(n, dtype=torch.bfloat16, device="cuda").fill_(1.0)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src), warmup=10, rep=50)
+    del src, dst
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def tflops(flops: float, ms: float) -> float:
+    """TFLOP/s of ``flops`` floating-point operations done in ``ms`` milliseconds."""
+    return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 else float("nan")
+
+
+def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
+    """Write ``payload`` to ``<out_dir or benchmarks/results>/<name>.json`` (and a copy under
+    ``$XOFFLOAD_BENCH_OUT`` if set). Returns the path written."""
+    out_dir = out_dir or RESULTS_DIR
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"{name}.json")
+    text = json.dumps(payload, indent=2, default=str)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text + "\n")
+    extra = os.environ.get("XOFFLOAD_BENCH_OUT")
+    if extra:
+        os.makedirs(extra, exist_ok=True)
+        with open(os.path.join(extra, f"{name}.json"), "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    return path
+
+
+def fmt_table(rows: list[dict], cols: list[str]) -> str:
+    """Plain-text table of ``rows`` (dicts) restricted to ``cols``; floats with 3 significant digits."""
+    def cell(v):
+        if isinstance(v, float):
+            return f"{v:.3g}" if abs(v) < 1000 else f"{v:.0f}"
+        return str(v)
+
+    body = [[cell(r.get(c, "")) for c in cols] for r in rows]
+    widths = [max(len(c), *(len(b[i]) for b in body)) if body else len(c) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths))]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(b, widths)) for b in body]
+    return "\n".join(lines)
