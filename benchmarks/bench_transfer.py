@@ -61,8 +61,8 @@ def env_info():
 
     try:
         commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-    except Exception:  # noqa: BLE001
-        commit = None
+    except Exception:  # noqa: BLE001 - e.g. a copy of the tree without .git
+        commit = os.environ.get("XOFFLOAD_COMMIT")
     return {"gpu": torch.cuda.get_device_name() if HAS_CUDA else None, "torch": torch.__version__,
             "triton": triton.__version__, "commit": commit}
 

@@ -466,3 +466,25 @@ def test_gather_kernel_matches_index_select(shape, dtype):
     gather_blocks(src_k, src_v, idx, out_k.cpu(), out_v.cpu(), backend="torch")
     with pytest.raises(ValueError):
         gather_blocks(sk, sv, ids, out_k[:3], out_v[:3])
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_fragmented_tables_whole_layer_loads(gather):
+    # chunks of two sequences alternate, so their block tables interleave (runs of one block);
+    # gather=True takes the whole-block gather path of the ring loads (torch fallback on the CPU)
+    e = OffloadEngine(2, 2, 4, dtype=DT, device="cpu", max_tokens=256, block_size=8, num_blocks=40,
+                      num_buffers=2, gather=gather)
+    r = Ref(e, seed=11)
+    a, b = e.add_sequence(), e.add_sequence()
+    for _ in range(4):
+        r.prefill(a, 8)
+        r.prefill(b, 8)
+    r.prefill(a, 3)
+    assert e.block_table(a) == (0, 2, 4, 6, 8) and e.block_table(b) == (1, 3, 5, 7)
+    for _ in range(14):  # crosses two block boundaries; new blocks extend the tables
+        r.step(a)
+        r.step(b)
+    r.check_host(a)
+    r.check_host(b)
+    r.check_fetch(a, [5, 0, 2, 2])
+    r.check_fetch(b)
