@@ -130,9 +130,11 @@ def test_softmax_scale(device):
     check_dense(q, k, v, True, softmax_scale=0.37)
 
 
-@pytest.mark.parametrize("cfg", [(32, 64, 4, 1, False), (16, 16, 4, 1, False)])
+@pytest.mark.parametrize("cfg", [(32, 64, 4, 1, False, False), (16, 16, 4, 1, False, False),
+                                 (64, 32, 4, 1, False, True)])
 def test_other_block_shapes(device, cfg):
-    """BLOCK_M < BLOCK_N and tiny blocks: the causal diagonal split must not depend on the tiling."""
+    """BLOCK_M < BLOCK_N, tiny blocks and the TMA-descriptor loads (D=80 < BLOCK_D: zero-filled
+    columns): the causal diagonal split and the loads must not depend on the tiling."""
     q = _rand((1, 100, 4, 80), torch.float16, device)
     k = _rand((1, 131, 2, 80), torch.float16, device)
     v = _rand((1, 131, 2, 80), torch.float16, device)
@@ -415,3 +417,18 @@ def test_gpu_131072_tokens():
     v = torch.randn(1, s, 2, 64, device="cuda", dtype=torch.bfloat16)
     rows = [0, 1, 65535, 65536, 100000, s - 1] + torch.randint(0, s, (10,)).tolist()
     _sampled_check(q, k, v, True, rows)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("d,cfg", [(d, c) for d in (64, 128) for c in fa_mod.CANDIDATES[d]])
+def test_gpu_candidate_configs(d, cfg):
+    """Every launch configuration the tuner may pick (pointer or TMA loads, BLOCK_N 64/128):
+    varlen with empty sequences and Sq_b > Sk_b, and fused-QKV strided views."""
+    fa_mod._CFG_OVERRIDE.append(cfg)
+    try:
+        _check_varlen([1, 300, 0, 130, 77], [1, 280, 17, 0, 300], 8, 2, d, True, torch.bfloat16, "cuda")
+        qkv = torch.randn(2, 333, 12, d, device="cuda", dtype=torch.bfloat16)
+        check_dense(qkv[:, :, :8], qkv[:, :, 8:10], qkv[:, :, 10:], True)
+        check_dense(qkv[:, :100, :8], qkv[:, :, 8:10], qkv[:, :, 10:], False)
+    finally:
+        fa_mod._CFG_OVERRIDE.pop()
