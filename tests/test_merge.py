@@ -152,6 +152,27 @@ def test_merge_n_way_and_layouts(device):
     assert torch.equal(o, outs[0]) and torch.equal(l, lses[0])
 
 
+@pytest.mark.parametrize("shape", [(2, 300, 3, 16), (2, 1, 300, 32), (1, 70, 5, 200)])
+def test_merge_many_rows(device, shape):
+    # several row blocks per (batch, head), a partial last block, the S == 1 (decode) geometry,
+    # and D > 128 (one D block of 256)
+    b, s, h, d = shape
+    g = torch.Generator().manual_seed(9)
+    outs = torch.randn(3, b, s, h, d, generator=g).half().to(device)
+    lses = (torch.randn(3, b, h, s, generator=g) * 3).to(device)
+    lses[1, :, :, ::7] = NEG_INF
+    lses = torch.cat([lses, lses], -1)[..., :s]  # non-contiguous view: head stride 2*S
+    ro, rl = _ref_merge(outs, lses)
+    tol = 2 * torch.finfo(torch.float16).eps * max(1.0, float(ro.abs().max()))
+    o, l = merge_attention_states_n(outs, lses)
+    assert max_err(o, ro) <= tol
+    assert_lse_match(l, rl)
+    ro2, rl2 = _ref_merge(outs[:2], lses[:2])
+    o, l = merge_attention_states(outs[0], lses[0], outs[1], lses[1])
+    assert max_err(o, ro2) <= tol
+    assert_lse_match(l, rl2)
+
+
 def test_merge_n_all_empty(device):
     outs = torch.full((3, 1, 2, 2, 16), float("nan"), device=device)
     lses = torch.full((3, 1, 2, 2), NEG_INF, device=device)

@@ -118,32 +118,34 @@ def _as3(name, lse):
 # Triton kernels
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _row_offsets(r, S, H, so_l, so_s, so_h, sl_l, sl_h, sl_s):
-    # row r -> (l, s, h) with h fastest; int64 offsets into o [L, S, H, D] and lse [L, H, S]
-    r = r.to(tl.int64)
-    h = r % H
-    t = r // H
-    s = t % S
-    l = t // S
-    return l * so_l + s * so_s + h * so_h, l * sl_l + h * sl_h + s * sl_s
-
+def _tile_offsets(pid, S, H, so_l, so_h, so_s, sl_l, sl_h, sl_s, BLOCK_S: tl.constexpr):
+    """Program ``pid`` -> (l, h, block of BLOCK_S positions s): int64 offsets into o ``[L, S, H, D]``
+    (rows) and lse ``[L, H, S]``, and the row mask. The (l, h) split is one scalar division per
+    program (no per-element integer division), and the LSE accesses of a program are contiguous."""
+    n_sblk = tl.cdiv(S, BLOCK_S)
+    sblk = pid % n_sblk
+    t = pid // n_sblk
+    h = (t % H).to(tl.int64)
+    l = (t // H).to(tl.int64)
+    s = sblk * BLOCK_S + tl.arange(0, BLOCK_S)
+    smask = s < S
+    s64 = s.to(tl.int64)
+    return l * so_l + h * so_h + s64 * so_s, l * sl_l + h * sl_h + s64 * sl_s, smask
 
 
 @triton.jit
 def _merge2_kernel(
     OA, LA, OB, LB, O, LO,
-    n_rows, S, H, D,
-    sa_l, sa_s, sa_h, sla_l, sla_h, sla_s,
-    sb_l, sb_s, sb_h, slb_l, slb_h, slb_s,
-    so_l, so_s, so_h, slo_l, slo_h, slo_s,
-    WRITE_LSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    S, H, D,
+    sa_l, sa_h, sa_s, sla_l, sla_h, sla_s,
+    sb_l, sb_h, sb_s, slb_l, slb_h, slb_s,
+    so_l, so_h, so_s, slo_l, slo_h, slo_s,
+    WRITE_LSE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
-    oa_off, la_off = _row_offsets(rows, S, H, sa_l, sa_s, sa_h, sla_l, sla_h, sla_s)
-    ob_off, lb_off = _row_offsets(rows, S, H, sb_l, sb_s, sb_h, slb_l, slb_h, slb_s)
-    oo_off, lo_off = _row_offsets(rows, S, H, so_l, so_s, so_h, slo_l, slo_h, slo_s)
+    oa_off, la_off, rmask = _tile_offsets(pid, S, H, sa_l, sa_h, sa_s, sla_l, sla_h, sla_s, BLOCK_S)
+    ob_off, lb_off, _ = _tile_offsets(pid, S, H, sb_l, sb_h, sb_s, slb_l, slb_h, slb_s, BLOCK_S)
+    oo_off, lo_off, _ = _tile_offsets(pid, S, H, so_l, so_h, so_s, slo_l, slo_h, slo_s, BLOCK_S)
     la = tl.load(LA + la_off, mask=rmask, other=float("-inf"))
     lb = tl.load(LB + lb_off, mask=rmask, other=float("-inf"))
     m = tl.maximum(la, lb)
@@ -168,43 +170,44 @@ def _merge2_kernel(
         tl.store(LO + lo_off, lse, mask=rmask)
 
 
-
 @triton.jit
 def _mergen_kernel(
     OS, LS, O, LO,
-    N, n_rows, S, H, D,
-    si_n, si_l, si_s, si_h, sli_n, sli_l, sli_h, sli_s,
-    so_l, so_s, so_h, slo_l, slo_h, slo_s,
-    WRITE_LSE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    N, S, H, D,
+    si_n, si_l, si_h, si_s, sli_n, sli_l, sli_h, sli_s,
+    so_l, so_h, so_s, slo_l, slo_h, slo_s,
+    WRITE_LSE: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    rows = pid.to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = rows < n_rows
-    oi_off, li_off = _row_offsets(rows, S, H, si_l, si_s, si_h, sli_l, sli_h, sli_s)
-    oo_off, lo_off = _row_offsets(rows, S, H, so_l, so_s, so_h, slo_l, slo_h, slo_s)
-    # pass 1 over the (small) LSEs: max and sum of exp
-    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    oi_off, li_off, rmask = _tile_offsets(pid, S, H, si_l, si_h, si_s, sli_l, sli_h, sli_s, BLOCK_S)
+    oo_off, lo_off, _ = _tile_offsets(pid, S, H, so_l, so_h, so_s, slo_l, slo_h, slo_s, BLOCK_S)
+    # pass 1 over the (small) LSEs: max, then sum of exp; pointers advance in 64-bit steps
+    m = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    l_ptrs = LS + li_off
     for n in range(0, N):
-        ln = tl.load(LS + n * sli_n + li_off, mask=rmask, other=float("-inf"))
-        m = tl.maximum(m, ln)
+        m = tl.maximum(m, tl.load(l_ptrs, mask=rmask, other=float("-inf")))
+        l_ptrs += sli_n
     m_safe = tl.where(m == float("-inf"), 0.0, m)
-    tot = tl.zeros([BLOCK_R], tl.float32)
+    tot = tl.zeros([BLOCK_S], tl.float32)
+    l_ptrs = LS + li_off
     for n in range(0, N):
-        ln = tl.load(LS + n * sli_n + li_off, mask=rmask, other=float("-inf"))
-        tot += tl.exp(ln - m_safe)
+        tot += tl.exp(tl.load(l_ptrs, mask=rmask, other=float("-inf")) - m_safe)
+        l_ptrs += sli_n
     tot_safe = tl.where(tot > 0.0, tot, 1.0)
     inv = tl.where(tot > 0.0, 1.0 / tot_safe, 0.0)
     # pass 2 over the outputs
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         msk = rmask[:, None] & (d < D)[None, :]
-        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+        acc = tl.zeros([BLOCK_S, BLOCK_D], tl.float32)
+        l_ptrs = LS + li_off
+        o_ptrs = OS + oi_off[:, None] + d[None, :]
         for n in range(0, N):
-            ln = tl.load(LS + n * sli_n + li_off, mask=rmask, other=float("-inf"))
-            w = tl.exp(ln - m_safe) * inv
-            on = tl.load(OS + n * si_n + oi_off[:, None] + d[None, :], mask=msk & (w > 0.0)[:, None],
-                         other=0.0).to(tl.float32)
+            w = tl.exp(tl.load(l_ptrs, mask=rmask, other=float("-inf")) - m_safe) * inv
+            on = tl.load(o_ptrs, mask=msk & (w > 0.0)[:, None], other=0.0).to(tl.float32)
             acc += w[:, None] * on
+            l_ptrs += sli_n
+            o_ptrs += si_n
         tl.store(O + oo_off[:, None] + d[None, :], acc.to(O.dtype.element_ty), mask=msk)
     if WRITE_LSE:
         lse = tl.where(tot > 0.0, m_safe + tl.log(tot_safe), float("-inf"))
@@ -214,30 +217,41 @@ def _mergen_kernel(
 def _block_sizes(d: int, elem_bytes: int):
     block_d = min(next_pow2(max(d, 16)), 256)
     # ~8 KiB of each input per program: enough bytes in flight, many programs
-    block_r = max(1, min(128, 8192 // (block_d * elem_bytes)))
-    block_r = next_pow2(block_r)
-    return block_r, block_d
+    block_s = max(1, min(128, 8192 // (block_d * elem_bytes)))
+    block_s = next_pow2(block_s)
+    return block_s, block_d
+
+
+def _geometry(o4, l3):
+    """(S, H, o strides (l, h, s), lse strides (l, h, s)) of o ``[L, S, H, D]`` / lse ``[L, H, S]``.
+
+    With S == 1 (decode layout ``[B, 1, H, D]`` / ``[B, H, 1]``) the roles of S and H swap, so that a
+    program still covers a contiguous run of rows and LSEs."""
+    _, s, h, _ = o4.shape
+    os_ = (o4.stride(0), o4.stride(2), o4.stride(1))
+    ls_ = (l3.stride(0), l3.stride(1), l3.stride(2))
+    if s == 1 and h > 1:
+        return h, 1, (os_[0], os_[2], os_[1]), (ls_[0], ls_[2], ls_[1])
+    return s, h, os_, ls_
 
 
 def _launch_merge2(o_a, lse_a, o_b, lse_b, out, out_lse):
     """Triton 2-way merge; all tensors already validated, out/out_lse allocated (out_lse may be None)."""
-    k = _merge2_kernel
     oa, ob, oo = _as4("o_a", o_a), _as4("o_b", o_b), _as4("out", out)
     la, lb = _as3("lse_a", lse_a), _as3("lse_b", lse_b)
     lo = _as3("out_lse", out_lse) if out_lse is not None else la
-    L, S, H, D = oa.shape
-    n_rows = L * S * H
-    if n_rows == 0 or D == 0:
+    L, _, _, D = oa.shape
+    if oa.numel() == 0:
         return
-    block_r, block_d = _block_sizes(D, oa.element_size())
-    grid = (triton_cdiv(n_rows, block_r),)
-    k[grid](
+    S, H, sa, sla = _geometry(oa, la)
+    _, _, sb, slb = _geometry(ob, lb)
+    _, _, so, slo = _geometry(oo, lo)
+    block_s, block_d = _block_sizes(D, oa.element_size())
+    grid = (L * H * triton.cdiv(S, block_s),)
+    _merge2_kernel[grid](
         oa, la, ob, lb, oo, lo,
-        n_rows, S, H, D,
-        oa.stride(0), oa.stride(1), oa.stride(2), la.stride(0), la.stride(1), la.stride(2),
-        ob.stride(0), ob.stride(1), ob.stride(2), lb.stride(0), lb.stride(1), lb.stride(2),
-        oo.stride(0), oo.stride(1), oo.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
-        WRITE_LSE=out_lse is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+        S, H, D, *sa, *sla, *sb, *slb, *so, *slo,
+        WRITE_LSE=out_lse is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
     )
 
 
@@ -245,9 +259,7 @@ def _launch_mergen(outs, lses, out, out_lse):
     """Triton N-way merge over dim 0 of outs ``[N, ..., S, H, D]`` / lses ``[N, ..., H, S]``.
 
     Tensors already validated; out ``[..., S, H, D]`` (any float dtype), out_lse may be None.
-    Used by :func:`decode_attn_with_lse` to reduce its splits.
     """
-    k = _mergen_kernel
     N = outs.shape[0]
     s, h, d = outs.shape[-3:]
     lead = 1
@@ -263,23 +275,17 @@ def _launch_mergen(outs, lses, out, out_lse):
         li = lses.reshape(N, lead, h, s)
     oo = _as4("out", out)
     lo = _as3("out_lse", out_lse) if out_lse is not None else li[0]
-    n_rows = lead * s * h
-    if n_rows == 0 or d == 0:
+    if oo.numel() == 0:
         return
-    block_r, block_d = _block_sizes(d, oi.element_size())
-    grid = (triton_cdiv(n_rows, block_r),)
-    k[grid](
+    S, H, si, sli = _geometry(oi[0], li[0])
+    _, _, so, slo = _geometry(oo, lo)
+    block_s, block_d = _block_sizes(d, oi.element_size())
+    grid = (lead * H * triton.cdiv(S, block_s),)
+    _mergen_kernel[grid](
         oi, li, oo, lo,
-        N, n_rows, s, h, d,
-        oi.stride(0), oi.stride(1), oi.stride(2), oi.stride(3),
-        li.stride(0), li.stride(1), li.stride(2), li.stride(3),
-        oo.stride(0), oo.stride(1), oo.stride(2), lo.stride(0), lo.stride(1), lo.stride(2),
-        WRITE_LSE=out_lse is not None, BLOCK_R=block_r, BLOCK_D=block_d, num_warps=4,
+        N, S, H, d, oi.stride(0), *si, li.stride(0), *sli, *so, *slo,
+        WRITE_LSE=out_lse is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
     )
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _merge_reference(outs, lses):
