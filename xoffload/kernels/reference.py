@@ -225,15 +225,19 @@ def xattn_chunk_stats_ref(q, k, *, stride, block_size, q_start, k_offset=0, caus
     nqb, nkb = -(-sq // block_size), -(-skc // block_size)
     r = nqb * cb
     bl = torch.full((b, hq, r, nkb), NEG_INF, device=q.device)
+    rmax = torch.full((b, hq, r), NEG_INF, device=q.device)
+    rsum = torch.zeros(b, hq, r, device=q.device)
     for x in range(b):
         s, _ = xattn_strided_scores_ref(q[x], k[x], stride=stride, q_start=q_start, k_offset=k_offset,
                                         causal=causal, softmax_scale=softmax_scale)
         sp = torch.full((hq, r, nkb * cb), NEG_INF, device=q.device)
         sp[:, : s.shape[1], : s.shape[2]] = s
         bl[x] = torch.logsumexp(sp.view(hq, r, nkb, cb), dim=-1)
-    rmax = bl.amax(dim=-1) if nkb else torch.full((b, hq, r), NEG_INF, device=q.device)
-    safe = torch.where(torch.isneginf(rmax), torch.zeros_like(rmax), rmax)
-    rsum = torch.exp(bl - safe[..., None]).sum(-1) if nkb else torch.zeros(b, hq, r, device=q.device)
+        if nkb:
+            m = sp.amax(-1)
+            safe = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+            rmax[x] = m
+            rsum[x] = torch.exp(sp - safe[..., None]).sum(-1)
     return rmax, rsum, bl
 
 

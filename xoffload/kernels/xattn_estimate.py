@@ -131,19 +131,29 @@ def _check_causal(causal) -> bool:
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _strided_tile(acc, q_base, k_base, rows, cols, offs_d, d_ok, stride_qs, stride_ks, Sq, Sk,
-                  kq_shift, S: tl.constexpr, MASK_TERMS: tl.constexpr):
-    """acc[i, j] += sum_t q[rows_i*S + S-1-t] . k[cols_j*S + t] (terms masked when MASK_TERMS)."""
-    for t in range(S):
-        qr = rows * S + (S - 1 - t)
-        kr = cols * S + t
-        qt = tl.load(q_base + qr.to(tl.int64)[:, None] * stride_qs + offs_d[None, :],
-                     mask=(qr < Sq)[:, None] & d_ok[None, :], other=0.0)
-        kt = tl.load(k_base + kr.to(tl.int64)[:, None] * stride_ks + offs_d[None, :],
-                     mask=(kr < Sk)[:, None] & d_ok[None, :], other=0.0)
+def _strided_tile(acc, q_tile, k_tile, q_offs, k_offs, lrows, lcols, d_ok, stride_qs, stride_ks,
+                  q_left, k_left, kq_shift_tile, S: tl.constexpr, MASK_TERMS: tl.constexpr,
+                  EVEN_D: tl.constexpr, NUM_STAGES: tl.constexpr):
+    """acc[i, j] += sum_t q[(row0 + i)*S + S-1-t] . k[(col0 + j)*S + t].
+
+    ``q_tile`` / ``k_tile`` point at query row ``row0*S`` / key row ``col0*S``; ``q_offs`` /
+    ``k_offs`` are the in-tile offsets of rows ``i*S`` / ``j*S``; ``q_left`` / ``k_left`` the rows
+    that exist from the tile start. With MASK_TERMS, term t of cell (i, j) counts only when the
+    key is causal for the query: ``(j*S + t) - (i*S + S-1-t) <= kq_shift_tile``.
+    """
+    for t in tl.range(0, S, num_stages=NUM_STAGES):
+        qr = lrows * S + (S - 1 - t)
+        kr = lcols * S + t
+        q_ptrs = q_tile + (S - 1 - t) * stride_qs + q_offs
+        k_ptrs = k_tile + t * stride_ks + k_offs
+        if EVEN_D:
+            qt = tl.load(q_ptrs, mask=(qr < q_left)[:, None], other=0.0)
+            kt = tl.load(k_ptrs, mask=(kr < k_left)[:, None], other=0.0)
+        else:
+            qt = tl.load(q_ptrs, mask=(qr < q_left)[:, None] & d_ok[None, :], other=0.0)
+            kt = tl.load(k_ptrs, mask=(kr < k_left)[:, None] & d_ok[None, :], other=0.0)
         if MASK_TERMS:
-            # causal on absolute positions: k_offset + kr <= q_start + qr  <=>  kr - qr <= kq_shift
-            ok = (kr[None, :] - qr[:, None]) <= kq_shift
+            ok = (kr[None, :] - qr[:, None]) <= kq_shift_tile
             acc += tl.where(ok, tl.dot(qt, tl.trans(kt)), 0.0)
         else:
             acc = tl.dot(qt, tl.trans(kt), acc)
@@ -182,12 +192,14 @@ def _xattn_stats_kernel(Q, K, BL, RM, RS,
                         stride_kb, stride_ks, stride_kh,
                         stride_lb, stride_lh, stride_lr,
                         stride_rb, stride_rh,
-                        Sq, Sk, k_offset, q_start, n_rows, R, n_blocks, n_bh, H, GROUP, n_mt,
+                        Sq, Sk, k_offset, q_start, n_rows, R, n_blocks, n_bh, H, GROUP, LEN_BUCKET,
                         qk_scale2,
                         S: tl.constexpr, CB: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                        BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr):
+                        BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr,
+                        NUM_STAGES: tl.constexpr):
     # 1-D grid, (batch, head) fastest; the last row tiles (most keys under causal) start first.
     pid = tl.program_id(0)
+    n_mt = tl.cdiv(n_rows, BM)
     bh = pid % n_bh
     mt = n_mt - 1 - pid // n_bh
     b = bh // H
@@ -217,18 +229,28 @@ def _xattn_stats_kernel(Q, K, BL, RM, RS,
     m_i = tl.full([BM], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BM], dtype=tl.float32)
     offs_n = tl.arange(0, BN)
+    lrows = tl.arange(0, BM)
+    EVEN_D: tl.constexpr = D == BD
+    q_offs = (lrows * (S * stride_qs))[:, None] + offs_d[None, :]
+    k_offs = (offs_n * (S * stride_ks))[:, None] + offs_d[None, :]
+    row0 = mt * BM
+    q_tile = q_base + (row0 * S).to(tl.int64) * stride_qs
+    stride_ks64 = stride_ks.to(tl.int64)
+    q_left = Sq - row0 * S
     for c0 in range(0, full, BN):
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         cols = c0 + offs_n
-        acc = _strided_tile(acc, q_base, k_base, rows, cols, offs_d, d_ok, stride_qs, stride_ks,
-                            Sq, Sk, kq_shift, S, False)
+        k_tile = k_base + c0 * S * stride_ks64
+        acc = _strided_tile(acc, q_tile, k_tile, q_offs, k_offs, lrows, offs_n, d_ok, stride_qs, stride_ks,
+                            q_left, Sk - c0 * S, kq_shift + row0 * S - c0 * S, S, False, EVEN_D, NUM_STAGES)
         m_i, l_i = _tile_stats(acc, m_i, l_i, c0, rows, cols, t_lo, Sk, kq_shift, n_rows, qk_scale2,
                                BL_row_base, stride_lr, n_blocks, R, S, CB, BM, BN, False)
     for c0 in range(full, hi, BN):
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         cols = c0 + offs_n
-        acc = _strided_tile(acc, q_base, k_base, rows, cols, offs_d, d_ok, stride_qs, stride_ks,
-                            Sq, Sk, kq_shift, S, CAUSAL)
+        k_tile = k_base + c0 * S * stride_ks64
+        acc = _strided_tile(acc, q_tile, k_tile, q_offs, k_offs, lrows, offs_n, d_ok, stride_qs, stride_ks,
+                            q_left, Sk - c0 * S, kq_shift + row0 * S - c0 * S, S, CAUSAL, EVEN_D, NUM_STAGES)
         m_i, l_i = _tile_stats(acc, m_i, l_i, c0, rows, cols, t_lo, Sk, kq_shift, n_rows, qk_scale2,
                                BL_row_base, stride_lr, n_blocks, R, S, CB, BM, BN, CAUSAL)
     r_ok = rows < R
@@ -237,15 +259,39 @@ def _xattn_stats_kernel(Q, K, BL, RM, RS,
     tl.store(RS + r_off, l_i, mask=r_ok)
 
 
-def _stats_config(q: torch.Tensor, cb: int):
-    """(BM, BN, num_warps, num_stages) for the stage-1 kernel."""
-    if q.is_cuda:
-        if q.dtype == torch.float32:
-            bm, bn, w, st = 64, 64, 4, 2
-        else:
-            bm, bn, w, st = 128, 64, 8, 3
-    else:  # interpreter: few, small programs
-        bm, bn, w, st = 16, 16, 1, 1
+# (BM strided rows, BN strided columns, num_warps, num_stages). On the GPU, long inputs pick among
+# these by timing (triton.autotune, keyed on stride, head_dim, causal and the length bucket);
+# short inputs and the interpreter use the first / the small one.
+_GPU_STATS_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2)]
+_INTERP_STATS_CONFIG = (32, 32, 1, 1)
+_AUTOTUNE_MIN_ROWS = 2048  # strided rows (16K tokens at S=8)
+_CFG_OVERRIDE: list = []  # benchmark hook: a (BM, BN, num_warps, num_stages) tuple
+
+
+def _stats_grid(n_rows, n_bh):
+    return lambda meta: (triton.cdiv(n_rows, meta["BM"]) * n_bh,)
+
+
+_xattn_stats_tuned = triton.autotune(
+    configs=[triton.Config({"BM": bm, "BN": bn, "NUM_STAGES": st}, num_warps=w, num_stages=st)
+             for bm, bn, w, st in _GPU_STATS_CONFIGS],
+    key=["S", "D", "CAUSAL", "LEN_BUCKET"],
+)(_xattn_stats_kernel)
+
+
+def _stats_config(q: torch.Tensor, cb: int, n_rows: int):
+    """A fixed (BM, BN, num_warps, num_stages), or None to autotune."""
+    if _CFG_OVERRIDE:
+        bm, bn, w, st = _CFG_OVERRIDE[-1]
+        return bm, max(bn, cb), w, st
+    if not q.is_cuda:
+        bm, bn, w, st = _INTERP_STATS_CONFIG
+        return bm, max(bn, cb), w, st
+    if q.dtype == torch.float32:
+        return 64, max(64, cb), 4, 2
+    if n_rows >= _AUTOTUNE_MIN_ROWS and cb <= 64:
+        return None
+    bm, bn, w, st = _GPU_STATS_CONFIGS[0]
     return bm, max(bn, cb), w, st
 
 
@@ -257,23 +303,24 @@ def _launch_stats(q, k, block_lse, row_max, row_sum, *, stride, block_size, q_st
     n_rows = -(-sq // stride)
     r = row_max.shape[-1]
     n_blocks = block_lse.shape[-1]
-    bm, bn, warps, stages = _stats_config(q, cb)
-    n_mt = triton.cdiv(n_rows, bm)
     n_bh = b * hq
-    grid = (n_mt * n_bh,)
-    if grid[0] == 0 or n_blocks == 0:
+    if n_rows == 0 or n_bh == 0 or n_blocks == 0:
         return
-    _xattn_stats_kernel[grid](
-        q, k, block_lse, row_max, row_sum,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        block_lse.stride(0), block_lse.stride(1), block_lse.stride(2),
-        row_max.stride(0), row_max.stride(1),
-        sq, skc, k_offset, q_start, n_rows, r, n_blocks, n_bh, hq, hq // hkv, n_mt,
-        scale / stride * _LOG2E,
-        S=stride, CB=cb, D=d, BD=max(16, next_pow2(d)), BM=bm, BN=bn, CAUSAL=causal,
-        num_warps=warps, num_stages=stages,
-    )
+    args = (q, k, block_lse, row_max, row_sum,
+            q.stride(0), q.stride(1), q.stride(2),
+            k.stride(0), k.stride(1), k.stride(2),
+            block_lse.stride(0), block_lse.stride(1), block_lse.stride(2),
+            row_max.stride(0), row_max.stride(1),
+            sq, skc, k_offset, q_start, n_rows, r, n_blocks, n_bh, hq, hq // hkv, next_pow2(n_rows),
+            scale / stride * _LOG2E)
+    consts = dict(S=stride, CB=cb, D=d, BD=max(16, next_pow2(d)), CAUSAL=causal)
+    cfg = _stats_config(q, cb, n_rows)
+    if cfg is None:
+        _xattn_stats_tuned[_stats_grid(n_rows, n_bh)](*args, **consts)
+        return
+    bm, bn, warps, stages = cfg
+    _xattn_stats_kernel[_stats_grid(n_rows, n_bh)](*args, **consts, BM=bm, BN=bn, NUM_STAGES=stages,
+                                                   num_warps=warps, num_stages=stages)
 
 
 def xattn_chunk_stats(q, k, *, q_start, k_offset=0, stride=8, block_size=128, causal=True,
@@ -552,3 +599,21 @@ def xattn_estimate(q, k, *, stride=8, block_size=128, chunk_size=None, q_start=N
                         block_size=block_size, chunk_size=chunk_size, q_start=q_start,
                         causal=causal, scale=scale, out=out[:, g0 * group:g1 * group])
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# This module shares its name with its main function. Importing the submodule sets the package
+# attribute ``xoffload.kernels.xattn_estimate`` to the module (shadowing the lazily exported
+# function), so the module is made callable: ``xoffload.kernels.xattn_estimate(q, k, ...)`` runs
+# :func:`xattn_estimate` whichever of the two the name resolves to.
+# ----------------------------------------------------------------------------------------------
+import sys as _sys
+import types as _types
+
+
+class _CallableModule(_types.ModuleType):
+    def __call__(self, *args, **kwargs):
+        return xattn_estimate(*args, **kwargs)
+
+
+_sys.modules[__name__].__class__ = _CallableModule
