@@ -111,28 +111,33 @@ def register(*, xattn_threshold=None, xattn_stride=None, xattn_block_size=None, 
         AttentionMaskInterface.register(name, xoffload_mask)
 
 
-def xoffload_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
-                  attention_mask=None, **kwargs):
+def xoffload_mask(batch_size=None, q_length=None, kv_length=None, q_offset=None, kv_offset=0, mask_function=None,
+                  attention_mask=None, cache_position=None, **kwargs):
     """Mask function for ``AttentionMaskInterface``: returns None or a 2D bool padding mask.
 
     Never builds a 4D mask. Given transformers' 2D ``attention_mask`` ``[B, N]`` (True = real
     token), returns its last ``kv_length`` columns, or None when they are all True and cover all
     ``kv_length`` keys (the common no-padding case; reading that costs one host sync, as for
     transformers' flash-attention mask). Without a mask, returns a mask only when fewer than
-    ``kv_length`` keys are filled (static caches): ``q_offset + q_length - kv_offset`` keys.
-    The causal pattern itself is applied by the attention function.
+    ``kv_length`` keys are filled (static caches): ``q_offset + q_length - kv_offset`` keys
+    (older transformers pass ``cache_position`` instead of ``q_offset``/``q_length``). The causal
+    pattern itself is applied by the attention function.
     """
-    if attention_mask is None:
-        if isinstance(q_offset, int) and isinstance(kv_offset, int):
-            n_valid = q_offset + q_length - kv_offset
-            if n_valid >= kv_length:
-                return None
-            return torch.ones(batch_size, max(n_valid, 0), dtype=torch.bool, device=kwargs.get("device", "cpu"))
-        n_valid = torch.as_tensor(q_offset) + q_length - kv_offset
-        ar = torch.arange(kv_length, device=n_valid.device)
-        return (ar < n_valid).expand(batch_size, kv_length)
-    if attention_mask.dim() != 2:
+    if attention_mask is not None and attention_mask.dim() != 2:
         return attention_mask  # a prepared 4D mask: the attention function reports it
+    if kv_length is None:
+        return attention_mask if attention_mask is None else attention_mask.to(torch.bool)
+    if attention_mask is None:
+        # filled keys = absolute end of the queries - first key position; a tensor offset (static
+        # caches) is read on the host: the padded path syncs anyway
+        if q_offset is None and cache_position is not None:
+            end = int(cache_position[-1]) + 1
+        else:
+            end = int(0 if q_offset is None else q_offset) + int(q_length or 0)
+        n_valid = end - int(kv_offset)
+        if n_valid >= kv_length:
+            return None
+        return torch.ones(batch_size, max(n_valid, 0), dtype=torch.bool, device=kwargs.get("device", "cpu"))
     m = attention_mask[:, -kv_length:].to(torch.bool)
     if m.shape[1] == kv_length and not torch.compiler.is_compiling() and bool(m.all()):
         return None
