@@ -253,10 +253,13 @@ def _gpu_config(block_d: int, causal: bool, dtype: torch.dtype):
     """
     if dtype == torch.float32:
         return (32, 16, 4, 2, False, False) if block_d <= 128 else (16, 16, 4, 1, False, False)
+    # H200, bf16, causal, 32K (benchmarks/results/attention.json, sweep): D=64 9/3 heads:
+    # 128x64 8 warps 486 TFLOP/s (128x128: 375-452, 64x64: 463); D=128 32/8 heads: 128x128
+    # 8 warps 3 stages 508 (TMA loads: the same; 128x64: 477-501; 2 stages: 445).
     if block_d <= 64:
         return (128, 64, 8, 3, False, False)
     if block_d <= 128:
-        return (128, 64, 8, 3, False, False)
+        return (128, 128, 8, 3, False, False)
     return (64, 32, 4, 2, False, False)
 
 
