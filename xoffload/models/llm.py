@@ -92,6 +92,28 @@ class _Clock:
         return (b - a) * 1e3
 
 
+class _Splits:
+    """Split-KV count for decode attention chosen from the sequence's current length, the same in
+    both modes (the gpu cache is longer than the sequence, the engine's views are not), so the two
+    modes sum attention in the same order and give bit-identical results."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device):
+        self.fn = None
+        if device.type == "cuda":
+            try:
+                from xoffload.kernels.decode import default_num_splits
+            except ImportError:
+                return
+            self.fn = default_num_splits
+            self.sms = torch.cuda.get_device_properties(device).multi_processor_count
+            self.hkv, self.group = cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads
+
+    def __call__(self, n: int):
+        if self.fn is None:
+            return None
+        return int(self.fn(1, self.hkv, self.group, n, self.sms))
+
+
 class _GPUCache:
     """Per-request KV cache on the model's device: K and V ``[L, n_tokens, Hkv, D]``."""
 
@@ -102,6 +124,8 @@ class _GPUCache:
         self.lens = torch.zeros(1, dtype=torch.int32, device=device)
         self.scale = scale
         self.pos = 0
+        self.splits = _Splits(cfg, torch.device(device))
+        self.nsplit = None
 
     def buffers(self, layer, T):
         return self.k[layer, :T], self.v[layer, :T]
@@ -112,6 +136,7 @@ class _GPUCache:
     def begin_step(self, pos: int):
         self.pos = pos
         self.lens.fill_(pos + 1)
+        self.nsplit = self.splits(pos + 1)
 
     def attend(self, layer, q, k_new, v_new):
         from xoffload.kernels import decode_attn_with_lse
@@ -119,7 +144,7 @@ class _GPUCache:
         self.k[layer, self.pos] = k_new[0]
         self.v[layer, self.pos] = v_new[0]
         o, _ = decode_attn_with_lse(q[None], self.k[layer][None], self.v[layer][None], self.lens,
-                                    softmax_scale=self.scale, check=False)
+                                    softmax_scale=self.scale, num_splits=self.nsplit, check=False)
         return o[0, 0]
 
     def end_step(self):
@@ -133,6 +158,8 @@ class _OffloadKV:
         self.eng, self.seq, self.cfg = eng, seq, cfg
         self.dtype, self.device, self.scale = dtype, device, scale
         self.lens = torch.zeros(1, dtype=torch.int32, device=device)
+        self.splits = _Splits(cfg, torch.device(device))
+        self.nsplit = None
 
     # prefill: fresh buffers per layer; the engine copies them out D2H while the next layer runs
     def buffers(self, layer, T):
@@ -146,12 +173,14 @@ class _OffloadKV:
     def begin_step(self, pos: int):
         self.eng.begin_step(self.seq)
         self.lens.fill_(pos + 1)
+        self.nsplit = self.splits(pos + 1)
 
     def attend(self, layer, q, k_new, v_new):
         from xoffload.kernels import decode_attn_with_lse
 
         k, v = self.eng.layer_kv(self.seq, layer, k_new, v_new)
-        o, _ = decode_attn_with_lse(q[None], k[None], v[None], self.lens, softmax_scale=self.scale, check=False)
+        o, _ = decode_attn_with_lse(q[None], k[None], v[None], self.lens, softmax_scale=self.scale,
+                                    num_splits=self.nsplit, check=False)
         self.eng.end_layer(self.seq, layer)
         return o[0, 0]
 
@@ -188,6 +217,8 @@ class LLM:
         sparse: None or ``"xattn"`` (XAttention block-sparse prefill on layers not in ``dense_layers``).
         sparse_threshold, sparse_stride, sparse_block_size: XAttention's tau, stride and block size.
         dense_layers: layers kept dense under ``sparse`` (default: the first two).
+        sparse_kwargs: extra keyword arguments for ``xattention_prefill`` (e.g. ``chunk_size``,
+            ``dense_fallback_len``).
         prefill_chunk: tokens per chunk in prefill (default 8192 on a GPU, 512 on the CPU).
         seed: default sampling seed of requests without one.
 
@@ -199,7 +230,8 @@ class LLM:
     def __init__(self, model=None, *, mode: str = "gpu", num_kv_buffers: int = 4, kv_block_size: int = 1024,
                  max_model_len: int | None = None, dtype=None, device=None, sparse: str | None = None,
                  sparse_threshold: float = 0.9, sparse_stride: int = 8, sparse_block_size: int = 128,
-                 dense_layers=(0, 1), prefill_chunk: int | None = None, seed: int = 0):
+                 dense_layers=(0, 1), sparse_kwargs: dict | None = None, prefill_chunk: int | None = None,
+                 seed: int = 0):
         if mode not in ("gpu", "offload"):
             raise ValueError(f"mode must be 'gpu' or 'offload', got {mode!r}")
         if sparse not in (None, "xattn", "none", "dense"):
@@ -233,6 +265,7 @@ class LLM:
         self.sparse_threshold = float(sparse_threshold)
         self.sparse_stride = int(sparse_stride)
         self.sparse_block_size = int(sparse_block_size)
+        self.sparse_kwargs = dict(sparse_kwargs or {})
         L = self.cfg.num_layers
         dense = set(int(i) % L if int(i) < 0 else int(i) for i in (dense_layers or ()))
         self.dense_layers = tuple(sorted(dense))
@@ -451,7 +484,8 @@ class LLM:
             "total_ms": clock.ms(t0, t_end),
         }
         if self.sparse:
-            dens = [None if d is None else float(d) for d in densities]
+            dens = [None if d is None else float(d.float().mean()) if isinstance(d, torch.Tensor) else float(d)
+                    for d in densities]
             timings["density"] = dens
             vals = [d for d in dens if d is not None]
             timings["mean_density"] = sum(vals) / len(vals) if vals else None
@@ -462,6 +496,7 @@ class LLM:
     def _sparse_fn(self):
         fn = self._xattn
         kw = dict(threshold=self.sparse_threshold, stride=self.sparse_stride, block_size=self.sparse_block_size)
+        kw.update(self.sparse_kwargs)
 
         def run(q, k, v):
             out, _lse, density = fn(q, k, v, **kw)
