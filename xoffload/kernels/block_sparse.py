@@ -117,7 +117,7 @@ def block_mask_to_indices(block_mask, sq, sk, *, block_size=128, causal=True) ->
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _bs_inner(acc, l_i, m_i, q, k_base, v_base, idx_row, offs_m, offs_n, offs_d, d_ok,
+def _bs_inner(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, idx_row, offs_m, offs_n, d_ok,
               it_lo, it_hi, seqlen_k, diag_shift, qk_scale, stride_kn, stride_vn,
               MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
               IS_FP32: tl.constexpr, BLOCK_N: tl.constexpr, SUB: tl.constexpr,
@@ -125,11 +125,10 @@ def _bs_inner(acc, l_i, m_i, q, k_base, v_base, idx_row, offs_m, offs_n, offs_d,
     for it in range(it_lo, it_hi):
         blk = tl.load(idx_row + it // SUB)
         start_n = blk * BLOCK_SIZE + (it % SUB) * BLOCK_N
-        cols = start_n + offs_n
-        k_ptrs = k_base + cols.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
-        v_ptrs = v_base + cols.to(tl.int64)[:, None] * stride_vn + offs_d[None, :]
+        k_ptrs = k_base + start_n.to(tl.int64) * stride_kn + k_offs
+        v_ptrs = v_base + start_n.to(tl.int64) * stride_vn + v_offs
         if MASKED:
-            n_ok = cols < seqlen_k
+            n_ok = (start_n + offs_n) < seqlen_k
             k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs)
@@ -142,7 +141,7 @@ def _bs_inner(acc, l_i, m_i, q, k_base, v_base, idx_row, offs_m, offs_n, offs_d,
         if MASKED:
             ok = n_ok[None, :]
             if CAUSAL:
-                ok = ok & (cols[None, :] <= (offs_m[:, None] + diag_shift))
+                ok = ok & ((start_n + offs_n)[None, :] <= (offs_m[:, None] + diag_shift))
             qk = tl.where(ok, qk * qk_scale, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -216,10 +215,12 @@ def _bs_attn_fwd(Q, K, V, O, LSE, IDX, NFULL, NTOT,
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     diag_shift = Sk - Sq
-    acc, l_i, m_i = _bs_inner(acc, l_i, m_i, q, k_base, v_base, idx_row, offs_m, offs_n, offs_d, d_ok,
+    k_offs = offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_offs = offs_n[:, None] * stride_vn + offs_d[None, :]
+    acc, l_i, m_i = _bs_inner(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, idx_row, offs_m, offs_n, d_ok,
                               0, n_full * SUB, Sk, diag_shift, qk_scale, stride_kn, stride_vn,
                               False, CAUSAL, EVEN_D, IS_FP32, BLOCK_N, SUB, BLOCK_SIZE)
-    acc, l_i, m_i = _bs_inner(acc, l_i, m_i, q, k_base, v_base, idx_row, offs_m, offs_n, offs_d, d_ok,
+    acc, l_i, m_i = _bs_inner(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, idx_row, offs_m, offs_n, d_ok,
                               n_full * SUB, n_tot * SUB, Sk, diag_shift, qk_scale, stride_kn, stride_vn,
                               True, CAUSAL, EVEN_D, IS_FP32, BLOCK_N, SUB, BLOCK_SIZE)
     empty = l_i == 0.0
