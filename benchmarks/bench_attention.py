@@ -56,9 +56,16 @@ _FLEX = {}
 
 
 def _flex_fn():
+    """A compiled flex_attention. Each (shape, mask) recompiles (dynamic=False); dynamo's default
+    recompile limit (8) would otherwise make later cases fall back to the unfused eager path."""
     if "fn" not in _FLEX:
+        import torch._dynamo
+
         from torch.nn.attention.flex_attention import flex_attention
 
+        for name in ("recompile_limit", "cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config, name)))
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     return _FLEX["fn"]
 
