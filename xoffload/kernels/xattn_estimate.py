@@ -186,7 +186,8 @@ def _tile_stats(acc, m_i, l_i, c0, rows, cols, t_lo, Sk, kq_shift, n_rows, qk_sc
     return m_new, l_i
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Sq", "Sk", "k_offset", "q_start", "n_rows", "R", "n_blocks", "n_bh",
+                               "H", "GROUP", "LEN_BUCKET"])
 def _xattn_stats_kernel(Q, K, BL, RM, RS,
                         stride_qb, stride_qs, stride_qh,
                         stride_kb, stride_ks, stride_kh,
@@ -424,7 +425,7 @@ def xattn_merge_stats(stats: Sequence):
 # stage 3: normalise and block-sum (Triton)
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit
+@triton.jit(do_not_specialize=["n_blocks", "H"])
 def _xattn_block_sum_kernel(BL, RM, RS, OUT,
                             stride_lb, stride_lh, stride_lr,
                             stride_rb, stride_rh,
@@ -507,7 +508,7 @@ def xattn_block_scores(block_lse, row_max, row_sum, *, stride=8, block_size=128,
     block_lse = block_lse if block_lse.stride(-1) == 1 else block_lse.contiguous()
     row_max = row_max.contiguous()
     row_sum = row_sum.contiguous()
-    bj = min(max(16, next_pow2(nkb)), max(16, 4096 // cb), 256)
+    bj = min(256, max(16, 4096 // cb))
     grid = (nqb, b * h, triton.cdiv(nkb, bj))
     _xattn_block_sum_kernel[grid](
         block_lse, row_max, row_sum, out,
