@@ -178,8 +178,17 @@ def fixed_density_mask(s, density, seed=0):
     return (r & vis) | forced
 
 
+def _causal_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
 def flex_block_mask(mask, s):
-    """FlexAttention BlockMask with exactly the kept blocks of ``mask`` (causal inside)."""
+    """FlexAttention BlockMask with exactly the kept blocks of ``mask`` (causal inside).
+
+    Kept blocks strictly below the diagonal are "full" blocks (no mask_mod), diagonal ones
+    "partial" (causal mask_mod). Checked against the reference on the CPU with the compiled
+    flex_attention (the eager one applies only mask_mod and ignores the block lists).
+    """
     from torch.nn.attention.flex_attention import BlockMask
 
     nb = mask.shape[-1]
@@ -196,11 +205,11 @@ def flex_block_mask(mask, s):
     kv_num, kv_idx = to_idx(m_part)
     full_num, full_idx = to_idx(m_full)
 
-    def causal_mod(b, h, q_idx, kv_idx_):
-        return q_idx >= kv_idx_
-
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BS, mask_mod=causal_mod,
-                                    seq_lengths=(s, s))
+    try:
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BS, mask_mod=_causal_mod,
+                                        seq_lengths=(s, s))
+    except TypeError:  # older torch: no seq_lengths
+        return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=BS, mask_mod=_causal_mod)
 
 
 _FLEX = {}
@@ -210,6 +219,12 @@ def _flex_call(q, k, v, bm):
     from torch.nn.attention.flex_attention import flex_attention
 
     if "fn" not in _FLEX:
+        try:  # new BlockMask contents per density must not exhaust the recompile limit
+            import torch._dynamo
+
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        except Exception:
+            pass
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
     flex = _FLEX["fn"]
     qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
@@ -331,6 +346,84 @@ def run_end_to_end(s, thresholds=(0.9,), strides=(8,), reps=3):
 
 
 # ---------------------------------------------------------------------------------------------
+# parallel compile warm-up (fills Triton's on-disk cache from several processes at once)
+# ---------------------------------------------------------------------------------------------
+
+def _warm_variants():
+    v = []
+    for st in (4, 8, 16):
+        for causal in (True, False):
+            v.append(("stats", st, causal, (128, 64, 8, 3)))
+    for st in (8, 16):
+        for cfg in ((128, 128, 8, 3), (128, 128, 8, 2)):
+            v.append(("stats", st, True, cfg))
+    for st in (4, 8, 16):
+        v.append(("blocksum", st))
+    for causal in (True, False):
+        for mb in (1, 2):
+            v.append(("bs", causal, mb, torch.bfloat16, 128))
+    v.append(("bs", True, 1, torch.float16, 64))
+    v.append(("dense",))
+    return v
+
+
+def _warm_one(v):
+    """Compile one kernel variant on tiny inputs with the same specialisation as the real runs."""
+    import importlib
+
+    try:
+        kind = v[0]
+        if kind == "stats":
+            _, st, causal, cfg = v
+            mod = importlib.import_module("xoffload.kernels.xattn_estimate")
+            q = torch.randn(1, 256, 8, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 256, 2, D, device="cuda", dtype=torch.bfloat16)
+            mod._CFG_OVERRIDE.append(cfg)
+            try:
+                mod.xattn_chunk_stats(q, k, q_start=0, stride=st, causal=causal)
+            finally:
+                mod._CFG_OVERRIDE.pop()
+        elif kind == "blocksum":
+            from xoffload.kernels import xattn_chunk_stats, xattn_block_scores
+
+            q = torch.randn(1, 256, 8, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 256, 2, D, device="cuda", dtype=torch.bfloat16)
+            stt = xattn_chunk_stats(q, k, q_start=0, stride=v[1])
+            xattn_block_scores(stt.block_lse, stt.row_max, stt.row_sum, stride=v[1])
+        elif kind == "bs":
+            from xoffload.kernels import block_sparse_attn_with_lse
+
+            _, causal, mb, dt, d = v
+            q = torch.randn(mb, 256, 8, d, device="cuda", dtype=dt)
+            k = torch.randn(mb, 256, 2, d, device="cuda", dtype=dt)
+            block_sparse_attn_with_lse(q, k, k, torch.ones(mb, 8, 2, 2, dtype=torch.bool, device="cuda"),
+                                       causal=causal)
+        elif kind == "dense":
+            from xoffload.kernels import flash_attn_with_lse
+
+            q = torch.randn(1, 256, 8, D, device="cuda", dtype=torch.bfloat16)
+            k = torch.randn(1, 256, 2, D, device="cuda", dtype=torch.bfloat16)
+            flash_attn_with_lse(q, k, k, causal=True)
+        torch.cuda.synchronize()
+        return (str(v), "ok")
+    except Exception as e:  # the real run reports it
+        return (str(v), f"{type(e).__name__}: {e}"[:200])
+
+
+def warm(processes=16):
+    """Compile the kernels the tests and this benchmark use, in parallel processes."""
+    import multiprocessing as mp
+
+    t = time.time()
+    variants = _warm_variants()
+    with mp.get_context("spawn").Pool(min(processes, len(variants))) as pool:
+        res = pool.map(_warm_one, variants)
+    bad = [r for r in res if r[1] != "ok"]
+    print(f"warm: {len(variants)} variants in {time.time() - t:.1f} s; failures: {bad}", flush=True)
+    return {"seconds": round(time.time() - t, 1), "failures": bad}
+
+
+# ---------------------------------------------------------------------------------------------
 # main
 # ---------------------------------------------------------------------------------------------
 
@@ -362,9 +455,13 @@ def main(argv=None):
     ap.add_argument("--quick", action="store_true", help="128K only; S=8,16; one end-to-end threshold")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compile time)")
     ap.add_argument("--name", default="xattn")
+    ap.add_argument("--warm-only", action="store_true", help="only compile the kernels (parallel processes)")
     args = ap.parse_args(argv)
     if not HAS_CUDA:
         print("bench_xattn: no CUDA device, skipped")
+        return 0
+    if args.warm_only:
+        warm()
         return 0
     s_main = 131072
     payload = {"benchmark": "xattn", "env": env_record(), "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "batch": 1,

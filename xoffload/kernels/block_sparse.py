@@ -167,7 +167,9 @@ def _bs_inner(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, idx_row, offs_m,
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["Sq", "Sk", "n_bh", "n_heads", "group", "mask_group", "n_qb", "num_m_blocks"])
+@triton.jit(do_not_specialize=["Sq", "Sk", "n_bh", "n_heads", "group", "mask_group", "n_qb", "num_m_blocks",
+                               "stride_lb", "stride_lh", "stride_lm", "stride_ib", "stride_ih", "stride_ii",
+                               "stride_cb", "stride_ch"])
 def _bs_attn_fwd(Q, K, V, O, LSE, IDX, NFULL, NTOT,
                  stride_qb, stride_qm, stride_qh,
                  stride_kb, stride_kn, stride_kh,

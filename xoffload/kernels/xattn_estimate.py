@@ -187,7 +187,8 @@ def _tile_stats(acc, m_i, l_i, c0, rows, cols, t_lo, Sk, kq_shift, n_rows, qk_sc
 
 
 @triton.jit(do_not_specialize=["Sq", "Sk", "k_offset", "q_start", "n_rows", "R", "n_blocks", "n_bh",
-                               "H", "GROUP", "LEN_BUCKET"])
+                               "H", "GROUP", "LEN_BUCKET", "stride_lb", "stride_lh", "stride_lr",
+                               "stride_rb", "stride_rh"])
 def _xattn_stats_kernel(Q, K, BL, RM, RS,
                         stride_qb, stride_qs, stride_qh,
                         stride_kb, stride_ks, stride_kh,
@@ -425,7 +426,8 @@ def xattn_merge_stats(stats: Sequence):
 # stage 3: normalise and block-sum (Triton)
 # ----------------------------------------------------------------------------------------------
 
-@triton.jit(do_not_specialize=["n_blocks", "H"])
+@triton.jit(do_not_specialize=["n_blocks", "H", "stride_lb", "stride_lh", "stride_lr", "stride_rb",
+                               "stride_rh", "stride_ob", "stride_oh", "stride_oi"])
 def _xattn_block_sum_kernel(BL, RM, RS, OUT,
                             stride_lb, stride_lh, stride_lr,
                             stride_rb, stride_rh,
