@@ -83,7 +83,8 @@ def _heatmap(path, modes, lengths, depths, rate):
         ax.set_xticks(range(len(lengths)), [f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths])
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
         ax.set_xlabel("context length (tokens)")
-        ax.set_ylabel("needle depth")
+        if ax is axes[0][0]:
+            ax.set_ylabel("needle depth")
         ax.set_title(f"mode={mode}")
         for i in range(len(depths)):
             for j in range(len(lengths)):

@@ -1,0 +1,327 @@
+"""End-to-end model benchmark (issue 4 §5): random-weight Llama-3.1-8B shape, bf16, one GPU.
+
+Measured in one run, on the same random weights:
+- ours, ``gpu`` and ``offload`` modes: prefill tok/s, TTFT, decode ms/token, peak GPU memory, at
+  32K and 128K context (``--quick``: 32K only);
+- the peer, transformers' ``generate`` (SDPA) with the cache on the GPU and with
+  ``DynamicCache(offloading=True)``: prefill tok/s and decode ms/token from CUDA events recorded
+  by a logits processor at every generated token (one ``generate`` call per point);
+- H2D bandwidth (pinned host -> GPU, 1 GiB copies) and the full-offload decode bound
+  ``KV bytes per token / H2D``;
+- a 24 GiB GPU memory cap (``torch.cuda.set_per_process_memory_fraction``): ``offload`` serves
+  128K, ``gpu`` mode runs out of memory.
+
+Each section is wrapped so that a failure is recorded in the JSON (``errors``) and the rest still
+runs. Run: ``python benchmarks/bench_model.py [--quick]`` (writes benchmarks/results/model.json), or
+through pytest-benchmark (``test_bench_model``).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import HAS_CUDA, env_record, fmt_table, requires_cuda, write_json  # noqa: E402
+
+import torch  # noqa: E402
+
+PRESET = "llama-3.1-8b"
+N_NEW = 8  # generated tokens per point (1 prefill token + 7 decode steps)
+CAP_BYTES = 24 * 2**30
+
+
+def _free():
+    gc.collect()
+    if HAS_CUDA:
+        torch.cuda.empty_cache()
+
+
+def _prompt(n, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+def h2d_bandwidth_gbps(nbytes=1 << 30, reps=5) -> float:
+    """Pinned host -> device copy bandwidth (GB/s, 1e9) with CUDA events, median of ``reps``."""
+    src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst.copy_(src, non_blocking=True)
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src, non_blocking=True)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    del src, dst
+    times.sort()
+    return nbytes / (times[len(times) // 2] * 1e-3) / 1e9
+
+
+# ------------------------------------------------------------------------------------------- ours
+def run_ours(llm, n_ctx, seed=0) -> dict:
+    from xoffload.models import SamplingParams
+
+    ids = _prompt(n_ctx - N_NEW, llm.cfg.vocab_size, seed)
+    o = llm.generate(ids, SamplingParams(max_tokens=N_NEW, ignore_eos=True))[0]
+    t = o.timings
+    return {"prompt_tokens": len(ids), "prefill_tok_per_s": t["prefill_tok_per_s"], "ttft_ms": t["ttft_ms"],
+            "decode_ms_per_token": t["decode_ms_per_token"], "peak_gpu_memory_bytes": o.peak_gpu_memory_bytes,
+            "token_ids": o.token_ids}
+
+
+# ------------------------------------------------------------------------------------------- peer
+def hf_from_ours(model, attn="sdpa"):
+    """transformers LlamaForCausalLM holding OUR weight tensors (views: no copy), on the same device."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    c = model.cfg
+    hc = LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids) or None, pad_token_id=0)
+    hc._attn_implementation = attn
+    with torch.device("meta"):
+        hf = LlamaForCausalLM(hc)
+    hq, hkv, d, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim, c.intermediate_size
+    sd = {"model.embed_tokens.weight": model.w.embed, "model.norm.weight": model.w.norm,
+          "lm_head.weight": model.w.lm_head}
+    for li, lw in enumerate(model.w.layers):
+        p = f"model.layers.{li}."
+        sd[p + "input_layernorm.weight"] = lw.attn_norm
+        sd[p + "post_attention_layernorm.weight"] = lw.mlp_norm
+        sd[p + "self_attn.q_proj.weight"] = lw.wqkv[:hq]
+        sd[p + "self_attn.k_proj.weight"] = lw.wqkv[hq:hq + hkv]
+        sd[p + "self_attn.v_proj.weight"] = lw.wqkv[hq + hkv:]
+        sd[p + "self_attn.o_proj.weight"] = lw.wo
+        sd[p + "mlp.gate_proj.weight"] = lw.w_gate_up[:i]
+        sd[p + "mlp.up_proj.weight"] = lw.w_gate_up[i:]
+        sd[p + "mlp.down_proj.weight"] = lw.w_down
+    hf.load_state_dict(sd, assign=True, strict=False)
+    # non-persistent buffers (RoPE inv_freq) were created on meta: rebuild the rotary module on the device
+    rot_cls = type(hf.model.rotary_emb)
+    try:
+        rot = rot_cls(config=hc, device="cpu")
+    except TypeError:  # the signature differs between transformers 5.x releases
+        rot = rot_cls(config=hc)
+    hf.model.rotary_emb = rot.to(model.device)
+    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
+    if left:
+        raise RuntimeError(f"transformers model still has meta tensors: {left[:5]}")
+    return hf.eval()
+
+
+def run_hf(hf, n_ctx, offloading: bool, seed=0) -> dict:
+    """One ``generate`` call of N_NEW tokens; a logits processor records a CUDA event per token."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    events = []
+
+    class _Mark(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            events.append(e)
+            return scores
+
+    ids = torch.tensor([_prompt(n_ctx - N_NEW, hf.config.vocab_size, seed)], device="cuda")
+    kw = dict(max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
+              attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([_Mark()]))
+    if offloading:
+        from transformers import DynamicCache
+
+        try:
+            kw["past_key_values"] = DynamicCache(config=hf.config, offloading=True)
+        except TypeError:
+            kw["cache_implementation"] = "offloaded"
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.Event(enable_timing=True)
+    start.record()
+    with torch.no_grad():
+        out = hf.generate(ids, **kw)
+    end = torch.cuda.Event(enable_timing=True)
+    end.record()
+    end.synchronize()
+    prefill_ms = start.elapsed_time(events[0])
+    steps = len(events) - 1
+    dec = events[0].elapsed_time(events[-1]) / steps if steps > 0 else None
+    return {"prompt_tokens": ids.shape[1], "prefill_tok_per_s": ids.shape[1] / prefill_ms * 1e3,
+            "ttft_ms": prefill_ms, "decode_ms_per_token": dec,
+            "peak_gpu_memory_bytes": int(torch.cuda.max_memory_allocated()),
+            "token_ids": out[0, ids.shape[1]:].tolist()}
+
+
+# ------------------------------------------------------------------------------------------- main
+def _section(res, name, fn):
+    t = time.perf_counter()
+    try:
+        out = fn()
+        res["results"][name] = out
+        print(f"[{name}] done in {time.perf_counter() - t:.1f} s", flush=True)
+        return out
+    except Exception as e:  # record and go on
+        res["errors"][name] = f"{type(e).__name__}: {e}"
+        res["tracebacks"][name] = traceback.format_exc()[-3000:]
+        print(f"[{name}] FAILED: {type(e).__name__}: {e}", flush=True)
+        _free()
+        return None
+
+
+def run(quick: bool = False, out_dir=None, peers: bool = True, cap: bool = True) -> dict:
+    from xoffload.models import LLM, SamplingParams, random_model
+
+    ctxs = [32768] if quick else [32768, 131072]
+    res = {"name": "model", "env": env_record(), "preset": PRESET, "dtype": "bfloat16", "n_new_tokens": N_NEW,
+           "contexts": ctxs, "quick": quick, "results": {}, "errors": {}, "tracebacks": {}}
+    model = random_model(PRESET, dtype=torch.bfloat16, device="cuda", seed=0)
+    cfg = model.cfg
+    res["weights_bytes"] = model.w.nbytes()
+    res["kv_bytes_per_token"] = cfg.kv_bytes_per_token(torch.bfloat16)
+    res["prefill_attention_kernel"] = "xoffload flash_attn_with_lse (Triton FA2, causal, chunked queries)"
+    max_len = max(ctxs)
+
+    h2d = _section(res, "h2d_gbps", h2d_bandwidth_gbps)
+    # warm-up (Triton compilation) on a short prompt in both modes
+    def warm():
+        for mode in ("gpu", "offload"):
+            llm = LLM(model, mode=mode, max_model_len=4096)
+            llm.generate(_prompt(3000, cfg.vocab_size), SamplingParams(max_tokens=4, ignore_eos=True))
+            llm.close()
+        return True
+
+    _section(res, "warmup", warm)
+    for mode in ("gpu", "offload"):
+        def one_mode(mode=mode):
+            llm = LLM(model, mode=mode, max_model_len=max_len)
+            try:
+                return {str(n): run_ours(llm, n) for n in ctxs}
+            finally:
+                llm.close()
+                _free()
+
+        _section(res, f"ours_{mode}", one_mode)
+        _free()
+
+    if peers:
+        hf = None
+        try:
+            hf = _section(res, "hf_build", lambda: hf_from_ours(model))
+            if hf is not None:
+                res["results"]["hf_build"] = "ok"
+                for off in (False, True):
+                    name = "hf_offloaded_cache" if off else "hf_gpu_cache"
+                    _section(res, name, lambda off=off: {str(n): (run_hf(hf, n, off), _free())[0] for n in ctxs})
+        finally:
+            del hf
+            _free()
+
+    if cap and not quick:
+        def capped():
+            out = {}
+            total = torch.cuda.get_device_properties(0).total_memory
+            _free()
+            torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_BYTES / total))
+            try:
+                for mode in ("gpu", "offload"):
+                    llm = None
+                    try:
+                        llm = LLM(model, mode=mode, max_model_len=131072)
+                        out[mode] = run_ours(llm, 131072)
+                        out[mode]["status"] = "ok"
+                    except torch.cuda.OutOfMemoryError as e:
+                        out[mode] = {"status": "OOM", "error": str(e).splitlines()[0][:300]}
+                    finally:
+                        if llm is not None:
+                            llm.close()
+                        del llm
+                        _free()
+            finally:
+                torch.cuda.set_per_process_memory_fraction(1.0)
+            out["cap_bytes"] = CAP_BYTES
+            return out
+
+        _section(res, "cap_24GiB_128K", capped)
+
+    # ---- derived numbers and the issue's targets
+    r = res["results"]
+    tgt = {}
+    for n in map(str, ctxs):
+        g, o = r.get("ours_gpu", {}).get(n), r.get("ours_offload", {}).get(n)
+        hg = (r.get("hf_gpu_cache") or {}).get(n)
+        ho = (r.get("hf_offloaded_cache") or {}).get(n)
+        t = {}
+        if g and o:
+            t["offload_prefill_vs_gpu"] = o["prefill_tok_per_s"] / g["prefill_tok_per_s"]
+            t["offload_equals_gpu_tokens"] = o["token_ids"] == g["token_ids"]
+        if o and hg:
+            t["offload_prefill_vs_hf_gpu"] = o["prefill_tok_per_s"] / hg["prefill_tok_per_s"]
+        if g and hg:
+            t["gpu_decode_vs_hf_gpu"] = g["decode_ms_per_token"] / hg["decode_ms_per_token"]
+        if o and ho:
+            t["offload_decode_speedup_vs_hf_offloaded"] = ho["decode_ms_per_token"] / o["decode_ms_per_token"]
+        if o and h2d:
+            bound_ms = (int(n) * res["kv_bytes_per_token"]) / (h2d * 1e9) * 1e3
+            t["h2d_bound_ms_per_token"] = bound_ms
+            t["offload_decode_vs_h2d_bound"] = o["decode_ms_per_token"] / bound_ms
+        if o:
+            t["offload_peak_minus_weights_GB"] = (o["peak_gpu_memory_bytes"] - res["weights_bytes"]) / 1e9
+        tgt[n] = t
+    res["targets"] = tgt
+
+    rows = []
+    for name in ("ours_gpu", "ours_offload", "hf_gpu_cache", "hf_offloaded_cache"):
+        for n, v in (r.get(name) or {}).items():
+            if isinstance(v, dict):
+                rows.append({"impl": name, "ctx": n, "prefill_tok/s": v["prefill_tok_per_s"],
+                             "ttft_ms": v["ttft_ms"], "decode_ms/tok": v["decode_ms_per_token"] or float("nan"),
+                             "peak_GiB": v["peak_gpu_memory_bytes"] / 2**30})
+    print(fmt_table(rows, ["impl", "ctx", "prefill_tok/s", "ttft_ms", "decode_ms/tok", "peak_GiB"]))
+    if h2d:
+        print(f"H2D {h2d:.1f} GB/s; KV bytes/token {res['kv_bytes_per_token']}")
+    for n, t in tgt.items():
+        print(n, {k: (round(v, 3) if isinstance(v, float) else v) for k, v in t.items()})
+    if "cap_24GiB_128K" in r:
+        c = r["cap_24GiB_128K"]
+        print("24 GiB cap, 128K:", {m: c[m].get("status") for m in ("gpu", "offload") if m in c})
+    if res["errors"]:
+        print("errors:", res["errors"])
+    for v in r.values():  # token ids are bulky: keep the first few
+        if isinstance(v, dict):
+            for x in v.values():
+                if isinstance(x, dict) and "token_ids" in x:
+                    x["token_ids"] = x["token_ids"][:N_NEW]
+    path = write_json("model", res, out_dir)
+    print(f"wrote {path}")
+    return res
+
+
+@requires_cuda
+def test_bench_model(benchmark):
+    res = benchmark.pedantic(lambda: run(quick=True), rounds=1, iterations=1)
+    benchmark.extra_info.update({"targets": res["targets"], "errors": res["errors"]})
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="32K only, no memory-cap section")
+    ap.add_argument("--no-peers", action="store_true", help="skip transformers")
+    ap.add_argument("--no-cap", action="store_true", help="skip the 24 GiB cap section")
+    ap.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
+    a = ap.parse_args(argv)
+    if not HAS_CUDA:
+        print("bench_model: no CUDA GPU, skipped")
+        return 0
+    res = run(quick=a.quick, out_dir=a.out, peers=not a.no_peers, cap=not a.no_cap)
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
