@@ -185,7 +185,8 @@ def run(quick: bool = False, out_dir=None, peers: bool = True, cap: bool = True)
     cfg = model.cfg
     res["weights_bytes"] = model.w.nbytes()
     res["kv_bytes_per_token"] = cfg.kv_bytes_per_token(torch.bfloat16)
-    res["prefill_attention_kernel"] = "xoffload flash_attn_with_lse (Triton FA2, causal, chunked queries)"
+    res["prefill_attention_kernel"] = ("ours_*: xoffload flash_attn_with_lse (Triton, causal, 8K-token query "
+                                       "chunks); ours_offload_sdpa: torch SDPA with a lower-right causal bias")
     max_len = max(ctxs)
 
     h2d = _section(res, "h2d_gbps", h2d_bandwidth_gbps)
@@ -198,16 +199,17 @@ def run(quick: bool = False, out_dir=None, peers: bool = True, cap: bool = True)
         return True
 
     _section(res, "warmup", warm)
-    for mode in ("gpu", "offload"):
-        def one_mode(mode=mode):
-            llm = LLM(model, mode=mode, max_model_len=max_len)
+    # (mode, prefill attention): the Triton kernel by default; PyTorch SDPA as the alternative
+    for mode, attn in (("gpu", "xoffload"), ("offload", "xoffload"), ("offload", "sdpa")):
+        def one_mode(mode=mode, attn=attn):
+            llm = LLM(model, mode=mode, max_model_len=max_len, prefill_attn=attn)
             try:
                 return {str(n): run_ours(llm, n) for n in ctxs}
             finally:
                 llm.close()
                 _free()
 
-        _section(res, f"ours_{mode}", one_mode)
+        _section(res, f"ours_{mode}" + ("_sdpa" if attn == "sdpa" else ""), one_mode)
         _free()
 
     if peers:
@@ -261,8 +263,14 @@ def run(quick: bool = False, out_dir=None, peers: bool = True, cap: bool = True)
         if g and o:
             t["offload_prefill_vs_gpu"] = o["prefill_tok_per_s"] / g["prefill_tok_per_s"]
             t["offload_equals_gpu_tokens"] = o["token_ids"] == g["token_ids"]
+        os_ = r.get("ours_offload_sdpa", {}).get(n)
         if o and hg:
             t["offload_prefill_vs_hf_gpu"] = o["prefill_tok_per_s"] / hg["prefill_tok_per_s"]
+        if os_ and hg:
+            t["offload_sdpa_prefill_vs_hf_gpu"] = os_["prefill_tok_per_s"] / hg["prefill_tok_per_s"]
+        if os_ and o:
+            t["fastest_prefill_attention"] = ("sdpa" if os_["prefill_tok_per_s"] > o["prefill_tok_per_s"]
+                                              else "xoffload flash_attn_with_lse")
         if g and hg:
             t["gpu_decode_vs_hf_gpu"] = g["decode_ms_per_token"] / hg["decode_ms_per_token"]
         if o and ho:
@@ -277,7 +285,7 @@ def run(quick: bool = False, out_dir=None, peers: bool = True, cap: bool = True)
     res["targets"] = tgt
 
     rows = []
-    for name in ("ours_gpu", "ours_offload", "hf_gpu_cache", "hf_offloaded_cache"):
+    for name in ("ours_gpu", "ours_offload", "ours_offload_sdpa", "hf_gpu_cache", "hf_offloaded_cache"):
         for n, v in (r.get(name) or {}).items():
             if isinstance(v, dict):
                 rows.append({"impl": name, "ctx": n, "prefill_tok/s": v["prefill_tok_per_s"],

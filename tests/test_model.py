@@ -418,3 +418,14 @@ def test_hf_dir_errors(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
     with pytest.raises(ValueError, match="unsupported architecture"):
         LLM(str(tmp_path), device="cpu")
+
+
+def test_prefill_attn_sdpa_matches_xoffload():
+    m = _tiny_random("tiny-qwen3")
+    ids = torch.randint(0, 256, (90,), generator=torch.Generator().manual_seed(4)).tolist()
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    a = LLM(m, max_model_len=128, prefill_chunk=32).generate(ids, sp)[0]
+    b = LLM(m, mode="offload", max_model_len=128, prefill_chunk=32, prefill_attn="sdpa", kv_block_size=32).generate(ids, sp)[0]
+    assert a.token_ids == b.token_ids
+    with pytest.raises(ValueError, match="prefill_attn"):
+        LLM(m, prefill_attn="flash3")

@@ -148,6 +148,27 @@ class LlamaModel:
         k = apply_rope(self._qk_norm(k, lw.k_norm), cos, sin)
         return k, v
 
+    def _causal_attn(self, q, k, v, backend: str):
+        """Causal (bottom-right aligned) attention of a query chunk: q ``[c, Hq, D]`` against
+        k/v ``[e, Hkv, D]`` (``e >= c``: the chunk's own keys are the last ``c``). Returns
+        ``[c, Hq, D]``. ``backend``: ``"xoffload"`` (flash_attn_with_lse) or ``"sdpa"`` (PyTorch's
+        scaled_dot_product_attention with a lower-right causal bias and native GQA)."""
+        if backend == "sdpa":
+            c, e = q.shape[0], k.shape[0]
+            qt, kt, vt = (x[None].transpose(1, 2) for x in (q, k, v))
+            if c == e:
+                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                from torch.nn.attention.bias import causal_lower_right
+
+                o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(c, e),
+                                                   scale=self.scale, enable_gqa=True)
+            return o.transpose(1, 2)[0]
+        from xoffload.kernels import flash_attn_with_lse
+
+        o, _ = flash_attn_with_lse(q[None], k[None], v[None], causal=True, softmax_scale=self.scale)
+        return o[0]
+
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[n, V]`` of final hidden states ``h`` ``[n, hidden]`` (final norm applied here)."""
         x = rms_norm(h, self.w.norm, self.cfg.rms_norm_eps)
@@ -155,7 +176,8 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, ids: torch.Tensor, sink, *, chunk: int = 4096, all_logits: bool = False,
-                sparse_fn=None, sparse_layers=(), densities: list | None = None) -> torch.Tensor:
+                sparse_fn=None, sparse_layers=(), densities: list | None = None,
+                attn_backend: str = "xoffload") -> torch.Tensor:
         """Layerwise prefill of one sequence.
 
         Args:
@@ -169,11 +191,13 @@ class LlamaModel:
                 and k/v ``[1, T, Hkv, D]``, returns out ``[1, T, Hq, D]`` and the kept fraction.
             sparse_layers: layer indices that use ``sparse_fn``.
             densities: list receiving one entry per layer: ``sparse_fn``'s density, or None (dense).
+            attn_backend: dense causal attention of the prompt: ``"xoffload"`` (the Triton
+                ``flash_attn_with_lse``; the kernels' reference on the CPU) or ``"sdpa"`` (PyTorch).
         Returns:
             fp32 logits.
         """
-        from xoffload.kernels import flash_attn_with_lse
-
+        if attn_backend not in ("xoffload", "sdpa"):
+            raise ValueError(f"attn_backend must be 'xoffload' or 'sdpa', got {attn_backend!r}")
         cfg = self.cfg
         T = int(ids.shape[0])
         chunk = max(1, int(chunk))
@@ -203,9 +227,7 @@ class LlamaModel:
                     o = out_full[0, s:e]
                 else:
                     q = self._q_chunk(lw, h[s:e], cos_all[s:e], sin_all[s:e])
-                    o, _ = flash_attn_with_lse(q[None], k[None, :e], v[None, :e], causal=True,
-                                               softmax_scale=self.scale)
-                    o = o[0]
+                    o = self._causal_attn(q, k[:e], v[:e], attn_backend)
                     del q
                 hc = h[s:e]
                 hc += o.reshape(e - s, -1).to(self.dtype) @ lw.wo.t()

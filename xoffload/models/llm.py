@@ -220,6 +220,9 @@ class LLM:
         sparse_kwargs: extra keyword arguments for ``xattention_prefill`` (e.g. ``chunk_size``,
             ``dense_fallback_len``).
         prefill_chunk: tokens per chunk in prefill (default 8192 on a GPU, 512 on the CPU).
+        prefill_attn: dense causal attention in prefill: ``"xoffload"`` (Triton
+            ``flash_attn_with_lse``, default) or ``"sdpa"`` (PyTorch SDPA, lower-right causal bias;
+            no LSE is needed there).
         seed: default sampling seed of requests without one.
 
     On the CPU the attention kernels run their PyTorch references (exact fp32) inside
@@ -231,7 +234,7 @@ class LLM:
                  max_model_len: int | None = None, dtype=None, device=None, sparse: str | None = None,
                  sparse_threshold: float = 0.9, sparse_stride: int = 8, sparse_block_size: int = 128,
                  dense_layers=(0, 1), sparse_kwargs: dict | None = None, prefill_chunk: int | None = None,
-                 seed: int = 0):
+                 prefill_attn: str = "xoffload", seed: int = 0):
         if mode not in ("gpu", "offload"):
             raise ValueError(f"mode must be 'gpu' or 'offload', got {mode!r}")
         if sparse not in (None, "xattn", "none", "dense"):
@@ -261,6 +264,9 @@ class LLM:
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
+        if prefill_attn not in ("xoffload", "sdpa"):
+            raise ValueError(f"prefill_attn must be 'xoffload' or 'sdpa', got {prefill_attn!r}")
+        self.prefill_attn = prefill_attn
         self.sparse = sparse
         self.sparse_threshold = float(sparse_threshold)
         self.sparse_stride = int(sparse_stride)
@@ -278,6 +284,7 @@ class LLM:
                 raise ImportError(f"sparse='xattn' needs xoffload.sparse.xattention.xattention_prefill: {e}") from e
             self._xattn = xattention_prefill
         self.engine = None
+        self._closed = False
         if mode == "offload":
             try:
                 from xoffload.runtime import OffloadEngine
@@ -371,6 +378,8 @@ class LLM:
             outside the vocabulary, a string without a tokenizer. All prompts are checked before
             any runs; a failed request frees its KV and the LLM keeps serving.
         """
+        if self.mode == "offload" and self.engine is None:
+            raise ValueError("this LLM was closed; create a new one")
         sp = sampling_params or SamplingParams()
         if not isinstance(sp, SamplingParams):
             raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
@@ -416,7 +425,8 @@ class LLM:
             densities = [] if self.sparse else None
             sparse_fn = self._sparse_fn() if self.sparse else None
             logits = m.prefill(ids_t, kv, chunk=self.prefill_chunk, sparse_fn=sparse_fn,
-                               sparse_layers=self.sparse_layers, densities=densities)
+                               sparse_layers=self.sparse_layers, densities=densities,
+                               attn_backend=self.prefill_attn)
             t_pf = clock.mark()
             tok = _sample(logits, sp, gen)
             t_first = clock.mark()
@@ -505,9 +515,11 @@ class LLM:
         return run
 
     def close(self):
-        """Release the offload engine's memory (the LLM cannot generate in offload mode afterwards)."""
+        """Release the offload engine (its pinned pool and GPU ring); an offload-mode LLM cannot
+        generate afterwards. Safe to call twice."""
         if self.engine is not None:
-            reset = getattr(self.engine, "reset", None)
-            if reset is not None:
-                reset()
+            closer = getattr(self.engine, "close", None) or getattr(self.engine, "reset", None)
+            if closer is not None:
+                closer()
             self.engine = None
+        self._closed = True
