@@ -150,7 +150,7 @@ def run_estimate(seqs, strides, reps=3):
                 traceback.print_exc()
                 rec[f"S{st}"] = {"error": f"{type(e).__name__}: {e}"[:300]}
         try:
-            mod = sys.modules["xoffload.kernels.xattn_estimate"]
+            mod = sys.modules["xoffload.kernels.xattn"]
             rec["stats_autotune_choice"] = {str(kk): str(vv) for kk, vv in mod._xattn_stats_tuned.cache.items()}
         except Exception:
             pass
@@ -375,7 +375,7 @@ def _warm_one(v):
         kind = v[0]
         if kind == "stats":
             _, st, causal, cfg = v
-            mod = importlib.import_module("xoffload.kernels.xattn_estimate")
+            mod = importlib.import_module("xoffload.kernels.xattn")
             q = torch.randn(1, 256, 8, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(1, 256, 2, D, device="cuda", dtype=torch.bfloat16)
             mod._CFG_OVERRIDE.append(cfg)

@@ -256,7 +256,7 @@ def test_gpu_long_autotuned_path_matches_short_config():
     from xoffload.kernels import xattn_estimate as _  # noqa: F401
     import importlib
 
-    mod = importlib.import_module("xoffload.kernels.xattn_estimate")
+    mod = importlib.import_module("xoffload.kernels.xattn")
     q, k = _qk(1, 16384, 16384, 2, 1, 128, torch.bfloat16, "cuda", seed=2)
     a = xattn_estimate(q, k, stride=8, block_size=128)
     mod._CFG_OVERRIDE.append(mod._GPU_STATS_CONFIGS[0])

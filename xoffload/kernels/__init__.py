@@ -21,12 +21,18 @@ _LAZY = {
     "merge_attention_states_n": ".merge",
     "merge_attention_states_": ".merge",
     "block_sparse_attn_with_lse": ".block_sparse",
-    "xattn_estimate": ".xattn_estimate",
-    "xattn_chunk_stats": ".xattn_estimate",
-    "xattn_merge_stats": ".xattn_estimate",
-    "xattn_block_scores": ".xattn_estimate",
+    "BlockIndex": ".block_sparse",
+    "block_mask_to_indices": ".block_sparse",
+    "XAttnChunkStats": ".xattn",
+    "xattn_estimate": ".xattn",
+    "xattn_chunk_stats": ".xattn",
+    "xattn_merge_stats": ".xattn",
+    "xattn_block_scores": ".xattn",
     "select_blocks": ".block_select",
     "kv_head_union": ".block_select",
+    "mask_density": ".block_select",
+    "causal_block_visibility": ".block_select",
+    "forced_blocks": ".block_select",
 }
 
 __all__ = sorted(_LAZY) + ["cpu_backend", "interpreter_on"]

@@ -18,7 +18,7 @@ import torch
 from ..kernels._common import check_heads, check_same, check_tensor
 from ..kernels.block_select import _thresholds, mask_density, select_blocks
 from ..kernels.block_sparse import block_sparse_attn_with_lse
-from ..kernels.xattn_estimate import check_geometry, xattn_estimate
+from ..kernels.xattn import check_geometry, xattn_estimate
 
 __all__ = ["xattention_prefill", "xattention_mask", "DEFAULT_DENSE_FALLBACK_LEN"]
 

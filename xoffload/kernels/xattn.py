@@ -602,21 +602,3 @@ def xattn_estimate(q, k, *, stride=8, block_size=128, chunk_size=None, q_start=N
                         block_size=block_size, chunk_size=chunk_size, q_start=q_start,
                         causal=causal, scale=scale, out=out[:, g0 * group:g1 * group])
     return out
-
-
-# ----------------------------------------------------------------------------------------------
-# This module shares its name with its main function. Importing the submodule sets the package
-# attribute ``xoffload.kernels.xattn_estimate`` to the module (shadowing the lazily exported
-# function), so the module is made callable: ``xoffload.kernels.xattn_estimate(q, k, ...)`` runs
-# :func:`xattn_estimate` whichever of the two the name resolves to.
-# ----------------------------------------------------------------------------------------------
-import sys as _sys
-import types as _types
-
-
-class _CallableModule(_types.ModuleType):
-    def __call__(self, *args, **kwargs):
-        return xattn_estimate(*args, **kwargs)
-
-
-_sys.modules[__name__].__class__ = _CallableModule
