@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# GPU suite and benchmarks on a CUDA machine, from the repository root:
+#   bash benchmarks/run_gpu.sh [tests|bench|model|all] [--quick]
+# Results: benchmarks/results/*.json (and copies under $XOFFLOAD_BENCH_OUT when set); logs under
+# ${OUT:-/tmp/xoffload-gpu}. Set GIT_COMMIT when the tree has no .git (it is recorded in the JSON).
+set -uo pipefail
+what=${1:-all}
+quick=${2:-}
+out=${OUT:-/tmp/xoffload-gpu}
+mkdir -p "$out"
+export XOFFLOAD_BENCH_OUT=${XOFFLOAD_BENCH_OUT:-$out}
+export PYTHONUNBUFFERED=1
+rc=0
+if [[ $what == tests || $what == all ]]; then
+  python3 -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -n 40 || rc=1
+fi
+if [[ $what == bench || $what == all ]]; then
+  python3 benchmarks/bench_attention.py $quick 2>&1 | tail -n 30 || rc=1
+  python3 benchmarks/bench_decode.py $quick --out "$out/decode.json" 2>&1 | tail -n 30 || rc=1
+  python3 benchmarks/bench_merge.py $quick --out "$out/merge.json" 2>&1 | tail -n 20 || rc=1
+  python3 benchmarks/bench_transfer.py $quick --out "$out/transfer.json" 2>&1 | tail -n 30 || rc=1
+  python3 benchmarks/bench_xattn.py --warm-only >/dev/null 2>&1
+  python3 benchmarks/bench_xattn.py $quick 2>&1 | tail -n 30 || rc=1
+fi
+if [[ $what == model || $what == all ]]; then
+  python3 benchmarks/bench_model.py $quick --out "$out" 2>&1 | tail -n 40 || rc=1
+fi
+exit $rc
