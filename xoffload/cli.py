@@ -132,6 +132,8 @@ def cmd_needle(a) -> int:
     for mode in modes:
         llm = LLM(model, **_llm_kwargs(a, mode, max_len))
         try:
+            if model.device.type == "cuda":  # compile the kernels outside the measured requests
+                llm.generate(prompts[0].token_ids[:256], SamplingParams(max_tokens=2))
             for i, p in enumerate(prompts):
                 bar.set_postfix(mode=mode, length=p.length, depth=p.depth)
                 o = llm.generate(p.token_ids, sp)[0]

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -347,7 +348,12 @@ def load_gguf(path, *, dtype=None, device=None, load_tokenizer: bool = True) -> 
     w = Weights(embed=embed, layers=layers, norm=tensor("output_norm.weight").to(device=device, dtype=dtype),
                 lm_head=lm_head, rope_freq_factors=rf)
     _check_shapes(cfg, w, path)
-    tok = load_gguf_tokenizer(path) if load_tokenizer else None
+    tok = None
+    if load_tokenizer and "tokenizer.ggml.tokens" in reader.fields:
+        try:
+            tok = load_gguf_tokenizer(path)
+        except Exception as e:  # weights are usable with token ids; say why text is not
+            warnings.warn(f"{path}: no tokenizer ({type(e).__name__}: {e}); pass token ids", stacklevel=2)
     return LlamaModel(cfg, w, tok, source=path)
 
 
