@@ -18,6 +18,7 @@ through pytest-benchmark (``test_bench_model``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import os
 import sys
@@ -190,12 +191,17 @@ def run(quick: bool = False, out_dir=None, peers: bool = True, cap: bool = True)
     max_len = max(ctxs)
 
     h2d = _section(res, "h2d_gbps", h2d_bandwidth_gbps)
-    # warm-up (Triton compilation) on a short prompt in both modes
+    # warm-up: compile every kernel variant the measured points use. Triton specialises integer
+    # arguments on divisibility by 16 (full 8K chunks and a ragged last chunk both occur) and the
+    # decode merge on the split count (128 splits from ~32.5K keys on), so the warm-up prompt has
+    # 33000 tokens; a 3000-token warm-up left ~1.3 s of compilation in the first measured prefill
+    # and ~0.4 s in its decode.
     def warm():
         for mode in ("gpu", "offload"):
-            llm = LLM(model, mode=mode, max_model_len=4096)
-            llm.generate(_prompt(3000, cfg.vocab_size), SamplingParams(max_tokens=4, ignore_eos=True))
+            llm = LLM(model, mode=mode, max_model_len=34000)
+            llm.generate(_prompt(33000, cfg.vocab_size, seed=1), SamplingParams(max_tokens=3, ignore_eos=True))
             llm.close()
+            _free()
         return True
 
     _section(res, "warmup", warm)
@@ -218,6 +224,7 @@ def run(quick: bool = False, out_dir=None, peers: bool = True, cap: bool = True)
             hf = _section(res, "hf_build", lambda: hf_from_ours(model))
             if hf is not None:
                 res["results"]["hf_build"] = "ok"
+                _section(res, "hf_warmup", lambda: (run_hf(hf, 4096, False), _free(), True)[-1])
                 for off in (False, True):
                     name = "hf_offloaded_cache" if off else "hf_gpu_cache"
                     _section(res, name, lambda off=off: {str(n): (run_hf(hf, n, off), _free())[0] for n in ctxs})
@@ -311,6 +318,72 @@ def run(quick: bool = False, out_dir=None, peers: bool = True, cap: bool = True)
     return res
 
 
+def diagnose(preset="llama-3.2-1b", lengths=(3000, 33000), out_dir=None, device="cuda") -> dict:
+    """Find where ``offload`` and ``gpu`` modes part: prefill logits through each KV sink, the K/V
+    the engine stored (``host_kv``) against the gpu cache, then decode logits step by step with the
+    same input tokens. Prints and writes ``model_diagnose.json``."""
+    from xoffload.models import LLM, SamplingParams, random_model
+    from xoffload.models.llm import _GPUCache, _OffloadKV
+
+    model = random_model(preset, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device,
+                         seed=0, std=0.02 if device == "cuda" else 0.15)
+    cfg = model.cfg
+    rep = {"name": "model_diagnose", "env": env_record(), "preset": preset, "cases": {}}
+    for n in lengths:
+        case = {}
+        ids = _prompt(n, cfg.vocab_size)
+        ids_t = torch.tensor(ids, device=device)
+        try:
+            sp = SamplingParams(max_tokens=6, ignore_eos=True)
+            g = LLM(model, mode="gpu", max_model_len=n + 16)
+            o = LLM(model, mode="offload", max_model_len=n + 16)
+            case["tokens_gpu"] = g.generate(ids, sp)[0].token_ids
+            case["tokens_offload"] = o.generate(ids, sp)[0].token_ids
+            # prefill through both sinks, same model, same input
+            from xoffload.kernels import cpu_backend
+
+            with torch.no_grad(), (cpu_backend("reference") if device == "cpu" else contextlib.nullcontext()):
+                gc_ = _GPUCache(cfg, n + 8, model.dtype, model.device, model.scale)
+                lg = model.prefill(ids_t, gc_, chunk=8192)
+                eng = o.engine
+                seq = eng.add_sequence()
+                okv = _OffloadKV(eng, seq, cfg, model.dtype, model.device, model.scale)
+                lo = model.prefill(ids_t, okv, chunk=8192)
+                case["prefill_logits_max_abs_diff"] = float((lg - lo).abs().max())
+                case["prefill_logits_nan"] = [bool(lg.isnan().any()), bool(lo.isnan().any())]
+                case["first_token"] = [int(lg.argmax()), int(lo.argmax())]
+                kv_diff = {}
+                for layer in sorted({0, 1, cfg.num_layers // 2, cfg.num_layers - 1}):
+                    hk, hv = eng.host_kv(seq, layer)
+                    kv_diff[layer] = [float((hk.to(device).float() - gc_.k[layer, :n].float()).abs().max()),
+                                      float((hv.to(device).float() - gc_.v[layer, :n].float()).abs().max())]
+                case["stored_kv_max_abs_diff_by_layer"] = kv_diff
+                steps = []
+                tok = lg.argmax(-1)
+                for i in range(4):
+                    pos = n + i
+                    gc_.begin_step(pos)
+                    a = model.decode_step(tok, pos, gc_)
+                    gc_.end_step()
+                    okv.begin_step(pos)
+                    b = model.decode_step(tok, pos, okv)
+                    okv.end_step()
+                    steps.append(float((a - b).abs().max()))
+                    tok = a.argmax(-1)
+                case["decode_logits_max_abs_diff"] = steps
+                eng.free(seq)
+            g.close()
+            o.close()
+        except Exception as e:  # noqa: BLE001
+            case["error"] = f"{type(e).__name__}: {e}"
+            case["traceback"] = traceback.format_exc()[-2000:]
+        rep["cases"][str(n)] = case
+        print(n, {k: v for k, v in case.items() if k != "traceback"}, flush=True)
+        _free()
+    write_json("model_diagnose", rep, out_dir)
+    return rep
+
+
 @requires_cuda
 def test_bench_model(benchmark):
     res = benchmark.pedantic(lambda: run(quick=True), rounds=1, iterations=1)
@@ -323,9 +396,15 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
     ap.add_argument("--no-cap", action="store_true", help="skip the 24 GiB cap section")
     ap.add_argument("--out", default=None, help="output directory (default benchmarks/results)")
+    ap.add_argument("--diagnose", action="store_true",
+                    help="compare offload and gpu modes stage by stage (prefill logits, stored KV, decode)")
+    ap.add_argument("--diagnose-preset", default="llama-3.2-1b")
     a = ap.parse_args(argv)
     if not HAS_CUDA:
         print("bench_model: no CUDA GPU, skipped")
+        return 0
+    if a.diagnose:
+        diagnose(a.diagnose_preset, out_dir=a.out)
         return 0
     res = run(quick=a.quick, out_dir=a.out, peers=not a.no_peers, cap=not a.no_cap)
     return 1 if res["errors"] else 0
