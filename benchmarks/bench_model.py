@@ -372,6 +372,24 @@ def diagnose(preset="llama-3.2-1b", lengths=(3000, 33000), out_dir=None, device=
                     tok = a.argmax(-1)
                 case["decode_logits_max_abs_diff"] = steps
                 eng.free(seq)
+                # an engine whose ring is allocated right after a prefill (what LLM._prime_engine
+                # avoids): are its first tokens still right?
+                from xoffload.runtime import OffloadEngine
+
+                raw = OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
+                                    device=str(model.device), max_tokens=n + 16)
+                seq = raw.add_sequence()
+                rkv = _OffloadKV(raw, seq, cfg, model.dtype, model.device, model.scale)
+                tok = model.prefill(ids_t, rkv, chunk=8192).argmax(-1)
+                toks = [tok]
+                for i in range(5):
+                    rkv.begin_step(n + i)
+                    tok = model.decode_step(tok, n + i, rkv).argmax(-1)
+                    rkv.end_step()
+                    toks.append(tok)
+                case["tokens_offload_unprimed_engine"] = torch.cat(toks).tolist()
+                raw.free(seq)
+                raw.close()
             g.close()
             o.close()
         except Exception as e:  # noqa: BLE001
