@@ -210,7 +210,9 @@ def run(quick: bool = False, out_dir=None, peers: bool = True, cap: bool = True)
         def one_mode(mode=mode, attn=attn):
             llm = LLM(model, mode=mode, max_model_len=max_len, prefill_attn=attn)
             try:
-                return {str(n): run_ours(llm, n) for n in ctxs}
+                # SDPA ran at 4.8K tok/s at 32K on the H200 (lower-right bias + GQA misses its flash
+                # path): measured at 32K only, as the alternative
+                return {str(n): run_ours(llm, n) for n in (ctxs[:1] if attn == "sdpa" else ctxs)}
             finally:
                 llm.close()
                 _free()
