@@ -374,8 +374,8 @@ def diagnose(preset="llama-3.2-1b", lengths=(3000, 33000), out_dir=None, device=
                     tok = a.argmax(-1)
                 case["decode_logits_max_abs_diff"] = steps
                 eng.free(seq)
-                # an engine whose ring is allocated right after a prefill (what LLM._prime_engine
-                # avoids): are its first tokens still right?
+                # a fresh engine whose ring is allocated right after a prefill (LayerRing orders
+                # the load streams after the work that last used that memory): first tokens right?
                 from xoffload.runtime import OffloadEngine
 
                 raw = OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,

@@ -174,6 +174,36 @@ def test_e_compute_on_non_default_stream():
     e.close()
 
 
+def test_f_fresh_ring_buffers_wait_for_queued_writers():
+    """The ring's buffers are allocated at the first decode step, right after a prefill the host
+    ran ahead of: the memory they get may still be written by queued compute work. The load
+    stream must not fill them before that work has run (seen on the H200: garbage first tokens)."""
+    T, h, d, L, nb = 256, 8, 128, 4, 2
+    g = _gen(5)
+    for it in range(20):
+        e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_buffers=nb)
+        s = e.add_sequence()
+        ref = [(_rand(T, h, d, g), _rand(T, h, d, g)) for _ in range(L)]
+        for l, (k, v) in enumerate(ref):
+            e.offload_layer(s, l, k, v)
+        torch.cuda.synchronize()
+        # memory of exactly the ring buffers' size, written by a slow queued kernel, then freed
+        scratch = [torch.empty(e.buffer_tokens, h, d, dtype=BF, device="cuda") for _ in range(2 * nb)]
+        torch.cuda._sleep(20_000_000)
+        for x in scratch:
+            x.fill_(7.0)
+        del scratch, x
+        e.begin_step(s)
+        for l in range(L):
+            kn, vn = _rand(1, h, d, g), _rand(1, h, d, g)
+            k, v = e.layer_kv(s, l, kn, vn)
+            assert torch.equal(k[:T], ref[l][0]) and torch.equal(v[:T], ref[l][1]), f"iteration {it} layer {l}"
+            assert torch.equal(k[T:T + 1], kn) and torch.equal(v[T:T + 1], vn)
+            e.end_layer(s, l)
+        e.end_step(s)
+        e.close()
+
+
 def test_fragmented_tables_use_gather_and_fetch_blocks_match():
     # two sequences prefilled chunk by chunk interleave their blocks: whole-layer loads use the
     # gather kernel (runs of one 96 KiB block), fetch_blocks reads pinned memory through UVA

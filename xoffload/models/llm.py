@@ -293,8 +293,6 @@ class LLM:
             self.engine = OffloadEngine(
                 L, self.cfg.num_kv_heads, self.cfg.head_dim, dtype=self.dtype, device=str(self.device),
                 max_tokens=max_model_len, block_size=kv_block_size, num_buffers=num_kv_buffers)
-            if self.device.type == "cuda":
-                self._prime_engine()
         self._stop_ids = set(self.cfg.eos_token_ids)
         tok = self.tokenizer
         if tok is not None and getattr(tok, "eos_token_id", None) is not None:
@@ -504,37 +502,6 @@ class LLM:
         peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else None
         return RequestOutput(prompt_token_ids=list(ids), token_ids=out_ids, text=self.decode(out_ids),
                              finish_reason=reason, timings=timings, peak_gpu_memory_bytes=peak)
-
-    def _prime_engine(self):
-        """Make the engine allocate its GPU layer ring now, while no request is in flight.
-
-        The ring's buffers are allocated lazily at the first ``begin_step`` on the current stream
-        and then filled by the ring's load streams. Allocated right after a prefill, they may
-        reuse memory that prefill kernels still queued on the compute stream read or write (the
-        host runs ahead of the GPU), and the load stream does not wait for them: on the H200 the
-        first two tokens of offload mode came out as garbage. Here the compute stream is drained
-        first (event wait), one dummy token goes through a decode step so that every ring slot is
-        allocated, and the ring is reused by every later request.
-        """
-        eng = self.engine
-        idle = torch.cuda.Event()
-        idle.record()
-        idle.synchronize()
-        seq = eng.add_sequence()
-        try:
-            z = torch.zeros(1, self.cfg.num_kv_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
-            for layer in range(self.cfg.num_layers):
-                eng.offload_layer(seq, layer, z, z)
-            eng.begin_step(seq)
-            for layer in range(self.cfg.num_layers):
-                eng.layer_kv(seq, layer, z, z)
-                eng.end_layer(seq, layer)
-            eng.end_step(seq)
-        finally:
-            eng.free(seq)
-        done = torch.cuda.Event()
-        done.record()
-        done.synchronize()
 
     def _sparse_fn(self):
         fn = self._xattn

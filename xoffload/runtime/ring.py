@@ -85,6 +85,10 @@ class LayerRing:
             s.stream = self._sync.stream()
             s.load_done = self._sync.event()
             s.compute_done = self._sync.event()
+            # The buffers come from the caching allocator on the current stream: their memory may
+            # have been freed there by work still queued (a prefill the host ran ahead of). The
+            # load stream writes them, so it first waits for everything queued so far.
+            s.stream.wait_stream(self._sync.current())
         st = s.stream
         st.wait_event(s.compute_done)  # no-op if never recorded
         for ev in wait_for:
