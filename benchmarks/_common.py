@@ -74,6 +74,24 @@ def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def bench_graph_ms(fn) -> float | None:
+    """Median GPU time in ms of ``fn`` captured once in a CUDA graph and replayed (no Python launch
+    overhead; L2 flushed between replays). None if ``fn`` cannot be captured."""
+    try:
+        st = torch.cuda.Stream()
+        st.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(st):
+            for _ in range(2):
+                fn()
+        torch.cuda.current_stream().wait_stream(st)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+    except Exception:
+        return None
+    return bench_ms(g.replay)
+
+
 def hbm_copy_gbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s (1e9 bytes/s), counting bytes read plus bytes
     written, over a copy of ``nbytes`` (default 2 GiB, well past the L2)."""

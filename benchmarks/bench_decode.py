@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import warnings
 
@@ -33,58 +32,7 @@ HAS_CUDA = torch.cuda.is_available()
 HEADS = {"d128_32_8": (32, 8, 128), "d64_9_3": (9, 3, 64)}  # Llama-3.1-8B, SmolLM2 shapes
 
 
-# ------------------------------------------------------------------------------------ helpers
-def env_info() -> dict:
-    import triton
-
-    commit = os.environ.get("GIT_COMMIT")
-    if not commit:
-        try:
-            commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                    text=True, timeout=10).stdout.strip() or "unknown"
-        except Exception:
-            commit = "unknown"
-    return {
-        "gpu": torch.cuda.get_device_name() if HAS_CUDA else None,
-        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if HAS_CUDA else None,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "commit": commit,
-    }
-
-
-def bench_ms(fn) -> float:
-    """Median GPU time in ms (triton.testing.do_bench: CUDA events, L2 flushed between runs)."""
-    from triton.testing import do_bench
-
-    return float(do_bench(fn, warmup=25, rep=100, return_mode="median"))
-
-
-def bench_graph_ms(fn) -> float | None:
-    """Median GPU time in ms of ``fn`` captured once in a CUDA graph and replayed (no Python launch
-    overhead; L2 flushed between replays). None if ``fn`` cannot be captured."""
-    try:
-        st = torch.cuda.Stream()
-        st.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(st):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(st)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-    except Exception:
-        return None
-    return bench_ms(g.replay)
-
-
-def hbm_copy_gbps(nbytes: int = 2 << 30) -> float:
-    """Device-to-device copy bandwidth in GB/s (bytes read + bytes written per second)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
-    del src, dst
-    return 2 * nbytes / ms / 1e6
+from benchmarks._common import bench_graph_ms, bench_ms, env_record, hbm_copy_gbps  # noqa: E402
 
 
 def _inputs(b, sk, hq, hkv, d, dtype=torch.bfloat16):
@@ -251,7 +199,7 @@ def main(argv=None):
     print("sweep at B=1, Sk=128K, 32/8 heads, D=128:")
     for r in sw:
         print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
-    res = {"benchmark": "decode", **env_info(), "hbm_copy_GBps": hbm, "rows": rows, "sweep_128k": sw,
+    res = {"benchmark": "decode", **env_record(), "hbm_copy_GBps": hbm, "rows": rows, "sweep_128k": sw,
            "target": "Sk=128K: >= 0.75 of HBM copy bandwidth"}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

@@ -23,7 +23,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks.bench_decode import HAS_CUDA, bench_ms, env_info, hbm_copy_gbps  # noqa: E402
+from benchmarks._common import HAS_CUDA, bench_ms, env_record, hbm_copy_gbps  # noqa: E402
 
 # (name, N, B, S, H, D): prefill-chunk merges (Llama-3.1-8B / SmolLM2 heads) and decode merges
 SHAPES = [
@@ -117,7 +117,7 @@ def main(argv=None):
         ps = f"{p['ms']:.3f} ({p['speedup_vs_peer']:.2f}x)" if p else "-"
         print(f"{shape[0]:>24} {r['bytes'] / 1e6:>7.0f} {r['ms']:>8.3f} {r['GBps']:>7.0f} "
               f"{100 * r['frac_of_hbm_copy']:>5.1f}%  {ps}", flush=True)
-    res = {"benchmark": "merge", **env_info(), "hbm_copy_GBps": hbm, "rows": rows,
+    res = {"benchmark": "merge", **env_record(), "hbm_copy_GBps": hbm, "rows": rows,
            "target": ">= 0.70 of HBM copy bandwidth"}
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     with open(args.out, "w") as f:

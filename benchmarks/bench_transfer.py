@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import random
-import subprocess
 import sys
 
 import torch
@@ -28,6 +27,8 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
+
+from benchmarks._common import env_record  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 BF = torch.bfloat16
@@ -54,17 +55,6 @@ def _events_ms(run, reps):
         ts.append(a.elapsed_time(b))
     ts.sort()
     return ts[len(ts) // 2]
-
-
-def env_info():
-    import triton
-
-    try:
-        commit = subprocess.check_output(["git", "rev-parse", "HEAD"], cwd=ROOT, text=True).strip()
-    except Exception:  # noqa: BLE001 - e.g. a copy of the tree without .git
-        commit = os.environ.get("XOFFLOAD_COMMIT")
-    return {"gpu": torch.cuda.get_device_name() if HAS_CUDA else None, "torch": torch.__version__,
-            "triton": triton.__version__, "commit": commit}
 
 
 # ------------------------------------------------------------------------------- ceiling
@@ -259,7 +249,7 @@ def _try(fn, *a, **k):
 
 
 def run_all(quick=False):
-    res = {"env": env_info(), "quick": quick}
+    res = {"env": env_record(), "quick": quick}
     res["ceiling"] = _try(ceiling, quick)
     res["whole_layer"] = [_try(whole_layer, quick, s) for s in SHAPES]
     res["block_fetch"] = []

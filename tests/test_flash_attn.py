@@ -4,7 +4,6 @@ On a CPU-only machine the Triton kernel runs under Triton's interpreter (fp16/fp
 tests carry ``@pytest.mark.cuda``. Tolerances come from tests/helpers.py: the kernel's error against
 the fp32 reference is at most about twice that of PyTorch's SDPA in the input dtype.
 """
-import math
 import random
 
 import pytest

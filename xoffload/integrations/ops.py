@@ -31,7 +31,7 @@ The Python helpers at the bottom (:func:`flash_attn`, :func:`flash_attn_varlen`,
 overhead) and the custom ops while ``torch.compile`` traces; the rest of
 :mod:`xoffload.integrations` uses them.
 """
-from typing import List, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 from torch import Tensor

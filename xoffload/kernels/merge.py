@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._common import SUPPORTED_DTYPES, check_same, check_tensor, next_pow2, use_triton
+from ._common import check_same, check_tensor, next_pow2, use_triton
 
 __all__ = ["merge_attention_states", "merge_attention_states_n", "merge_attention_states_"]
 
