@@ -6,7 +6,7 @@ CPU: the Triton code under the interpreter (fp16/fp32). GPU (``-m cuda``): bf16/
 import pytest
 import torch
 
-from tests.helpers import assert_lse_match, max_err, out_tol, sdpa_in_dtype
+from helpers import assert_lse_match, max_err, out_tol, sdpa_in_dtype
 from xoffload.kernels import cpu_backend, decode_attn_with_lse
 from xoffload.kernels.decode import default_num_splits
 from xoffload.kernels.reference import decode_attention_ref
@@ -242,3 +242,16 @@ def test_decode_gpu_cache_over_2g_elements():
         tol = out_tol(ro, ro.to(torch.bfloat16), torch.bfloat16, ulps=4.0)
         assert err <= tol, f"out error {err:.3g} > tol {tol:.3g}"
         assert_lse_match(lse[0, :, 0], rl)
+
+
+def test_strided_cache_seqlens_view(device):
+    """cache_seqlens given as a strided view (every other element) reads the view's values."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 1, 2, 16, device=device, dtype=torch.float16)
+    k = torch.randn(2, 40, 1, 16, device=device, dtype=torch.float16)
+    v = torch.randn(2, 40, 1, 16, device=device, dtype=torch.float16)
+    lens = torch.tensor([33, 0, 7, 0], dtype=torch.int32, device=device)[::2]
+    a, la = decode_attn_with_lse(q, k, v, lens)
+    b, lb = decode_attn_with_lse(q, k, v, lens.contiguous())
+    assert torch.equal(a, b) and torch.equal(la, lb)
+    assert torch.isfinite(la).all()

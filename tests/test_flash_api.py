@@ -236,7 +236,7 @@ def test_bad_dtype_layout_and_shapes():
         flash_attn_with_kvcache(q[:, :1], k_cache, k_cache, k=q[:, :1, :1], v=q[:, :1, :1], cache_seqlens=1)
     with pytest.raises(ValueError, match="batch"):
         flash_attn_with_kvcache(torch.randn(2, 1, 2, 8, dtype=torch.float16), k_cache, k_cache, cache_seqlens=1)
-    with pytest.raises(ValueError, match="outside"):  # Sq > 1 path reads and checks lengths
+    with pytest.raises(ValueError, match="cache_seqlens"):  # Sq > 1 path reads and checks lengths
         flash_attn_with_kvcache(q[:, :2], k_cache, k_cache, q[:, :2], q[:, :2],
                                 cache_seqlens=torch.tensor([5], dtype=torch.int32))
 
@@ -256,3 +256,23 @@ def test_top_level_lazy_names():
     assert integ.flash_attn_func is flash_attn_func
     assert integ.flash_attn_varlen_func is flash_attn_varlen_func
     assert integ.flash_attn_with_kvcache is flash_attn_with_kvcache
+
+
+def test_adversarial_inputs_raise():
+    """Found by trying to break the API: a string ``causal`` (truthy) and a negative cache length
+    (would wrap to the cache's last slot) must raise, and the cache must be left untouched."""
+    q = torch.randn(2, 3, 2, 8)
+    with pytest.raises(TypeError, match="causal"):
+        flash_attn_func(q, q[:, :, :1], q[:, :, :1], causal="False")
+    kc = torch.zeros(2, 6, 1, 8)
+    vc = torch.zeros(2, 6, 1, 8)
+    kn = torch.ones(2, 1, 1, 8)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flash_attn_with_kvcache(torch.randn(2, 1, 2, 8), kc, vc, kn, kn,
+                                cache_seqlens=torch.tensor([-1, 0], dtype=torch.int32))
+    assert not kc.any() and not vc.any()
+    from xoffload.integrations.ops import kvcache_append
+
+    with pytest.raises(IndexError):
+        kvcache_append(kc, vc, kn, kn, torch.tensor([-1, 0], dtype=torch.int32))
+    assert not kc[0].any()

@@ -431,3 +431,17 @@ def test_gpu_candidate_configs(d, cfg):
         check_dense(qkv[:, :100, :8], qkv[:, :, 8:10], qkv[:, :, 10:], False)
     finally:
         fa_mod._CFG_OVERRIDE.pop()
+
+
+def test_varlen_strided_cu_seqlens_views(device):
+    """cu_seqlens given as strided views read the views' values (not the underlying storage)."""
+    torch.manual_seed(0)
+    cq = torch.tensor([0, 9, 3, 9, 8, 9], dtype=torch.int32, device=device)[::2]
+    ck = torch.tensor([0, 9, 2, 9, 6, 9], dtype=torch.int32, device=device)[::2]
+    q = torch.randn(8, 2, 16, device=device, dtype=torch.float16)
+    k = torch.randn(6, 1, 16, device=device, dtype=torch.float16)
+    v = torch.randn(6, 1, 16, device=device, dtype=torch.float16)
+    o, lse = flash_attn_varlen_with_lse(q, k, v, cq, ck, 5, 4, causal=True)
+    o2, lse2 = flash_attn_varlen_with_lse(q, k, v, cq.contiguous(), ck.contiguous(), 5, 4, causal=True)
+    assert torch.equal(o, o2) and torch.equal(lse, lse2)
+    assert not torch.isnan(o).any()

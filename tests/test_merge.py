@@ -5,7 +5,7 @@ CPU: the Triton code under the interpreter and the reference path. GPU (``-m cud
 import pytest
 import torch
 
-from tests.helpers import EPS32, assert_lse_match, max_err
+from helpers import EPS32, assert_lse_match, max_err
 from xoffload.kernels import cpu_backend, merge_attention_states, merge_attention_states_, merge_attention_states_n
 from xoffload.kernels.reference import attention_ref, merge_ref
 
@@ -263,3 +263,23 @@ def test_merge_gpu(dtype, d):
     o_acc, l_acc = outs[0].clone(), lses[0].clone()
     merge_attention_states_(o_acc, l_acc, outs[1], lses[1])
     assert max_err(o_acc, ro2) <= tol
+
+
+@pytest.mark.parametrize("backend", ["interpreter", "reference"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_garbage_lse_gives_nan_not_a_silent_zero(backend, bad):
+    """A NaN or +inf LSE is garbage: the merge must show it (NaN output and a non-finite LSE),
+    not drop it as an empty state; (-inf, -inf) stays (0, -inf)."""
+    oa = torch.ones(1, 2, 3, 8)
+    ob = torch.full((1, 2, 3, 8), 2.0)
+    la = torch.zeros(1, 3, 2)
+    la[0, 1, 0] = bad
+    lb = torch.ones(1, 3, 2)
+    with cpu_backend(backend):
+        o, lse = merge_attention_states(oa, la, ob, lb)
+    assert torch.isnan(o[0, 0, 1]).all()
+    assert not torch.isfinite(lse[0, 1, 0])
+    ok = torch.ones_like(lse, dtype=torch.bool)
+    ok[0, 1, 0] = False
+    assert torch.isfinite(lse[ok]).all()
+    assert torch.isfinite(o[0, 1]).all() and torch.isfinite(o[0, 0, 0]).all()

@@ -51,6 +51,13 @@ def _unsupported(fn: str, *, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, a
             raise NotImplementedError(f"{fn}: {name} is not supported; pass None")
 
 
+def _causal(fn: str, causal) -> bool:
+    """``causal`` as a bool; TypeError for anything else (``bool("False")`` would be True)."""
+    if not isinstance(causal, bool):
+        raise TypeError(f"{fn}: causal must be a bool, got {causal!r}")
+    return causal
+
+
 def _no_grad_check(fn: str, *tensors) -> None:
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         raise NotImplementedError(
@@ -96,7 +103,7 @@ def flash_attn_func(
     fn = "flash_attn_func"
     _unsupported(fn, dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     _no_grad_check(fn, q, k, v)
-    out, lse = ops.flash_attn(q, k, v, bool(causal), softmax_scale)
+    out, lse = ops.flash_attn(q, k, v, _causal("flash_attn_func", causal), softmax_scale)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -143,7 +150,7 @@ def flash_attn_varlen_func(
     )
     _no_grad_check(fn, q, k, v)
     out, lse = ops.flash_attn_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, bool(causal), softmax_scale
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _causal("flash_attn_varlen_func", causal), softmax_scale
     )
     return (out, lse, None) if return_attn_probs else out
 
@@ -277,6 +284,7 @@ def flash_attn_with_kvcache(
         fn, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos,
         rotary_sin=rotary_sin, cache_leftpad=cache_leftpad, block_table=block_table,
     )
+    causal = _causal(fn, causal)
     _no_grad_check(fn, q, k_cache, v_cache, k, v)
     seqlens = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx)
     b, sq = q.shape[:2]
@@ -294,7 +302,7 @@ def flash_attn_with_kvcache(
     if fast:
         out, lse = ops.decode_attn(q, k_cache, v_cache, total, softmax_scale, check=False)
     else:
-        out, lse = _kvcache_general(q, k_cache, v_cache, lens, rows, bool(causal), softmax_scale)
+        out, lse = _kvcache_general(q, k_cache, v_cache, lens, rows, causal, softmax_scale)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -305,9 +313,10 @@ def _host_lengths(k_cache, seqlens, s_new, cache_batch_idx, b):
     rows = list(range(b)) if cache_batch_idx is None else cache_batch_idx.tolist()
     lens = []
     for i, (n, r) in enumerate(zip(base, rows)):
-        if not 0 <= n + s_new <= s_max:
+        if n < 0 or n + s_new > s_max:
             raise ValueError(
-                f"cache_seqlens[{i}] = {n} plus seqlen_new = {s_new} is outside [0, seqlen_cache={s_max}]"
+                f"cache_seqlens[{i}] = {n} must be >= 0 and, plus seqlen_new = {s_new}, at most "
+                f"seqlen_cache = {s_max}"
             )
         if not 0 <= r < bc:
             raise ValueError(f"cache_batch_idx[{i}] = {r} is outside [0, batch_cache={bc})")

@@ -166,6 +166,9 @@ def _append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx):
         return
     dev = k_cache.device
     pos = cache_seqlens.to(device=dev, dtype=torch.long)[:, None] + torch.arange(s_new, device=dev)[None, :]
+    # a negative position would wrap around (Python indexing): send it past the end instead, so it
+    # fails like any other out-of-range position (IndexError on the CPU, device assert on CUDA)
+    pos = torch.where(pos < 0, k_cache.shape[1], pos)
     if cache_batch_idx is None:
         rows = torch.arange(b, device=dev)[:, None]
     else:

@@ -38,6 +38,9 @@ class BlockIndex(NamedTuple):
     n_full: int32 ``[Bm, Hm, nqb]``: how many leading entries need no mask.
     n_total: int32 ``[Bm, Hm, nqb]``: how many entries are kept.
     sq, sk, block_size, causal: the geometry the lists were built for.
+
+    The lists are trusted (checking them would cost a host sync per call): build them with
+    :func:`block_mask_to_indices`; hand-edited entries outside ``[0, nkb)`` give undefined results.
     """
 
     indices: torch.Tensor

@@ -88,14 +88,15 @@ def decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, *, softmax_scale=No
     """
     _check_inputs(q, k_cache, v_cache, cache_seqlens, check)
     scale = default_scale(q.shape[-1], softmax_scale)
-    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+    if num_splits is not None and (not isinstance(num_splits, int) or isinstance(num_splits, bool) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int or None, got {num_splits!r}")
     b, _, hq, d = q.shape
     if b == 0:
         return (torch.empty(0, 1, hq, d, dtype=q.dtype, device=q.device),
                 torch.empty(0, hq, 1, dtype=torch.float32, device=q.device))
     if use_triton(q):
-        return _decode_triton(q, k_cache, v_cache, cache_seqlens, scale, num_splits)
+        # the kernel indexes lengths as Lens + b: a strided view must be made contiguous
+        return _decode_triton(q, k_cache, v_cache, cache_seqlens.contiguous(), scale, num_splits)
     s_max = k_cache.shape[1]
     lens = cache_seqlens.clamp(0, s_max)
     out, lse = reference.decode_attention_ref(q, k_cache, v_cache, lens, softmax_scale=scale)

@@ -461,6 +461,7 @@ def flash_attn_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
     out = torch.empty((total_q, hq, d), dtype=q.dtype, device=q.device)
     lse = torch.empty((hq, total_q), dtype=torch.float32, device=q.device)
     batch = cu_seqlens_q.numel() - 1
-    _launch(q, k, v, out, lse, varlen=True, cu_q=cu_seqlens_q, cu_k=cu_seqlens_k, batch=batch,
+    # the kernel indexes cu_seqlens as CU + b: strided views are made contiguous
+    _launch(q, k, v, out, lse, varlen=True, cu_q=cu_seqlens_q.contiguous(), cu_k=cu_seqlens_k.contiguous(), batch=batch,
             sq=0, sk=0, max_sq=max_seqlen_q, causal=causal, scale=scale)
     return out, lse

@@ -153,8 +153,8 @@ def _merge2_kernel(
     wa = tl.exp(la - m_safe)  # exp(-inf) = 0
     wb = tl.exp(lb - m_safe)
     tot = wa + wb
-    tot_safe = tl.where(tot > 0.0, tot, 1.0)
-    inv = tl.where(tot > 0.0, 1.0 / tot_safe, 0.0)
+    tot_safe = tl.where(tot != 0.0, tot, 1.0)
+    inv = tl.where(tot != 0.0, 1.0 / tot_safe, 0.0)
     wa = wa * inv
     wb = wb * inv
     for d0 in range(0, D, BLOCK_D):
@@ -166,7 +166,7 @@ def _merge2_kernel(
         o = wa[:, None] * oa.to(tl.float32) + wb[:, None] * ob.to(tl.float32)
         tl.store(O + oo_off[:, None] + d[None, :], o.to(O.dtype.element_ty), mask=msk)
     if WRITE_LSE:
-        lse = tl.where(tot > 0.0, m_safe + tl.log(tot_safe), float("-inf"))
+        lse = tl.where(tot != 0.0, m_safe + tl.log(tot_safe), float("-inf"))
         tl.store(LO + lo_off, lse, mask=rmask)
 
 
@@ -193,8 +193,8 @@ def _mergen_kernel(
     for n in range(0, N):
         tot += tl.exp(tl.load(l_ptrs, mask=rmask, other=float("-inf")) - m_safe)
         l_ptrs += sli_n
-    tot_safe = tl.where(tot > 0.0, tot, 1.0)
-    inv = tl.where(tot > 0.0, 1.0 / tot_safe, 0.0)
+    tot_safe = tl.where(tot != 0.0, tot, 1.0)
+    inv = tl.where(tot != 0.0, 1.0 / tot_safe, 0.0)
     # pass 2 over the outputs
     for d0 in range(0, D, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
@@ -210,7 +210,7 @@ def _mergen_kernel(
             o_ptrs += si_n
         tl.store(O + oo_off[:, None] + d[None, :], acc.to(O.dtype.element_ty), mask=msk)
     if WRITE_LSE:
-        lse = tl.where(tot > 0.0, m_safe + tl.log(tot_safe), float("-inf"))
+        lse = tl.where(tot != 0.0, m_safe + tl.log(tot_safe), float("-inf"))
         tl.store(LO + lo_off, lse, mask=rmask)
 
 

@@ -108,12 +108,15 @@ def merge_ref(outs, lses):
     """Reference for merging N partial attention states.
 
     outs ``[N, ..., D]`` (any float dtype), lses ``[N, ...]`` fp32 where ``...`` of lses equals the
-    leading dims of outs. Returns (out fp32 ``[..., D]``, lse fp32 ``[...]``); all -inf -> (0, -inf).
+    leading dims of outs. Returns (out fp32 ``[..., D]``, lse fp32 ``[...]``); all -inf -> (0, -inf);
+    a NaN or +inf LSE gives NaN.
     """
     lses = lses.float()
     lse = torch.logsumexp(lses, dim=0)
     w = torch.exp(lses - lse.unsqueeze(0))
-    w = torch.nan_to_num(w, nan=0.0)
+    # all sides empty (-inf - -inf = NaN) -> weight 0; a NaN or +inf LSE stays NaN (garbage in,
+    # NaN out, never a silent 0)
+    w = torch.where(torch.isneginf(lse).unsqueeze(0), torch.zeros((), dtype=w.dtype), w)
     out = (w.unsqueeze(-1) * outs.float()).sum(0)
     return out, lse
 
