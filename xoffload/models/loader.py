@@ -140,8 +140,15 @@ def load_hf_dir(path, *, dtype=None, device=None, load_tokenizer: bool = True) -
     cfg_path = p / "config.json"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{p}: no config.json (expected a HF model directory)")
-    with open(cfg_path) as f:
-        cfg = config_from_hf(json.load(f), name=p.name)
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{cfg_path}: not valid JSON ({e})") from e
+    try:
+        cfg = config_from_hf(raw, name=p.name)
+    except KeyError as e:
+        raise ValueError(f"{cfg_path}: missing required key {e.args[0]!r}") from e
     gen = p / "generation_config.json"
     if gen.is_file():
         try:
