@@ -241,20 +241,29 @@ class LlamaModel:
         return self.logits(h[-1:])
 
     # ------------------------------------------------------------------ decode
-    def decode_step(self, token: torch.Tensor, pos: int, kv) -> torch.Tensor:
+    def decode_step(self, token: torch.Tensor, pos, kv) -> torch.Tensor:
         """One decode step for one sequence.
 
         Args:
             token: int64 ``[1]`` on the model's device (the token at position ``pos``).
-            pos: its position (number of tokens already in the KV store).
+            pos: its position (number of tokens already in the KV store): a Python int, or an int64
+                ``[1]`` tensor on the model's device (CUDA-graph safe: the position is never read on
+                the host; the caller must have grown the RoPE tables past it with
+                :meth:`rope_tables` first, they are not grown here).
             kv: object with ``attend(layer, q [1, Hq, D], k_new [1, Hkv, D], v_new) -> out [1, Hq, D]``
                 that appends the new K/V to the layer and attends over all of it.
         Returns:
             fp32 logits ``[1, V]``.
         """
         cfg = self.cfg
-        cos_all, sin_all = self.rope_tables(pos + 1)
-        cos, sin = cos_all[pos:pos + 1], sin_all[pos:pos + 1]
+        if isinstance(pos, torch.Tensor):
+            if self._cos is None:
+                raise ValueError("decode_step with a tensor pos needs rope_tables(n) called first")
+            # rows of the same tables as the int path: bit-identical values, no host read
+            cos, sin = self._cos.index_select(0, pos), self._sin.index_select(0, pos)
+        else:
+            cos_all, sin_all = self.rope_tables(pos + 1)
+            cos, sin = cos_all[pos:pos + 1], sin_all[pos:pos + 1]
         h = F.embedding(token, self.w.embed)  # [1, hidden]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for li, lw in enumerate(self.w.layers):

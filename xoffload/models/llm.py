@@ -93,9 +93,11 @@ class _Clock:
 
 
 class _Splits:
-    """Split-KV count for decode attention chosen from the sequence's current length, the same in
-    both modes (the gpu cache is longer than the sequence, the engine's views are not), so the two
-    modes sum attention in the same order and give bit-identical results."""
+    """Split-KV count for decode attention chosen from a sequence length, the same in both modes
+    (the gpu cache is longer than the sequence, the engine's views are not), so the two modes sum
+    attention in the same order and give bit-identical results. :class:`LLM` fixes it per request
+    from the request's final length (prompt + new tokens): a captured CUDA graph needs one count
+    for every step, and offload mode uses the same count. None on the CPU (the reference ignores it)."""
 
     def __init__(self, cfg: ModelConfig, device: torch.device):
         self.fn = None
@@ -115,17 +117,26 @@ class _Splits:
 
 
 class _GPUCache:
-    """Per-request KV cache on the model's device: K and V ``[L, n_tokens, Hkv, D]``."""
+    """Per-request KV cache on the model's device: K and V ``[L, n_tokens, Hkv, D]``.
 
-    def __init__(self, cfg: ModelConfig, n_tokens: int, dtype, device, scale: float):
+    The step's position lives on the device (``pos_t``, int64 ``[1]``) and the attention length
+    (``lens``, int32 ``[1]`` = pos + 1) is derived from it on the device, so a decode step through
+    this cache never reads the position on the host (CUDA-graph safe). ``max_len``: the sequence
+    length the split count is fixed from (the request's final length); None chooses it per step
+    from the current length (eager callers only).
+    """
+
+    def __init__(self, cfg: ModelConfig, n_tokens: int, dtype, device, scale: float, max_len: int | None = None):
         shape = (cfg.num_layers, n_tokens, cfg.num_kv_heads, cfg.head_dim)
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.capacity = n_tokens
         self.lens = torch.zeros(1, dtype=torch.int32, device=device)
+        self.pos_t = torch.zeros(1, dtype=torch.int64, device=device)
         self.scale = scale
-        self.pos = 0
         self.splits = _Splits(cfg, torch.device(device))
-        self.nsplit = None
+        self.fixed = max_len is not None
+        self.nsplit = self.splits(max_len) if self.fixed else None
 
     def buffers(self, layer, T):
         return self.k[layer, :T], self.v[layer, :T]
@@ -133,16 +144,21 @@ class _GPUCache:
     def done(self, layer, k, v):
         pass
 
-    def begin_step(self, pos: int):
-        self.pos = pos
-        self.lens.fill_(pos + 1)
-        self.nsplit = self.splits(pos + 1)
+    def begin_step(self, pos: int | None = None):
+        """Start a step at host position ``pos``; None: at the device position ``pos_t`` as it is
+        (the CUDA-graph path, which advances it with :meth:`advance`)."""
+        if pos is not None:
+            self.pos_t.fill_(pos)
+            if not self.fixed:
+                self.nsplit = self.splits(pos + 1)
+        self.lens.copy_(self.pos_t)
+        self.lens.add_(1)
 
     def attend(self, layer, q, k_new, v_new):
         from xoffload.kernels import decode_attn_with_lse
 
-        self.k[layer, self.pos] = k_new[0]
-        self.v[layer, self.pos] = v_new[0]
+        self.k[layer].index_copy_(0, self.pos_t, k_new)
+        self.v[layer].index_copy_(0, self.pos_t, v_new)
         o, _ = decode_attn_with_lse(q[None], self.k[layer][None], self.v[layer][None], self.lens,
                                     softmax_scale=self.scale, num_splits=self.nsplit, check=False)
         return o[0, 0]
@@ -150,16 +166,23 @@ class _GPUCache:
     def end_step(self):
         pass
 
+    def advance(self):
+        """pos_t += 1 on the device (the last op of a captured step)."""
+        self.pos_t.add_(1)
+
 
 class _OffloadKV:
-    """Glue between the model and one :class:`OffloadEngine` sequence."""
+    """Glue between the model and one :class:`OffloadEngine` sequence. ``max_len`` fixes the
+    decode split count as in :class:`_GPUCache` (same value => same summation order as gpu mode);
+    None chooses it per step."""
 
-    def __init__(self, eng, seq: int, cfg: ModelConfig, dtype, device, scale: float):
+    def __init__(self, eng, seq: int, cfg: ModelConfig, dtype, device, scale: float, max_len: int | None = None):
         self.eng, self.seq, self.cfg = eng, seq, cfg
         self.dtype, self.device, self.scale = dtype, device, scale
         self.lens = torch.zeros(1, dtype=torch.int32, device=device)
         self.splits = _Splits(cfg, torch.device(device))
-        self.nsplit = None
+        self.fixed = max_len is not None
+        self.nsplit = self.splits(max_len) if self.fixed else None
 
     # prefill: fresh buffers per layer; the engine copies them out D2H while the next layer runs
     def buffers(self, layer, T):
@@ -173,7 +196,8 @@ class _OffloadKV:
     def begin_step(self, pos: int):
         self.eng.begin_step(self.seq)
         self.lens.fill_(pos + 1)
-        self.nsplit = self.splits(pos + 1)
+        if not self.fixed:
+            self.nsplit = self.splits(pos + 1)
 
     def attend(self, layer, q, k_new, v_new):
         from xoffload.kernels import decode_attn_with_lse
@@ -186,6 +210,83 @@ class _OffloadKV:
 
     def end_step(self):
         self.eng.end_step(self.seq)
+
+
+class _GraphDecode:
+    """gpu-mode decode steps replayed from one CUDA graph (one per request).
+
+    Step 1 runs eagerly on a side stream (compiles the Triton kernels, creates cuBLAS workspaces:
+    torch's required warm-up; its logits are real and used). Step 2 captures one whole decode
+    step — embedding of the static token input, all layers (KV written at the device position,
+    attention with the request's fixed split count), final norm and logits into a static buffer,
+    then ``pos_t += 1`` — into a graph with its own memory pool, and replays it; later steps only
+    copy the sampled token into the static input (device to device) and replay. The host never
+    reads the position or the token. :meth:`close` frees the graph and its pool.
+
+    Args:
+        model: the :class:`LlamaModel` (CUDA).
+        kv: the request's :class:`_GPUCache`, built with a fixed ``max_len``.
+        pos: position of the first decode step (the prompt length).
+    """
+
+    def __init__(self, model, kv: "_GPUCache", pos: int):
+        if not kv.fixed:
+            raise ValueError("CUDA-graph decode needs a _GPUCache with a fixed split count (max_len)")
+        self.m, self.kv = model, kv
+        dev = model.device
+        model.rope_tables(kv.capacity + 1)  # grown here, never inside the graph
+        kv.pos_t.fill_(pos)
+        self.tok = torch.zeros(1, dtype=torch.int64, device=dev)
+        self.stream = torch.cuda.Stream(dev)
+        self.graph = None
+        self.out = None
+        self.warm = False
+
+    def _body(self) -> torch.Tensor:
+        self.kv.begin_step(None)
+        logits = self.m.decode_step(self.tok, self.kv.pos_t, self.kv)
+        self.kv.end_step()
+        self.kv.advance()
+        return logits
+
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Run one decode step for ``token`` (int64 ``[1]``, device) at the current device
+        position; returns fp32 logits ``[1, V]`` (after capture: the static buffer, overwritten by
+        the next step, so sample from it before calling again)."""
+        self.tok.copy_(token)
+        if self.graph is not None:
+            self.graph.replay()
+            return self.out
+        cur = torch.cuda.current_stream(self.m.device)
+        if not self.warm:
+            self.stream.wait_stream(cur)
+            with torch.cuda.stream(self.stream):
+                logits = self._body()
+            cur.wait_stream(self.stream)
+            logits.record_stream(cur)
+            self.warm = True
+            return logits
+        # capture_begin/end on the warm-up stream rather than ``torch.cuda.graph``, whose entry
+        # synchronises the device and empties the allocator caches; nothing executes during
+        # capture, and the private pool keeps the graph's memory apart from everything else
+        g = torch.cuda.CUDAGraph()
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            g.capture_begin(pool=torch.cuda.graph_pool_handle())
+            try:
+                out = self._body()
+            finally:
+                g.capture_end()
+        self.graph, self.out = g, out
+        self.graph.replay()
+        return self.out
+
+    def close(self):
+        """Free the graph, its memory pool and the static buffers."""
+        self.out = None
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
 
 
 def _sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> torch.Tensor:
@@ -224,6 +325,10 @@ class LLM:
             ``flash_attn_with_lse``, default) or ``"sdpa"`` (PyTorch SDPA, lower-right causal bias;
             no LSE is needed there).
         seed: default sampling seed of requests without one.
+        cuda_graph: in gpu mode on CUDA, capture one decode step in a CUDA graph per request and
+            replay it per token (default True; removes the host's per-kernel launch cost). False:
+            the eager loop. Ignored in offload mode (the engine's per-layer stream/event work on
+            the host stays eager) and on the CPU. Both give the same tokens.
 
     On the CPU the attention kernels run their PyTorch references (exact fp32) inside
     :meth:`generate`, whatever ``TRITON_INTERPRET`` says. Raises ValueError / TypeError on bad
@@ -234,7 +339,7 @@ class LLM:
                  max_model_len: int | None = None, dtype=None, device=None, sparse: str | None = None,
                  sparse_threshold: float = 0.9, sparse_stride: int = 8, sparse_block_size: int = 128,
                  dense_layers=(0, 1), sparse_kwargs: dict | None = None, prefill_chunk: int | None = None,
-                 prefill_attn: str = "xoffload", seed: int = 0):
+                 prefill_attn: str = "xoffload", seed: int = 0, cuda_graph: bool = True):
         if mode not in ("gpu", "offload"):
             raise ValueError(f"mode must be 'gpu' or 'offload', got {mode!r}")
         if sparse not in (None, "xattn", "none", "dense"):
@@ -254,6 +359,9 @@ class LLM:
         self.tokenizer = m.tokenizer
         self.mode = mode
         self.seed = int(seed)
+        if not isinstance(cuda_graph, bool):
+            raise TypeError(f"cuda_graph must be a bool, got {type(cuda_graph).__name__}")
+        self.cuda_graph = cuda_graph
         if max_model_len is None:
             max_model_len = self.cfg.max_position_embeddings
         if not isinstance(max_model_len, int) or isinstance(max_model_len, bool) or max_model_len < 1:
@@ -418,9 +526,10 @@ class LLM:
         seq = None
         if self.mode == "offload":
             seq = self.engine.add_sequence()
-            kv = _OffloadKV(self.engine, seq, self.cfg, self.dtype, dev, m.scale)
+            kv = _OffloadKV(self.engine, seq, self.cfg, self.dtype, dev, m.scale, max_len=T + max_new - 1)
         else:
-            kv = _GPUCache(self.cfg, T + max_new - 1, self.dtype, dev, m.scale)
+            kv = _GPUCache(self.cfg, T + max_new - 1, self.dtype, dev, m.scale, max_len=T + max_new - 1)
+        graph = None
         try:
             densities = [] if self.sparse else None
             sparse_fn = self._sparse_fn() if self.sparse else None
@@ -446,6 +555,8 @@ class LLM:
 
             publish(0, tok)
             pos = T
+            if cuda and self.mode == "gpu" and self.cuda_graph and max_new > 1:
+                graph = _GraphDecode(m, kv, pos)
             for i in range(1, max_new):
                 limit = i - _EOS_LAG if cuda else i
                 while checked < limit and stop:
@@ -460,9 +571,12 @@ class LLM:
                     checked += 1
                 if stopped:
                     break
-                kv.begin_step(pos)
-                logits = m.decode_step(toks[-1], pos, kv)
-                kv.end_step()
+                if graph is not None:
+                    logits = graph.step(toks[-1])
+                else:
+                    kv.begin_step(pos)
+                    logits = m.decode_step(toks[-1], pos, kv)
+                    kv.end_step()
                 pos += 1
                 tok = _sample(logits, sp, gen)
                 toks.append(tok)
@@ -472,6 +586,9 @@ class LLM:
             if cuda:
                 t_end.synchronize()
         finally:
+            if graph is not None:
+                graph.close()
+                del graph
             if seq is not None:
                 self.engine.free(seq)
             del kv
