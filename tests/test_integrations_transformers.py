@@ -336,20 +336,36 @@ def test_smollm2_gpu_greedy_matches_sdpa(dtype):
 
 @pytest.mark.cuda
 def test_smollm2_gpu_xattn_long_prompt():
-    """A 4K-token prompt: tau=1 gives sdpa's tokens; tau=0.9 runs sparse (density < 1) and its
-    first generated token matches dense."""
+    """A 4K-token prompt through transformers with "xoffload_xattn": at tau=1 the last-position
+    logits equal dense "xoffload"'s within bf16 tolerance (the block-sparse kernel sums in another
+    order, so exact greedy equality over many tokens would test rounding ties, not correctness);
+    at tau=0.9 it really runs sparse (density < 1) and the logits stay close to dense."""
     model = load_smollm2("cuda", torch.bfloat16)
     body = torch.tensor(PROMPT2_IDS * 300)[:4096 - len(PROMPT_IDS)]
     ids = torch.cat([body, torch.tensor(PROMPT_IDS)])[None].cuda()
     saved = dict(xt.XATTN_CONFIG)
+
+    def last_logits(impl):
+        model.set_attn_implementation(impl)
+        with torch.no_grad():
+            return model(input_ids=ids).logits[0, -1].float()
+
     try:
         xt.register(xattn_threshold=1.0, xattn_min_len=1024, xattn_block_size=128, xattn_stride=8)
-        ref = _generate(model, "xoffload", ids, new_tokens=8)
-        assert torch.equal(_generate(model, "xoffload_xattn", ids, new_tokens=8), ref)
+        dense = last_logits("xoffload")
+        ref = last_logits("sdpa")
+        calls = xt.XATTN_STATS["sparse_calls"]
+        full = last_logits("xoffload_xattn")
+        assert xt.XATTN_STATS["sparse_calls"] > calls
+        # tolerance from the dtype: twice the dense kernel's own distance from SDPA, plus bf16 ulps
+        tol = 2 * float((dense - ref).abs().max()) + 4 * torch.finfo(torch.bfloat16).eps * float(ref.abs().max())
+        assert float((full - dense).abs().max()) <= tol
         xt.register(xattn_threshold=0.9)
-        out = _generate(model, "xoffload_xattn", ids, new_tokens=8)
+        sparse = last_logits("xoffload_xattn")
         assert float(xt.XATTN_STATS["last_density"].mean()) < 1.0
-        assert torch.equal(out[:, : ids.shape[1] + 1], ref[:, : ids.shape[1] + 1])
+        assert torch.isfinite(sparse).all()
+        assert int(sparse.argmax()) == int(dense.argmax()) or float(
+            dense.max() - dense[int(sparse.argmax())]) <= tol
     finally:
         xt.register(xattn_threshold=saved["threshold"], xattn_stride=saved["stride"],
                     xattn_block_size=saved["block_size"], xattn_min_len=saved["min_len"])
