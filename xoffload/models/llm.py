@@ -293,7 +293,8 @@ def _sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> t
     """int64 ``[1]`` token from fp32 logits ``[1, V]`` (stays on the device, no host sync)."""
     if sp.temperature <= 0:
         return logits.argmax(-1)
-    p = torch.softmax(logits / sp.temperature, dim=-1)
+    # subtract the max first: a tiny temperature then gives a one-hot, not inf - inf = NaN
+    p = torch.softmax((logits - logits.amax(-1, keepdim=True)) / sp.temperature, dim=-1)
     if sp.top_p < 1.0:
         ps, idx = p.sort(dim=-1, descending=True)
         cum = ps.cumsum(-1)
@@ -377,10 +378,15 @@ class LLM:
         self.prefill_attn = prefill_attn
         self.sparse = sparse
         self.sparse_threshold = float(sparse_threshold)
+        if not 0.0 <= self.sparse_threshold <= 1.0:
+            raise ValueError(f"sparse_threshold must be in [0, 1], got {sparse_threshold!r}")
         self.sparse_stride = int(sparse_stride)
         self.sparse_block_size = int(sparse_block_size)
         self.sparse_kwargs = dict(sparse_kwargs or {})
         L = self.cfg.num_layers
+        bad = [i for i in (dense_layers or ()) if not -L <= int(i) < L]
+        if bad:
+            raise ValueError(f"dense_layers {bad} are outside the model's {L} layers")
         dense = set(int(i) % L if int(i) < 0 else int(i) for i in (dense_layers or ()))
         self.dense_layers = tuple(sorted(dense))
         self.sparse_layers = tuple(i for i in range(L) if i not in dense) if sparse else ()
