@@ -1,6 +1,6 @@
 """Streams and events for one device, with no-op stand-ins in host mode (device "cpu").
 
-Ordering between streams is by events only; nothing here calls ``torch.cuda.synchronize()``.
+Ordering between streams is by events only; nothing here synchronizes the whole device.
 """
 from __future__ import annotations
 

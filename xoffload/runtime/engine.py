@@ -13,7 +13,7 @@ Lifecycle of one sequence (see ``/tmp/runtime_contract.md`` and DESIGN.md, Runti
         eng.end_step(seq)
     eng.free(seq)
 
-Ordering is by CUDA events only (no ``torch.cuda.synchronize()``):
+Ordering is by CUDA events only (no device-wide synchronize):
 
 * prefill D2H: the offload stream waits on an event recorded on the caller's current stream, then
   copies; the source tensors are kept alive until the copy's event completes.
