@@ -15,6 +15,7 @@ benchmarks/bench_x.py`` finds the ``xoffload`` package without installing it.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -92,6 +93,7 @@ def bench_graph_ms(fn) -> float | None:
     return bench_ms(g.replay)
 
 
+@functools.lru_cache(maxsize=None)
 def hbm_copy_gbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth in GB/s (1e9 bytes/s), counting bytes read plus bytes
     written, over a copy of ``nbytes`` (default 2 GiB, well past the L2)."""
@@ -108,21 +110,24 @@ def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 else float("nan")
 
 
-def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
-    """Write ``payload`` to ``<out_dir or benchmarks/results>/<name>.json`` (and a copy under
-    ``$XOFFLOAD_BENCH_OUT`` if set). Returns the path written."""
-    out_dir = out_dir or RESULTS_DIR
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"{name}.json")
+def save_json(path: str, payload: dict) -> str:
+    """Write ``payload`` as JSON to ``path`` (and a copy under ``$XOFFLOAD_BENCH_OUT`` if set, so a
+    run on the GPU machine returns it). Returns ``path``."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     text = json.dumps(payload, indent=2, default=str)
     with open(path, "w", encoding="utf-8") as f:
         f.write(text + "\n")
     extra = os.environ.get("XOFFLOAD_BENCH_OUT")
-    if extra:
+    if extra and os.path.abspath(extra) != os.path.dirname(os.path.abspath(path)):
         os.makedirs(extra, exist_ok=True)
-        with open(os.path.join(extra, f"{name}.json"), "w", encoding="utf-8") as f:
+        with open(os.path.join(extra, os.path.basename(path)), "w", encoding="utf-8") as f:
             f.write(text + "\n")
     return path
+
+
+def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
+    """:func:`save_json` to ``<out_dir or benchmarks/results>/<name>.json``."""
+    return save_json(os.path.join(out_dir or RESULTS_DIR, f"{name}.json"), payload)
 
 
 def fmt_table(rows: list[dict], cols: list[str]) -> str:

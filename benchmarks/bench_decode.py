@@ -16,7 +16,6 @@ numbers in extra_info). Skips cleanly without CUDA.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import warnings
@@ -32,7 +31,7 @@ HAS_CUDA = torch.cuda.is_available()
 HEADS = {"d128_32_8": (32, 8, 128), "d64_9_3": (9, 3, 64)}  # Llama-3.1-8B, SmolLM2 shapes
 
 
-from benchmarks._common import bench_graph_ms, bench_ms, env_record, hbm_copy_gbps  # noqa: E402
+from benchmarks._common import bench_graph_ms, bench_ms, env_record, hbm_copy_gbps, save_json  # noqa: E402
 
 
 def _inputs(b, sk, hq, hkv, d, dtype=torch.bfloat16):
@@ -135,13 +134,6 @@ def sweep(b, sk, heads, hbm, splits, configs) -> list:
 
 
 # ------------------------------------------------------------------------------- pytest-benchmark
-_HBM = {}
-
-
-def _hbm():
-    if "v" not in _HBM:
-        _HBM["v"] = hbm_copy_gbps()
-    return _HBM["v"]
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
@@ -149,9 +141,9 @@ def _hbm():
 @pytest.mark.parametrize("sk", [4096, 32768, 131072])
 @pytest.mark.parametrize("heads", list(HEADS))
 def test_bench_decode(benchmark, b, sk, heads):
-    row = benchmark.pedantic(lambda: run_case(b, sk, heads, _hbm()), rounds=1, iterations=1)
+    row = benchmark.pedantic(lambda: run_case(b, sk, heads, hbm_copy_gbps()), rounds=1, iterations=1)
     benchmark.extra_info.update({k: v for k, v in row.items() if k != "peers"})
-    benchmark.extra_info["hbm_copy_GBps"] = _hbm()
+    benchmark.extra_info["hbm_copy_GBps"] = hbm_copy_gbps()
     for name, p in row["peers"].items():
         for k, v in p.items():
             benchmark.extra_info[f"{name}_{k}"] = v
@@ -201,10 +193,7 @@ def main(argv=None):
         print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
     res = {"benchmark": "decode", **env_record(), "hbm_copy_GBps": hbm, "rows": rows, "sweep_128k": sw,
            "target": "Sk=128K: >= 0.75 of HBM copy bandwidth"}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {save_json(args.out, res)}")
     return 0
 
 

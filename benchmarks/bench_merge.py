@@ -12,7 +12,6 @@ Skips cleanly without CUDA.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -23,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks._common import HAS_CUDA, bench_ms, env_record, hbm_copy_gbps  # noqa: E402
+from benchmarks._common import HAS_CUDA, bench_ms, env_record, hbm_copy_gbps, save_json  # noqa: E402
 
 # (name, N, B, S, H, D): prefill-chunk merges (Llama-3.1-8B / SmolLM2 heads) and decode merges
 SHAPES = [
@@ -76,21 +75,14 @@ def run_case(name, n, b, s, h, d, hbm, dtype=torch.bfloat16) -> dict:
     return row
 
 
-_HBM = {}
-
-
-def _hbm():
-    if "v" not in _HBM:
-        _HBM["v"] = hbm_copy_gbps()
-    return _HBM["v"]
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 def test_bench_merge(benchmark, shape):
-    row = benchmark.pedantic(lambda: run_case(*shape, _hbm()), rounds=1, iterations=1)
+    row = benchmark.pedantic(lambda: run_case(*shape, hbm_copy_gbps()), rounds=1, iterations=1)
     benchmark.extra_info.update({k: v for k, v in row.items() if k != "peers"})
-    benchmark.extra_info["hbm_copy_GBps"] = _hbm()
+    benchmark.extra_info["hbm_copy_GBps"] = hbm_copy_gbps()
     for name, p in row["peers"].items():
         for k, v in p.items():
             benchmark.extra_info[f"{name}_{k}"] = v
@@ -119,10 +111,7 @@ def main(argv=None):
               f"{100 * r['frac_of_hbm_copy']:>5.1f}%  {ps}", flush=True)
     res = {"benchmark": "merge", **env_record(), "hbm_copy_GBps": hbm, "rows": rows,
            "target": ">= 0.70 of HBM copy bandwidth"}
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {save_json(args.out, res)}")
     return 0
 
 

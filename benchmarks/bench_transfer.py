@@ -28,7 +28,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks._common import env_record  # noqa: E402
+from benchmarks._common import env_record, save_json  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
 BF = torch.bfloat16
@@ -315,10 +315,7 @@ def main(argv=None):
         return 0
     res = run_all(quick=args.quick)
     print_table(res)
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(res, f, indent=1)
-    print(f"wrote {args.out}")
+    print(f"wrote {save_json(args.out, res)}")
     return 0
 
 
