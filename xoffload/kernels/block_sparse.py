@@ -26,6 +26,7 @@ import triton.language as tl
 
 from . import reference
 from ._common import check_heads, check_same, check_tensor, default_scale, next_pow2, use_triton
+from .flash_attn import _online_softmax_step
 
 __all__ = ["BlockIndex", "block_mask_to_indices", "block_sparse_attn_with_lse"]
 
@@ -148,21 +149,8 @@ def _bs_inner(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, idx_row, offs_m,
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        if MASKED:
-            ok = n_ok[None, :]
-            if CAUSAL:
-                ok = ok & ((start_n + offs_n)[None, :] <= (offs_m[:, None] + diag_shift))
-            qk = tl.where(ok, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(qk - m_sub[:, None])
-            alpha = tl.exp2(m_i - m_sub)
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, m_new, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, start_n, offs_n, offs_m, seqlen_k,
+                                                  diag_shift, qk_scale, MASKED, CAUSAL)
         if MASKED:
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:

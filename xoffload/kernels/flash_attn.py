@@ -88,6 +88,35 @@ def _check_max_seqlen(name: str, value, cu: torch.Tensor, cu_name: str) -> int:
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
+def _online_softmax_step(qk, m_i, l_i, acc, start_n, offs_n, offs_m, seqlen_k, diag_shift, qk_scale,
+                         MASKED: tl.constexpr, CAUSAL: tl.constexpr):
+    """One online-softmax update (FlashAttention-2) for a tile of raw scores ``qk`` [M, N].
+
+    Returns ``(p, m_new, l_i, acc)``: the tile's unnormalised probabilities (base 2, scale
+    folded in), the new row max, and l_i / acc rescaled to it. With ``MASKED`` keys at or past
+    ``seqlen_k`` (and, with ``CAUSAL``, keys after ``offs_m + diag_shift``) get probability 0; a
+    row that has seen no key yet keeps m = -inf and subtracts 0 instead (no NaN). Shared by the
+    dense and block-sparse kernels (inlined by Triton).
+    """
+    if MASKED:
+        ok = ((start_n + offs_n) < seqlen_k)[None, :]
+        if CAUSAL:
+            ok = ok & ((start_n + offs_n)[None, :] <= (offs_m[:, None] + diag_shift))
+        qk = tl.where(ok, qk * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(qk - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+    else:
+        m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        p = tl.exp2(qk * qk_scale - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None]
+    return p, m_new, l_i, acc
+
+
+@triton.jit
 def _attn_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_offs, v_offs, offs_m, offs_n,
                 d_ok, lo, hi, seqlen_k, diag_shift, qk_scale,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
@@ -108,22 +137,8 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_offs, v_offs
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        if MASKED:
-            ok = n_ok[None, :]
-            if CAUSAL:
-                ok = ok & ((start_n + offs_n)[None, :] <= (offs_m[:, None] + diag_shift))
-            qk = tl.where(ok, qk * qk_scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            # a row that has seen no key yet keeps m = -inf; subtract 0 instead (no NaN)
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(qk - m_sub[:, None])
-            alpha = tl.exp2(m_i - m_sub)
-        else:
-            m_new = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
-            p = tl.exp2(qk * qk_scale - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
+        p, m_new, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, start_n, offs_n, offs_m, seqlen_k,
+                                                  diag_shift, qk_scale, MASKED, CAUSAL)
         if USE_TMA:
             v = v_desc.load([start_n, 0])
         elif MASKED:
