@@ -488,3 +488,9 @@ def test_fragmented_tables_whole_layer_loads(gather):
     r.check_host(b)
     r.check_fetch(a, [5, 0, 2, 2])
     r.check_fetch(b)
+
+
+def test_integer_kv_dtype_refused():
+    """KV values are floating point; an int dtype is a caller mistake (found by adversarial testing)."""
+    with pytest.raises(TypeError, match="floating-point"):
+        OffloadEngine(2, 1, 8, dtype=torch.int32, device="cpu", max_tokens=64, block_size=16)

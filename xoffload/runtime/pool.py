@@ -77,8 +77,8 @@ class CpuKVPool:
                               ("head_dim", head_dim, 1)):
             if not isinstance(val, int) or isinstance(val, bool) or val < lo:
                 raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
-        if not isinstance(dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise TypeError(f"dtype must be a floating-point torch.dtype (KV values), got {dtype!r}")
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
