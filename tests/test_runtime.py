@@ -494,3 +494,23 @@ def test_integer_kv_dtype_refused():
     """KV values are floating point; an int dtype is a caller mistake (found by adversarial testing)."""
     with pytest.raises(TypeError, match="floating-point"):
         OffloadEngine(2, 1, 8, dtype=torch.int32, device="cpu", max_tokens=64, block_size=16)
+
+
+def test_release_ring_buffers_between_steps_and_reclaim():
+    e = eng_(layers=3, bs=4, max_tokens=32, nbuf=2)
+    r = Ref(e, seed=11)
+    s = e.add_sequence()
+    r.prefill(s, 9)
+    e.reclaim()  # no-op in host mode, must not disturb anything
+    r.step(s)
+    per_ring = 2 * 2 * 32 * H * D * 4  # nbuf x (K, V) x buffer_tokens x Hkv x D x fp32
+    assert e.release_ring_buffers() == per_ring
+    assert e.release_ring_buffers() == 0 and e._rings == []
+    r.step(s)  # a fresh ring is made by the next step; contents still right
+    e.begin_step(s)
+    assert e.release_ring_buffers() == 0  # the open step's ring is not free: kept
+    for l in range(e.num_layers):
+        e.layer_kv(s, l, r.rand(1), r.rand(1))
+        e.end_layer(s, l)
+    e.end_step(s)
+    assert e.release_ring_buffers() == per_ring

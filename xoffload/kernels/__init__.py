@@ -16,6 +16,8 @@ from ._common import cpu_backend, interpreter_on
 _LAZY = {
     "flash_attn_with_lse": ".flash_attn",
     "flash_attn_varlen_with_lse": ".flash_attn",
+    "causal_attention": ".causal_attention",
+    "causal_attention_backend": ".causal_attention",
     "decode_attn_with_lse": ".decode",
     "merge_attention_states": ".merge",
     "merge_attention_states_n": ".merge",
@@ -33,6 +35,9 @@ _LAZY = {
     "mask_density": ".block_select",
     "causal_block_visibility": ".block_select",
     "forced_blocks": ".block_select",
+    "rms_norm": ".rms_norm",
+    "silu_mul": ".swiglu",
+    "qkv_rope": ".rope",
 }
 
 __all__ = sorted(_LAZY) + ["cpu_backend", "interpreter_on"]

@@ -6,12 +6,13 @@ The model knows nothing about where KV lives. Prefill writes each layer's K/V th
 a *KV store* (``attend(layer, q, k_new, v_new) -> out``). :mod:`xoffload.models.llm` provides the
 GPU cache and the offload-engine versions.
 
-Prefill is layerwise: all prompt tokens pass layer ``l`` before layer ``l+1`` starts. Inside a layer
-there are two passes over token chunks of ``chunk`` tokens, so activations stay bounded by the chunk
-(only the residual stream ``[T, hidden]`` and the layer's K/V ``[T, Hkv, D]`` are whole-prompt):
-pass 1 computes K and V for every token; pass 2 computes q for one chunk, attends causally to the
-keys up to the chunk's end (``flash_attn_with_lse``, bottom-right aligned), then runs the output
-projection and the MLP for that chunk and updates its residual rows in place.
+Prefill is layerwise: all prompt tokens pass layer ``l`` before layer ``l+1`` starts. Inside a layer,
+pass 1 runs norm + QKV projection + RoPE over token chunks into the whole layer's q and K/V; the
+layer's causal attention runs at once over the whole prompt (no LSE needed, so the fastest correct
+kernel: :func:`xoffload.kernels.causal_attention`), written over q in place; pass 2 runs the output
+projection and the MLP over token chunks, updating the residual rows in place. Whole-prompt
+activations: the residual stream ``[T, hidden]``, q / attention output ``[T, Hq, D]`` and the
+layer's K/V ``[T, Hkv, D]``; the rest is bounded by the chunk.
 """
 from __future__ import annotations
 
@@ -132,42 +133,19 @@ class LlamaModel:
         del gu
         h += a @ lw.w_down.t()
 
-    def _q_chunk(self, lw, h_chunk, cos, sin):
+    def _qkv_chunk(self, lw, h_chunk, cos, sin, q_out, k_out, v_out) -> None:
+        """Norm, fused QKV projection, q/k norm (Qwen3) and RoPE for a chunk of tokens, written into
+        q_out ``[c, Hq, D]``, k_out / v_out ``[c, Hkv, D]`` (views of the layer's buffers)."""
         cfg = self.cfg
         x = rms_norm(h_chunk, lw.attn_norm, cfg.rms_norm_eps)
-        q = (x @ lw.wqkv[: self._q_rows].t()).view(-1, cfg.num_heads, cfg.head_dim)
-        q = self._qk_norm(q, lw.q_norm)
-        return apply_rope(q, cos, sin)
-
-    def _kv_chunk(self, lw, h_chunk, cos, sin):
-        cfg = self.cfg
-        x = rms_norm(h_chunk, lw.attn_norm, cfg.rms_norm_eps)
-        kv = x @ lw.wqkv[self._q_rows:].t()
-        k = kv[:, : self._kv_rows].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        v = kv[:, self._kv_rows:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        k = apply_rope(self._qk_norm(k, lw.k_norm), cos, sin)
-        return k, v
-
-    def _causal_attn(self, q, k, v, backend: str):
-        """Causal (bottom-right aligned) attention of a query chunk: q ``[c, Hq, D]`` against
-        k/v ``[e, Hkv, D]`` (``e >= c``: the chunk's own keys are the last ``c``). Returns
-        ``[c, Hq, D]``. ``backend``: ``"xoffload"`` (flash_attn_with_lse) or ``"sdpa"`` (PyTorch's
-        scaled_dot_product_attention with a lower-right causal bias and native GQA)."""
-        if backend == "sdpa":
-            c, e = q.shape[0], k.shape[0]
-            qt, kt, vt = (x[None].transpose(1, 2) for x in (q, k, v))
-            if c == e:
-                o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=self.scale, enable_gqa=True)
-            else:
-                from torch.nn.attention.bias import causal_lower_right
-
-                o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=causal_lower_right(c, e),
-                                                   scale=self.scale, enable_gqa=True)
-            return o.transpose(1, 2)[0]
-        from xoffload.kernels import flash_attn_with_lse
-
-        o, _ = flash_attn_with_lse(q[None], k[None], v[None], causal=True, softmax_scale=self.scale)
-        return o[0]
+        qkv = x @ lw.wqkv.t()
+        del x
+        qr, kr = self._q_rows, self._kv_rows
+        q = qkv[:, :qr].view(-1, cfg.num_heads, cfg.head_dim)
+        k = qkv[:, qr:qr + kr].view(-1, cfg.num_kv_heads, cfg.head_dim)
+        q_out.copy_(apply_rope(self._qk_norm(q, lw.q_norm), cos, sin))
+        k_out.copy_(apply_rope(self._qk_norm(k, lw.k_norm), cos, sin))
+        v_out.copy_(qkv[:, qr + kr:].view(-1, cfg.num_kv_heads, cfg.head_dim))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[n, V]`` of final hidden states ``h`` ``[n, hidden]`` (final norm applied here)."""
@@ -177,27 +155,41 @@ class LlamaModel:
     # ------------------------------------------------------------------ prefill
     def prefill(self, ids: torch.Tensor, sink, *, chunk: int = 4096, all_logits: bool = False,
                 sparse_fn=None, sparse_layers=(), densities: list | None = None,
-                attn_backend: str = "xoffload") -> torch.Tensor:
+                attn_backend: str = "auto") -> torch.Tensor:
         """Layerwise prefill of one sequence.
+
+        Per layer: (1) norm + fused QKV projection + RoPE over token chunks, writing the whole
+        layer's q ``[T, Hq, D]`` and its K/V (into the sink's buffers); (2) causal attention of the
+        whole prompt at once (no LSE is needed: :func:`xoffload.kernels.causal_attention`, the
+        fastest correct kernel available, or ``sparse_fn``), written over q in place; (3) the
+        sink gets the layer's K/V (offload: the D2H copy overlaps step 4); (4) output projection
+        + residual + MLP over token chunks. Activation memory: the residual stream
+        ``[T, hidden]``, q / attention output ``[T, Hq, D]``, the layer's K/V and one chunk's
+        temporaries.
 
         Args:
             ids: int64 ``[T]`` token ids on the model's device, ``T >= 1``.
             sink: object with ``buffers(layer, T) -> (k, v)`` (``[T, Hkv, D]`` tensors to fill) and
-                ``done(layer, k, v)`` (called once layer ``layer``'s K/V are written).
-            chunk: tokens per chunk for projections, attention queries and the MLP.
+                ``done(layer, k, v)`` (called once layer ``layer``'s K/V are written and attended).
+            chunk: tokens per chunk for the projections and the MLP.
             all_logits: return logits for every position (``[T, V]``) instead of the last (``[1, V]``).
             sparse_fn: None, or ``fn(q, k, v) -> (out, density)`` used instead of dense attention
                 for the layers in ``sparse_layers``; called with the whole layer's q ``[1, T, Hq, D]``
                 and k/v ``[1, T, Hkv, D]``, returns out ``[1, T, Hq, D]`` and the kept fraction.
             sparse_layers: layer indices that use ``sparse_fn``.
             densities: list receiving one entry per layer: ``sparse_fn``'s density, or None (dense).
-            attn_backend: dense causal attention of the prompt: ``"xoffload"`` (the Triton
-                ``flash_attn_with_lse``; the kernels' reference on the CPU) or ``"sdpa"`` (PyTorch).
+            attn_backend: dense causal attention: ``"auto"`` (cuDNN where it runs, else ours),
+                ``"cudnn"``, ``"xoffload"`` (the Triton ``flash_attn_with_lse``; the kernels'
+                reference on the CPU) or ``"sdpa"`` (PyTorch's own choice).
         Returns:
             fp32 logits.
+        Raises:
+            ValueError: unknown ``attn_backend``.
         """
-        if attn_backend not in ("xoffload", "sdpa"):
-            raise ValueError(f"attn_backend must be 'xoffload' or 'sdpa', got {attn_backend!r}")
+        from xoffload.kernels import causal_attention
+
+        if attn_backend not in ("auto", "cudnn", "xoffload", "sdpa"):
+            raise ValueError(f"attn_backend must be 'auto', 'cudnn', 'xoffload' or 'sdpa', got {attn_backend!r}")
         cfg = self.cfg
         T = int(ids.shape[0])
         chunk = max(1, int(chunk))
@@ -205,37 +197,28 @@ class LlamaModel:
         h = F.embedding(ids, self.w.embed)  # [T, hidden]
         for li, lw in enumerate(self.w.layers):
             k, v = sink.buffers(li, T)
+            q = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
             for s in range(0, T, chunk):
                 e = min(T, s + chunk)
-                kc, vc = self._kv_chunk(lw, h[s:e], cos_all[s:e], sin_all[s:e])
-                k[s:e] = kc
-                v[s:e] = vc
-                del kc, vc
-            out_full = density = None
+                self._qkv_chunk(lw, h[s:e], cos_all[s:e], sin_all[s:e], q[s:e], k[s:e], v[s:e])
+            density = None
             if sparse_fn is not None and li in sparse_layers:
-                q_full = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
-                for s in range(0, T, chunk):
-                    e = min(T, s + chunk)
-                    q_full[s:e] = self._q_chunk(lw, h[s:e], cos_all[s:e], sin_all[s:e])
-                out_full, density = sparse_fn(q_full[None], k[None], v[None])
-                del q_full
+                o, density = sparse_fn(q[None], k[None], v[None])
+                o = o[0]
+            else:
+                o = causal_attention(q[None], k[None], v[None], softmax_scale=self.scale, backend=attn_backend,
+                                     out=q[None])[0]
+            del q
             if densities is not None:
                 densities.append(density)
-            for s in range(0, T, chunk):
-                e = min(T, s + chunk)
-                if out_full is not None:
-                    o = out_full[0, s:e]
-                else:
-                    q = self._q_chunk(lw, h[s:e], cos_all[s:e], sin_all[s:e])
-                    o = self._causal_attn(q, k[:e], v[:e], attn_backend)
-                    del q
-                hc = h[s:e]
-                hc += o.reshape(e - s, -1).to(self.dtype) @ lw.wo.t()
-                del o
-                self._mlp_residual(lw, hc)
-            del out_full
             sink.done(li, k, v)
             del k, v
+            for s in range(0, T, chunk):
+                e = min(T, s + chunk)
+                hc = h[s:e]
+                hc += o[s:e].reshape(e - s, -1).to(self.dtype) @ lw.wo.t()
+                self._mlp_residual(lw, hc)
+            del o
         if all_logits:
             return torch.cat([self.logits(h[s:s + chunk]) for s in range(0, T, chunk)])
         return self.logits(h[-1:])

@@ -186,6 +186,7 @@ class _OffloadKV:
 
     # prefill: fresh buffers per layer; the engine copies them out D2H while the next layer runs
     def buffers(self, layer, T):
+        self.eng.reclaim()  # the previous layer's K/V once its D2H copy is done
         shape = (T, self.cfg.num_kv_heads, self.cfg.head_dim)
         return (torch.empty(shape, dtype=self.dtype, device=self.device),
                 torch.empty(shape, dtype=self.dtype, device=self.device))
@@ -322,9 +323,11 @@ class LLM:
         sparse_kwargs: extra keyword arguments for ``xattention_prefill`` (e.g. ``chunk_size``,
             ``dense_fallback_len``).
         prefill_chunk: tokens per chunk in prefill (default 8192 on a GPU, 512 on the CPU).
-        prefill_attn: dense causal attention in prefill: ``"xoffload"`` (Triton
-            ``flash_attn_with_lse``, default) or ``"sdpa"`` (PyTorch SDPA, lower-right causal bias;
-            no LSE is needed there).
+        prefill_attn: dense causal attention of the whole prompt in prefill (no LSE needed):
+            ``"auto"`` (default: cuDNN's fused attention through PyTorch SDPA where it runs — the
+            fastest on an H200 — else ours), ``"cudnn"``, ``"xoffload"`` (our Triton
+            ``flash_attn_with_lse``) or ``"sdpa"`` (PyTorch's own backend choice). See
+            :func:`xoffload.kernels.causal_attention`.
         seed: default sampling seed of requests without one.
         cuda_graph: in gpu mode on CUDA, capture one decode step in a CUDA graph per request and
             replay it per token (default True; removes the host's per-kernel launch cost). False:
@@ -340,7 +343,7 @@ class LLM:
                  max_model_len: int | None = None, dtype=None, device=None, sparse: str | None = None,
                  sparse_threshold: float = 0.9, sparse_stride: int = 8, sparse_block_size: int = 128,
                  dense_layers=(0, 1), sparse_kwargs: dict | None = None, prefill_chunk: int | None = None,
-                 prefill_attn: str = "xoffload", seed: int = 0, cuda_graph: bool = True):
+                 prefill_attn: str = "auto", seed: int = 0, cuda_graph: bool = True):
         if mode not in ("gpu", "offload"):
             raise ValueError(f"mode must be 'gpu' or 'offload', got {mode!r}")
         if sparse not in (None, "xattn", "none", "dense"):
@@ -373,8 +376,8 @@ class LLM:
         if not isinstance(prefill_chunk, int) or prefill_chunk < 1:
             raise ValueError(f"prefill_chunk must be an int >= 1, got {prefill_chunk!r}")
         self.prefill_chunk = prefill_chunk
-        if prefill_attn not in ("xoffload", "sdpa"):
-            raise ValueError(f"prefill_attn must be 'xoffload' or 'sdpa', got {prefill_attn!r}")
+        if prefill_attn not in ("auto", "cudnn", "xoffload", "sdpa"):
+            raise ValueError(f"prefill_attn must be 'auto', 'cudnn', 'xoffload' or 'sdpa', got {prefill_attn!r}")
         self.prefill_attn = prefill_attn
         self.sparse = sparse
         self.sparse_threshold = float(sparse_threshold)
@@ -597,6 +600,9 @@ class LLM:
                 del graph
             if seq is not None:
                 self.engine.free(seq)
+                # the ring (num_kv_buffers layer buffers of max_model_len tokens) is re-created by
+                # the next request's first decode step: off the GPU during its prefill
+                self.engine.release_ring_buffers()
             del kv
         n_out, reason = len(all_ids), "length"
         for j, t in enumerate(all_ids):

@@ -438,6 +438,29 @@ class OffloadEngine:
         self.allocator.free(seq)
         del self._seqs[seq]
 
+    def reclaim(self) -> None:
+        """Drop the engine's references to K/V tensors whose D2H copies have finished
+        (non-blocking event queries), so their GPU memory can be reused. :meth:`offload_layer`
+        does this itself; call it before allocating the next layer's buffers to keep one
+        layer's K/V, not two, alive during a layerwise prefill."""
+        self._pending.prune()
+
+    def release_ring_buffers(self) -> int:
+        """Free the GPU ring buffers of rings no decode step holds (they are re-created, fresh,
+        by the next step). Returns the bytes released. Between requests this takes the ring's
+        ``num_buffers x 2 x round_up(max_tokens, block_size) x Hkv x D`` elements off the GPU
+        while a long prefill runs. The current stream first waits for the rings' load streams,
+        so no copy into the freed memory can still be running when it is reused."""
+        freed = 0
+        cur = self._sync.current()
+        for ring in self._free_rings:
+            for st in ring.load_streams():
+                cur.wait_stream(st)
+            freed += ring.nbytes()
+            self._rings.remove(ring)
+        self._free_rings = []
+        return freed
+
     def reset(self) -> None:
         """Free every sequence (the pool and rings are kept for reuse)."""
         for sid in list(self._seqs):

@@ -54,6 +54,10 @@ class LayerRing:
         self._slots = [_Slot() for _ in range(num_buffers)]
         self.loads = 0  # number of load() calls, for tests and stats
 
+    def nbytes(self) -> int:
+        """GPU bytes held by the slots allocated so far (K and V)."""
+        return sum(x.numel() * x.element_size() for sl in self._slots for x in (sl.k, sl.v) if x is not None)
+
     def slot_of(self, layer: int) -> int:
         """Slot index of ``layer`` (``layer % num_buffers``)."""
         return layer % self.num_buffers
