@@ -16,8 +16,8 @@ from ._common import cpu_backend, interpreter_on
 _LAZY = {
     "flash_attn_with_lse": ".flash_attn",
     "flash_attn_varlen_with_lse": ".flash_attn",
-    "causal_attention": ".causal_attention",
-    "causal_attention_backend": ".causal_attention",
+    "causal_attention": ".prefill_attention",
+    "causal_attention_backend": ".prefill_attention",
     "decode_attn_with_lse": ".decode",
     "merge_attention_states": ".merge",
     "merge_attention_states_n": ".merge",

@@ -111,3 +111,13 @@ def test_cuda_auto_prefers_cudnn_on_hopper():
     q2, k2, v2 = _qkv(1, 64, 32, 8, 128, torch.bfloat16, "cuda", sk=256)
     assert causal_attention_backend(q2, k2) == "xoffload"
     _check(causal_attention(q2, k2, v2), q2, k2, v2)
+
+
+def test_lazy_names_are_the_functions_in_any_import_order():
+    import subprocess
+    import sys
+
+    code = ("import xoffload.kernels as K; K.causal_attention_backend; "
+            "assert callable(K.causal_attention), K.causal_attention")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-2000:]
