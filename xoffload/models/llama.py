@@ -131,7 +131,7 @@ class LlamaModel:
         i = self.cfg.intermediate_size
         a = F.silu(gu[:, :i]) * gu[:, i:]
         del gu
-        h += a @ lw.w_down.t()
+        h.addmm_(a, lw.w_down.t())  # residual add fused into the GEMM (beta=1)
 
     def _qkv_chunk(self, lw, h_chunk, cos, sin, q_out, k_out, v_out) -> None:
         """Norm, fused QKV projection, q/k norm (Qwen3) and RoPE for a chunk of tokens, written into
@@ -216,7 +216,7 @@ class LlamaModel:
             for s in range(0, T, chunk):
                 e = min(T, s + chunk)
                 hc = h[s:e]
-                hc += o[s:e].reshape(e - s, -1).to(self.dtype) @ lw.wo.t()
+                hc.addmm_(o[s:e].reshape(e - s, -1), lw.wo.t())
                 self._mlp_residual(lw, hc)
             del o
         if all_logits:
