@@ -1,0 +1,299 @@
+"""Fused split of the QKV projection output + rotary embedding (RoPE, Su et al. 2021) in the HF
+rotate-half layout, with Qwen3's optional per-head RMSNorm of q and k before the rotation.
+
+One launch reads each token's ``qkv`` row once and writes q (rotated), k (rotated) and v (copied)
+straight into their destination buffers (e.g. slices of a KV cache), so the split, the norm, the
+rotation and the copy into the cache cost one read and one write of the projection output.
+
+For a head vector ``x`` of ``D`` (even) elements at position ``p`` (``h = D/2``):
+
+    out[:h] = x[:h] * cos[p, :h] - x[h:] * sin[p, :h]
+    out[h:] = x[h:] * cos[p, h:] + x[:h] * sin[p, h:]
+
+i.e. ``x * cos + rotate_half(x) * sin``, computed in fp32 and rounded once to the output dtype
+(PyTorch's version in the model dtype rounds after every op; this one is at least as accurate).
+With a norm weight, ``x`` is first replaced by ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
+(HF rounding order, see :mod:`xoffload.kernels.rms_norm`) in the qkv dtype.
+
+CUDA tensors run the Triton kernel; CPU tensors run :func:`qkv_rope_ref`, or the Triton code under
+``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels._common`).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._common import MAX_HEAD_DIM, check_tensor, next_pow2, use_triton
+
+__all__ = ["qkv_rope", "qkv_rope_ref"]
+
+
+@triton.jit
+def _norm_half_pair(x1, x2, W, cols, cmask, D, eps, DT: tl.constexpr):
+    """Per-head RMSNorm of heads split in two halves ``[T, G, HALF]`` (fp32), HF rounding (to ``DT``)."""
+    ms = (tl.sum(x1 * x1, axis=2) + tl.sum(x2 * x2, axis=2)) / D
+    r = tl.math.rsqrt(ms + eps)[:, :, None]
+    w1 = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, None, :]
+    w2 = tl.load(W + (D // 2) + cols, mask=cmask, other=0.0).to(tl.float32)[None, None, :]
+    y1 = (x1 * r).to(DT).to(tl.float32) * w1
+    y2 = (x2 * r).to(DT).to(tl.float32) * w2
+    return y1.to(DT).to(tl.float32), y2.to(DT).to(tl.float32)
+
+
+@triton.jit
+def _qkv_rope_kernel(
+    QKV, COS, SIN, POS, QO, KO, VO, QW, KW,
+    N, HQ, HKV, D, G, pos0, eps,
+    s_qkv, s_cos, s_sin,
+    sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
+    POS_FROM_PTR: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
+):
+    """Program (token block, head group): ``G`` consecutive heads (``G`` divides ``HQ`` and
+    ``HKV``, so a group lies inside the q, the k or the v section) of ``BLOCK_T`` tokens, tile
+    ``[BLOCK_T, BLOCK_G, HALF]`` per half head; the cos/sin rows are loaded once per group."""
+    pid_t = tl.program_id(0)
+    h0 = tl.program_id(1) * G
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < N
+    t64 = t.to(tl.int64)[:, None, None]
+    g = tl.arange(0, BLOCK_G)
+    gmask = g < G
+    g64 = g.to(tl.int64)[None, :, None]
+    half = D // 2
+    cols = tl.arange(0, HALF)
+    cmask = cols < half
+    msk = tmask[:, None, None] & gmask[None, :, None] & cmask[None, None, :]
+    c3 = cols[None, None, :]
+    src = QKV + t64 * s_qkv + (h0.to(tl.int64) + g64) * D + c3
+    x1 = tl.load(src, mask=msk, other=0.0)
+    x2 = tl.load(src + half, mask=msk, other=0.0)
+    DT = x1.dtype
+    if h0 >= HQ + HKV:
+        # v: copy
+        dst = VO + t64 * sv_t + ((h0 - HQ - HKV).to(tl.int64) + g64) * sv_h + c3
+        tl.store(dst, x1.to(VO.dtype.element_ty), mask=msk)
+        tl.store(dst + half, x2.to(VO.dtype.element_ty), mask=msk)
+    else:
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        if POS_FROM_PTR:
+            p = tl.load(POS).to(tl.int64) + t.to(tl.int64)
+        else:
+            p = pos0 + t.to(tl.int64)
+        # rows of the tables [BLOCK_T, HALF], broadcast over the group's heads
+        tm2 = tmask[:, None] & cmask[None, :]
+        c_ptr = COS + p[:, None] * s_cos + cols[None, :]
+        s_ptr = SIN + p[:, None] * s_sin + cols[None, :]
+        c1 = tl.load(c_ptr, mask=tm2, other=0.0).to(tl.float32)[:, None, :]
+        c2 = tl.load(c_ptr + half, mask=tm2, other=0.0).to(tl.float32)[:, None, :]
+        s1 = tl.load(s_ptr, mask=tm2, other=0.0).to(tl.float32)[:, None, :]
+        s2 = tl.load(s_ptr + half, mask=tm2, other=0.0).to(tl.float32)[:, None, :]
+        if h0 < HQ:
+            if Q_NORM:
+                f1, f2 = _norm_half_pair(f1, f2, QW, cols, cmask, D, eps, DT)
+            dst = QO + t64 * sq_t + (h0.to(tl.int64) + g64) * sq_h + c3
+        else:
+            if K_NORM:
+                f1, f2 = _norm_half_pair(f1, f2, KW, cols, cmask, D, eps, DT)
+            dst = KO + t64 * sk_t + ((h0 - HQ).to(tl.int64) + g64) * sk_h + c3
+        o1 = f1 * c1 - f2 * s1
+        o2 = f2 * c2 + f1 * s2
+        tl.store(dst, o1.to(QO.dtype.element_ty), mask=msk)
+        tl.store(dst + half, o2.to(QO.dtype.element_ty), mask=msk)
+
+
+def _group(hkv: int, max_g: int = 8) -> int:
+    """Heads per program: the largest divisor of ``hkv`` (which divides ``hq`` too) up to ``max_g``."""
+    return max(g for g in range(1, min(hkv, max_g) + 1) if hkv % g == 0)
+
+
+def launch_config(d: int, hkv: int = 8) -> dict:
+    """Launch parameters for head_dim ``d`` and ``hkv`` KV heads: ``HALF`` = padded ``d/2``; ``G``
+    heads per program (a divisor of ``hkv``, so of ``Hq`` too), padded to ``BLOCK_G``;
+    ``BLOCK_T`` tokens per program (~2K elements per half-head tile, 16 per thread; grid
+    ``(cdiv(N, BLOCK_T), (Hq + 2*Hkv) / G)``)."""
+    half = next_pow2(max(d // 2, 8))
+    g = _group(hkv)
+    bg = next_pow2(g)
+    bt = max(1, min(64, 2048 // (half * bg)))
+    return {"G": g, "BLOCK_T": bt, "BLOCK_G": bg, "HALF": half, "num_warps": 4}
+
+
+def _launch(qkv, cos, sin, pos, hq, hkv, d, q_out, k_out, v_out, q_norm, k_norm, eps, config=None):
+    n = qkv.shape[0]
+    cfg = dict(launch_config(d, hkv))
+    if config:
+        cfg.update(config)
+        if "G" in config and "BLOCK_G" not in config:
+            cfg["BLOCK_G"] = next_pow2(cfg["G"])
+    g = cfg.pop("G")
+    if hkv % g != 0:
+        raise ValueError(f"G={g} heads per program must divide num_kv_heads={hkv}")
+    pos_t = isinstance(pos, torch.Tensor)
+    grid = (triton.cdiv(n, cfg["BLOCK_T"]), (hq + 2 * hkv) // g)
+    _qkv_rope_kernel[grid](
+        qkv, cos, sin, pos if pos_t else qkv, q_out, k_out, v_out,
+        q_norm if q_norm is not None else qkv, k_norm if k_norm is not None else qkv,
+        n, hq, hkv, d, g, 0 if pos_t else int(pos), float(eps),
+        qkv.stride(0), cos.stride(0), sin.stride(0),
+        q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
+        POS_FROM_PTR=pos_t, Q_NORM=q_norm is not None, K_NORM=k_norm is not None, **cfg,
+    )
+
+
+def _norm_ref(x, w, eps):
+    xf = x.float()
+    xn = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return (xn.float() * w.float()).to(x.dtype)
+
+
+def _rope_ref(x, cos, sin):
+    """fp32 rotate-half RoPE of x ``[T, H, D]`` with cos/sin ``[T, D]``, rounded once."""
+    h = x.shape[-1] // 2
+    xf = x.float()
+    rot = torch.cat((-xf[..., h:], xf[..., :h]), dim=-1)
+    return (xf * cos.float()[:, None, :] + rot * sin.float()[:, None, :]).to(x.dtype)
+
+
+def qkv_rope_ref(qkv, cos, sin, positions_start, num_heads, num_kv_heads, head_dim,
+                 q_norm=None, k_norm=None, eps=1e-6):
+    """PyTorch version with the kernel's rounding points. Returns ``(q, k, v)`` ``[N, H*, D]`` in
+    ``qkv``'s dtype. cos/sin ``[n_max, 1, D]`` or ``[n_max, D]``; positions_start an int or an
+    integer tensor of one element."""
+    n = qkv.shape[0]
+    hq, hkv, d = num_heads, num_kv_heads, head_dim
+    p0 = int(positions_start.reshape(-1)[0]) if isinstance(positions_start, torch.Tensor) else int(positions_start)
+    c = cos.reshape(cos.shape[0], d)[p0:p0 + n]
+    s = sin.reshape(sin.shape[0], d)[p0:p0 + n]
+    q = qkv[:, : hq * d].reshape(n, hq, d)
+    k = qkv[:, hq * d: (hq + hkv) * d].reshape(n, hkv, d)
+    v = qkv[:, (hq + hkv) * d:].reshape(n, hkv, d)
+    if q_norm is not None:
+        q = _norm_ref(q, q_norm, eps)
+    if k_norm is not None:
+        k = _norm_ref(k, k_norm, eps)
+    return _rope_ref(q, c, s), _rope_ref(k, c, s), v.clone()
+
+
+def _check_table(name, t, d, device):
+    check_tensor(name, t)
+    ok = (t.dim() == 3 and t.shape[1] == 1 and t.shape[2] == d) or (t.dim() == 2 and t.shape[1] == d)
+    if not ok:
+        raise ValueError(f"{name} must have shape [n_max, 1, D] or [n_max, D] with D={d}, got {tuple(t.shape)}")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but qkv is on {device}")
+
+
+def _check_out(name, t, shape, qkv):
+    check_tensor(name, t, ndim=3)
+    if t.dtype != qkv.dtype:
+        raise TypeError(f"{name} has dtype {t.dtype} but qkv has {qkv.dtype}; they must match")
+    if tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [N, heads, D] = {shape}")
+    if t.device != qkv.device:
+        raise ValueError(f"{name} is on {t.device} but qkv is on {qkv.device}")
+
+
+def _check_int(name, v, lo):
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    if v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+
+
+def qkv_rope(qkv, cos, sin, positions_start, num_heads, num_kv_heads, head_dim, q_out, k_out, v_out,
+             q_norm=None, k_norm=None, eps=1e-6):
+    """Split the fused QKV projection of ``N`` consecutive tokens, apply RoPE to q and k (after the
+    optional Qwen3 per-head RMSNorm) and write q, k, v into the given buffers, in one launch.
+
+    Equals ``apply_rope(rms_norm(q, q_norm) if q_norm is not None else q, cos, sin)`` (and the same
+    for k; v copied) of ``xoffload.models.llama`` within the dtype's rounding: the rotation is
+    computed in fp32 and rounded once.
+
+    Args:
+        qkv: ``[N, (Hq + 2*Hkv) * D]`` fp16/bf16/fp32, q heads then k heads then v heads along the
+            last dim (``x @ wqkv.t()``); rows may be strided, the last dim must be contiguous.
+        cos, sin: RoPE tables ``[n_max, 1, D]`` (as ``LlamaModel.rope_tables``) or ``[n_max, D]``,
+            HF rotate-half layout, any supported float dtype, on ``qkv``'s device.
+        positions_start: position of the first token (tokens are at ``positions_start ..
+            positions_start + N - 1``): an int, or an integer tensor of one element on ``qkv``'s
+            device (read by the kernel, not on the host: CUDA-graph safe, but then the caller
+            guarantees ``positions_start + N <= n_max``; an int is checked).
+        num_heads, num_kv_heads, head_dim: ``Hq``, ``Hkv`` (``Hq % Hkv == 0``), ``D`` (even, <= 256).
+        q_out: ``[N, Hq, D]``; k_out, v_out: ``[N, Hkv, D]``; in ``qkv``'s dtype, on its device,
+            last dim contiguous, other strides free (e.g. ``k_cache[s:e]``). Each may also be the
+            matching slice of ``qkv`` viewed as ``[N, H*, D]`` (in place).
+        q_norm, k_norm: optional ``[D]`` RMSNorm weights (Qwen3), applied per head before RoPE.
+        eps: RMSNorm epsilon (finite, >= 0), used only with a norm weight.
+
+    Returns:
+        ``(q_out, k_out, v_out)``.
+
+    Raises:
+        TypeError: a non-tensor, an unsupported dtype, an output dtype other than ``qkv``'s, a
+            non-int head count or position, a non-integer position tensor.
+        ValueError: shapes that disagree (named with the shapes), an odd or too large head_dim,
+            ``Hq % Hkv != 0``, positions past the end of the tables, a negative position, tensors
+            on different devices, a non-contiguous last dim.
+    """
+    check_tensor("qkv", qkv, ndim=2)
+    _check_int("num_heads", num_heads, 1)
+    _check_int("num_kv_heads", num_kv_heads, 1)
+    _check_int("head_dim", head_dim, 1)
+    hq, hkv, d = num_heads, num_kv_heads, head_dim
+    if hq % hkv != 0:
+        raise ValueError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hkv}) (GQA)")
+    if d % 2 != 0 or d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be even and <= {MAX_HEAD_DIM} (rotate-half RoPE), got {d}")
+    n, width = qkv.shape
+    if width != (hq + 2 * hkv) * d:
+        raise ValueError(
+            f"qkv has shape {tuple(qkv.shape)} but num_heads={hq}, num_kv_heads={hkv}, head_dim={d} "
+            f"need [N, (Hq + 2*Hkv) * D] = [N, {(hq + 2 * hkv) * d}]"
+        )
+    _check_table("cos", cos, d, qkv.device)
+    _check_table("sin", sin, d, qkv.device)
+    if cos.shape[0] != sin.shape[0]:
+        raise ValueError(f"cos has shape {tuple(cos.shape)} but sin has {tuple(sin.shape)}; they must match")
+    if isinstance(positions_start, torch.Tensor):
+        if positions_start.dtype.is_floating_point or positions_start.dtype.is_complex or positions_start.dtype == torch.bool:
+            raise TypeError(f"positions_start tensor must have an integer dtype, got {positions_start.dtype}")
+        if positions_start.numel() != 1:
+            raise ValueError(f"positions_start tensor must have one element, got shape {tuple(positions_start.shape)}")
+        if positions_start.device != qkv.device:
+            raise ValueError(f"positions_start is on {positions_start.device} but qkv is on {qkv.device}")
+    else:
+        _check_int("positions_start", positions_start, 0)
+        if positions_start + n > cos.shape[0]:
+            raise ValueError(
+                f"positions {positions_start}..{positions_start + n - 1} run past the RoPE tables "
+                f"(cos/sin have {cos.shape[0]} positions, shape {tuple(cos.shape)})"
+            )
+    _check_out("q_out", q_out, (n, hq, d), qkv)
+    _check_out("k_out", k_out, (n, hkv, d), qkv)
+    _check_out("v_out", v_out, (n, hkv, d), qkv)
+    for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if w is None:
+            continue
+        check_tensor(name, w, ndim=1)
+        if tuple(w.shape) != (d,):
+            raise ValueError(f"{name} has shape {tuple(w.shape)}, expected [D] = ({d},)")
+        if w.device != qkv.device:
+            raise ValueError(f"{name} is on {w.device} but qkv is on {qkv.device}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    if n == 0:
+        return q_out, k_out, v_out
+    if use_triton(qkv):
+        _launch(qkv, cos, sin, positions_start, hq, hkv, d, q_out, k_out, v_out, q_norm, k_norm, eps)
+    else:
+        q, k, v = qkv_rope_ref(qkv, cos, sin, positions_start, hq, hkv, d, q_norm, k_norm, eps)
+        q_out.copy_(q)
+        k_out.copy_(k)
+        v_out.copy_(v)
+    return q_out, k_out, v_out
+
