@@ -35,8 +35,10 @@ def test_tau_one_is_dense(device, hq, hkv):
 def test_sparse_equals_reference_on_its_mask(device):
     q, k, v = _data(2, 80, 112, 4, 2, 16, torch.float16, device, seed=1)
     taus = torch.tensor([0.3, 0.6, 0.9, 1.0], device=device)
-    out, lse, dens = xattention_prefill(q, k, v, threshold=taus, stride=4, block_size=16, dense_fallback_len=0)
-    mask = xattention_mask(q, k, threshold=taus, stride=4, block_size=16)
+    # dense_last_q=0: the plain selection (the dense trailing rows are tested in test_xattention_options.py)
+    out, lse, dens = xattention_prefill(q, k, v, threshold=taus, stride=4, block_size=16, dense_fallback_len=0,
+                                        dense_last_q=0)
+    mask = xattention_mask(q, k, threshold=taus, stride=4, block_size=16, dense_last_q=0)
     scores = xattn_estimate(q, k, stride=4, block_size=16)
     assert torch.equal(mask, select_blocks(scores, taus, sq=80, sk=112, block_size=16))
     ref_o, ref_l = block_sparse_attention_ref(q, k, v, mask, block_size=16, causal=True)

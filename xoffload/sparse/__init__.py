@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .xattention import DEFAULT_DENSE_FALLBACK_LEN, xattention_mask, xattention_prefill
+from .xattention import DEFAULT_DENSE_FALLBACK_LEN, DEFAULT_DENSE_LAST_Q, xattention_mask, xattention_prefill
 
 __all__ = ["FullPrefill", "XAttentionPrefill", "xattention_prefill", "xattention_mask", "full", "xattention"]
 
@@ -42,13 +42,14 @@ class XAttentionPrefill:
     chunk_size: int | None = None
     dense_fallback_len: int = DEFAULT_DENSE_FALLBACK_LEN
     keep_last: int = 0
+    dense_last_q: int | None = DEFAULT_DENSE_LAST_Q
     causal: bool = True
 
     def __call__(self, q, k, v):
         return xattention_prefill(q, k, v, threshold=self.threshold, stride=self.stride,
                                   block_size=self.block_size, chunk_size=self.chunk_size,
                                   dense_fallback_len=self.dense_fallback_len, keep_last=self.keep_last,
-                                  causal=self.causal)
+                                  dense_last_q=self.dense_last_q, causal=self.causal)
 
 
 def full(causal: bool = True) -> FullPrefill:

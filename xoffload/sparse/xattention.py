@@ -16,14 +16,18 @@ from __future__ import annotations
 import torch
 
 from ..kernels._common import check_heads, check_same, check_tensor
-from ..kernels.block_select import _thresholds, mask_density, select_blocks
+from ..kernels.block_select import _thresholds, causal_block_visibility, mask_density, select_blocks
 from ..kernels.block_sparse import block_sparse_attn_with_lse
 from ..kernels.xattn import check_geometry, xattn_estimate
 
-__all__ = ["xattention_prefill", "xattention_mask", "DEFAULT_DENSE_FALLBACK_LEN"]
+__all__ = ["xattention_prefill", "xattention_mask", "DEFAULT_DENSE_FALLBACK_LEN", "DEFAULT_DENSE_LAST_Q"]
 
 #: key lengths up to this many tokens run dense attention (estimation would cost more than it saves)
 DEFAULT_DENSE_FALLBACK_LEN = 1024
+
+#: ``dense_last_q`` default: None = ``block_size`` rows (the query blocks holding the last
+#: ``block_size`` rows attend to every visible key block)
+DEFAULT_DENSE_LAST_Q = None
 
 
 def _is_int(x) -> bool:
@@ -41,22 +45,52 @@ def _check_inputs(q, k, v):
     check_heads(q.shape[2], k.shape[2], q.shape[3])
 
 
+def _dense_rows(dense_last_q, block_size) -> int:
+    """``dense_last_q`` validated and resolved to a row count (None -> ``block_size``)."""
+    if dense_last_q is None:
+        return int(block_size)
+    if not _is_int(dense_last_q):
+        raise TypeError(f"dense_last_q must be None or an int (query rows), got {type(dense_last_q).__name__}")
+    if dense_last_q < 0:
+        raise ValueError(f"dense_last_q must be >= 0, got {dense_last_q}")
+    return dense_last_q
+
+
+def dense_query_blocks(sq, dense_last_q, block_size):
+    """Index of the first query block made dense by ``dense_last_q`` (``ceil(sq/bs)`` when none).
+
+    The query blocks holding any of the last ``dense_last_q`` rows (of ``sq``) are dense, so at least
+    ``min(dense_last_q, sq)`` rows (whole blocks, up to ``dense_last_q + block_size - 1``) are.
+    """
+    nqb = -(-sq // block_size)
+    if dense_last_q <= 0 or sq <= 0:
+        return nqb
+    return max(0, sq - dense_last_q) // block_size
+
+
 def xattention_mask(q, k, *, threshold=0.9, stride=8, block_size=128, chunk_size=None, causal=True,
-                    keep_last=0, softmax_scale=None):
+                    keep_last=0, dense_last_q=DEFAULT_DENSE_LAST_Q, softmax_scale=None):
     """Block mask XAttention keeps for ``q`` against ``k`` (bottom-right aligned: ``q_start = Sk - Sq``).
 
-    Returns bool ``[B, Hq, ceil(Sq/bs), ceil(Sk/bs)]``. Arguments as :func:`xattention_prefill`.
+    Returns bool ``[B, Hq, ceil(Sq/bs), ceil(Sk/bs)]``. Arguments as :func:`xattention_prefill`;
+    ``dense_last_q=0`` gives the plain selection of :func:`xoffload.kernels.select_blocks`.
     """
+    n_dense = _dense_rows(dense_last_q, block_size)
     sq, sk = q.shape[1], k.shape[1]
     scores = xattn_estimate(q, k, stride=stride, block_size=block_size, chunk_size=chunk_size,
                             q_start=sk - sq, causal=causal, softmax_scale=softmax_scale)
-    return select_blocks(scores, threshold, sq=sq, sk=sk, block_size=block_size, q_start=sk - sq,
+    mask = select_blocks(scores, threshold, sq=sq, sk=sk, block_size=block_size, q_start=sk - sq,
                          causal=causal, keep_last=keep_last)
+    qb0 = dense_query_blocks(sq, n_dense, block_size)
+    if qb0 < mask.shape[2]:
+        vis = causal_block_visibility(sq, sk, block_size, q_start=sk - sq, causal=causal, device=mask.device)
+        mask[:, :, qb0:] |= vis[qb0:]
+    return mask
 
 
 def xattention_prefill(q, k, v, *, threshold=0.9, stride=8, block_size=128, chunk_size=None, q_start=None,
                        dense_fallback_len=DEFAULT_DENSE_FALLBACK_LEN, causal=True, keep_last=0,
-                       softmax_scale=None):
+                       dense_last_q=DEFAULT_DENSE_LAST_Q, softmax_scale=None):
     """Sparse prefill attention (XAttention) returning ``(out, lse, density)``.
 
     Args:
@@ -74,6 +108,14 @@ def xattention_prefill(q, k, v, *, threshold=0.9, stride=8, block_size=128, chun
             attention runs instead (density 1).
         causal: causal prefill (bottom-right aligned); False attends to all keys.
         keep_last: also keep the ``keep_last`` key blocks ending at each diagonal.
+        dense_last_q: the query blocks holding the last ``dense_last_q`` query rows attend to every
+            causally visible key block (dense rows). None (default) = ``block_size`` rows; 0 = off
+            (the plain XAttention selection).
+            Generation reads the prompt's last rows: the final row gives the first token's logits
+            and the trailing rows (the question) are what later tokens attend to, while the
+            estimate scores whole blocks of rows, in which a few question rows weigh little. Cost:
+            each dense query block visits every key block, about ``2 / ceil(Sq/block_size)`` of
+            dense causal attention (0.2% at 128K tokens); its blocks count in ``density``.
         softmax_scale: default ``1/sqrt(D)``.
 
     Returns:
@@ -84,9 +126,11 @@ def xattention_prefill(q, k, v, *, threshold=0.9, stride=8, block_size=128, chun
 
     Raises:
         TypeError / ValueError: bad tensors or dtypes, shapes, GQA ratio, stride not dividing
-            block_size, threshold outside [0, 1] or of the wrong length, bad chunk_size or q_start.
+            block_size, threshold outside [0, 1] or of the wrong length, bad chunk_size or q_start,
+            dense_last_q not None or an int >= 0.
     """
     _check_inputs(q, k, v)
+    _dense_rows(dense_last_q, 1)
     check_geometry(stride, block_size)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
@@ -112,7 +156,7 @@ def xattention_prefill(q, k, v, *, threshold=0.9, stride=8, block_size=128, chun
         return out, lse, torch.ones(hq, dtype=torch.float32, device=q.device)
     mask = xattention_mask(q, k, threshold=threshold, stride=stride, block_size=block_size,
                            chunk_size=chunk_size, causal=causal, keep_last=keep_last,
-                           softmax_scale=softmax_scale)
+                           dense_last_q=dense_last_q, softmax_scale=softmax_scale)
     out, lse = block_sparse_attn_with_lse(q, k, v, mask, block_size=block_size, causal=causal,
                                           softmax_scale=softmax_scale)
     density = mask_density(mask, sq, sk, block_size, causal=causal)
