@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from helpers import assert_lse_match, max_err, out_tol
 from xoffload.kernels import block_sparse_attn_with_lse
-from xoffload.kernels.block_sparse import block_mask_to_indices
+from xoffload.kernels import block_sparse as bsm
+from xoffload.kernels.block_sparse import BSConfig, block_mask_to_indices
 from xoffload.kernels.reference import attention_ref, block_sparse_attention_ref, causal_mask
 
 
@@ -154,6 +155,127 @@ def test_bad_inputs(device):
 
 
 # ---------------------------------------------------------------------------------------------
+# index lists: the Triton builder equals the PyTorch one
+# ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "bm,hm,sq,sk,bs,causal,density",
+    [
+        (1, 3, 100, 100, 16, True, 0.5),
+        (2, 2, 37, 150, 32, True, 0.4),     # Sq < Sk (chunk at an offset), ragged
+        (1, 2, 70, 40, 16, True, 0.7),      # Sq > Sk: leading blocks see nothing
+        (1, 2, 64, 90, 16, False, 0.6),     # non-causal, ragged key tail
+        (2, 1, 1, 70, 16, True, 1.0),       # one query row
+        (1, 1, 48, 48, 16, True, 0.0),      # empty mask
+        (1, 1, 16, 16 * 2100, 16, False, 0.3),  # nkb > 2048: two chunks per row
+    ],
+)
+def test_index_builder_triton_equals_torch(bm, hm, sq, sk, bs, causal, density):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    mask = _rand_mask(bm, hm, sq, sk, bs, density, seed=sq + sk, device=dev)
+    want = bsm._mask_to_indices_torch(mask, sq, sk, bs, causal)
+    got = bsm._mask_to_indices_triton(mask, sq, sk, bs, causal)
+    for g, w in zip(got, want):
+        assert g.dtype == torch.int32 and g.shape == w.shape and torch.equal(g.cpu(), w.cpu())
+    # a strided (non-contiguous) mask view gives the same lists
+    big = torch.zeros(bm, hm, mask.shape[2], 2 * mask.shape[3], dtype=torch.bool, device=dev)
+    big[..., ::2] = mask
+    for g, w in zip(bsm._mask_to_indices_triton(big[..., ::2], sq, sk, bs, causal), want):
+        assert torch.equal(g.cpu(), w.cpu())
+
+
+def test_row_order_heaviest_first():
+    mask = _rand_mask(2, 3, 160, 160, 16, 0.5, seed=3)
+    bi = block_mask_to_indices(mask, 160, 160, block_size=16, causal=True, with_order=True)
+    order = bi.order.long()
+    assert sorted(order.tolist()) == list(range(2 * 3 * 10))
+    work = bi.n_total.reshape(-1)[order]
+    assert (work[:-1] >= work[1:]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# launch variants (BSConfig): each equals the reference; order / prefetch / TMA / one loop do
+# not change the arithmetic, so they equal the plain loop with the same tiles bit for bit
+# ---------------------------------------------------------------------------------------------
+
+_VARIANTS = [
+    BSConfig(32, 16, 4, 1, prefetch=2),
+    BSConfig(32, 16, 4, 1, order="kv"),
+    BSConfig(32, 16, 4, 1, order="sorted"),
+    BSConfig(16, 16, 4, 1, order="sorted"),   # two query tiles per mask block
+    BSConfig(32, 16, 4, 1, tma=True),
+    BSConfig(32, 16, 4, 1, one_loop=True),
+    BSConfig(32, 16, 4, 1, order="kv", prefetch=2, tma=True, one_loop=True),
+    BSConfig(32, 32, 4, 1, warp_spec=True),   # BLOCK_N = block size (SUB = 1)
+]
+
+
+def _run_cfg(cfg, *args, **kw):
+    bsm._CFG_OVERRIDE.append(cfg)
+    try:
+        return block_sparse_attn_with_lse(*args, **kw)
+    finally:
+        bsm._CFG_OVERRIDE.pop()
+
+
+_VARIANT_CASES = {
+    # ragged, GQA 2, one mask broadcast over the batch, causal, fp16
+    "ragged-gqa2-bcast": (2, 70, 90, 4, 2, 1, "q", True, torch.float16),
+    # per-item masks shared by a KV head's query heads, non-causal, fp32
+    "kvmask-noncausal-fp32": (2, 50, 64, 6, 2, 2, "kv", False, torch.float32),
+}
+_CASE_CACHE: dict = {}
+
+
+def _variant_case(name, device, block_m, block_n):
+    """Inputs, reference, tolerance and the plain-loop output for (case, tiles), computed once."""
+    key = (name, device, block_m, block_n)
+    if key not in _CASE_CACHE:
+        b, sq, sk, hq, hkv, mask_b, mask_heads, causal, dtype = _VARIANT_CASES[name]
+        bs = 32
+        q, k, v = _data(b, sq, sk, hq, hkv, 16, dtype, device, seed=sq)
+        mask = _rand_mask(mask_b, hq if mask_heads == "q" else hkv, sq, sk, bs, 0.6, seed=sk, device=device)
+        mask[..., 0] = True
+        full = mask.expand(b, *mask.shape[1:])
+        ref_o, ref_l = block_sparse_attention_ref(q, k, v, full, block_size=bs, causal=causal)
+        tol = out_tol(ref_o, _baseline(q, k, v, _allowed(full, hq, sq, sk, bs, causal)), q.dtype)
+        base = _run_cfg(BSConfig(block_m, block_n, 4, 1), q, k, v, mask, block_size=bs, causal=causal)
+        _CASE_CACHE[key] = (q, k, v, mask, bs, causal, ref_o, ref_l, tol, base)
+    return _CASE_CACHE[key]
+
+
+@pytest.mark.parametrize("cfg", _VARIANTS, ids=lambda c: c.name())
+@pytest.mark.parametrize("case", list(_VARIANT_CASES))
+def test_variants_match_reference(device, cfg, case):
+    q, k, v, mask, bs, causal, ref_o, ref_l, tol, (o0, l0) = _variant_case(case, device, cfg.block_m, cfg.block_n)
+    o1, l1 = _run_cfg(cfg, q, k, v, mask, block_size=bs, causal=causal)
+    err = max_err(o1, ref_o)
+    assert err <= tol, f"{cfg.name()}: output error {err:.3g} > tol {tol:.3g}"
+    assert_lse_match(l1, ref_l)
+    if not cfg.warp_spec:
+        assert torch.equal(o1, o0) and torch.equal(l1, l0), f"{cfg.name()} differs from the plain loop"
+
+
+def test_sorted_order_with_prebuilt_order(device):
+    q, k, v = _data(1, 96, 96, 4, 1, 16, torch.float16, device, seed=11)
+    mask = _rand_mask(1, 1, 96, 96, 16, 0.5, seed=5, device=device)
+    cfg = BSConfig(16, 16, 4, 1, order="sorted")
+    bi = block_mask_to_indices(mask, 96, 96, block_size=16, causal=True, with_order=True)
+    o1, l1 = _run_cfg(cfg, q, k, v, bi, block_size=16, causal=True)
+    o2, l2 = _run_cfg(BSConfig(16, 16, 4, 1), q, k, v, mask, block_size=16, causal=True)
+    assert torch.equal(o1, o2) and torch.equal(l1, l2)
+
+
+def test_bad_config(device):
+    q, k, v = _data(1, 32, 32, 2, 1, 16, torch.float16, device)
+    mask = torch.ones(1, 2, 2, 2, dtype=torch.bool, device=device)
+    with pytest.raises(ValueError, match="order"):
+        _run_cfg(BSConfig(16, 16, 4, 1, order="zigzag"), q, k, v, mask, block_size=16)
+    with pytest.raises(ValueError, match="prefetch"):
+        _run_cfg(BSConfig(16, 16, 4, 1, prefetch=3), q, k, v, mask, block_size=16)
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU
 # ---------------------------------------------------------------------------------------------
 
@@ -184,3 +306,22 @@ def test_gpu_full_mask_equals_dense_kernel():
 def test_gpu_fp16_d64_and_x10():
     q, k, v = _data(1, 777, 2000, 6, 3, 64, torch.float16, "cuda", seed=8, scale=3.0)
     check(q, k, v, _rand_mask(1, 6, 777, 2000, 128, 0.5, seed=1, device="cuda"), 128, True)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", [
+    BSConfig(128, 128, 8, 3, tma=True),
+    BSConfig(128, 128, 8, 3, order="kv", prefetch=2),
+    BSConfig(128, 64, 8, 3, order="sorted"),
+    BSConfig(128, 128, 8, 3, one_loop=True),
+    BSConfig(128, 64, 8, 3, tma=True, warp_spec=True),
+], ids=lambda c: c.name())
+def test_gpu_bf16_variants(cfg):
+    # ragged lengths (masked loads / TMA zero fill), Sq < Sk, GQA 4, per-KV-head masks
+    q, k, v = _data(1, 1000, 1300, 8, 2, 128, torch.bfloat16, "cuda", seed=9)
+    mask = _rand_mask(1, 2, 1000, 1300, 128, 0.5, seed=4, device="cuda")
+    bsm._CFG_OVERRIDE.append(cfg)
+    try:
+        check(q, k, v, mask, 128, True)
+    finally:
+        bsm._CFG_OVERRIDE.pop()
