@@ -62,7 +62,7 @@ def _mods():
     import xoffload.kernels as K
 
     K.rms_norm  # noqa: B018  bind the function name first: the module of the same name would shadow it
-    return (importlib.import_module("xoffload.kernels.rms_norm"), importlib.import_module("xoffload.kernels.swiglu"),
+    return (importlib.import_module("xoffload.kernels.norm"), importlib.import_module("xoffload.kernels.swiglu"),
             importlib.import_module("xoffload.kernels.rope"))
 
 

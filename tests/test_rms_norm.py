@@ -1,4 +1,4 @@
-"""Tests of the fused RMSNorm kernel (xoffload.kernels.rms_norm) against the model's PyTorch
+"""Tests of the fused RMSNorm kernel (xoffload.kernels.norm) against the model's PyTorch
 rms_norm (HF Llama semantics) and an fp64 reference.
 
 CPU: the Triton code under the interpreter (conftest) and the PyTorch fallback, fp16/fp32, small
@@ -13,8 +13,8 @@ from helpers import max_err, out_tol
 from xoffload.kernels import cpu_backend, rms_norm  # the function (lazy name map)
 from xoffload.models.llama import rms_norm as llama_rms_norm
 
-# the module of the same name (``import xoffload.kernels.rms_norm as m`` would give the function)
-rn_mod = importlib.import_module("xoffload.kernels.rms_norm")
+# the kernel module (xoffload/kernels/norm.py)
+rn_mod = importlib.import_module("xoffload.kernels.norm")
 
 
 def _exact(x, w, eps):

@@ -35,7 +35,7 @@ _LAZY = {
     "mask_density": ".block_select",
     "causal_block_visibility": ".block_select",
     "forced_blocks": ".block_select",
-    "rms_norm": ".rms_norm",
+    "rms_norm": ".norm",
     "silu_mul": ".swiglu",
     "qkv_rope": ".rope",
 }

@@ -13,7 +13,7 @@ For a head vector ``x`` of ``D`` (even) elements at position ``p`` (``h = D/2``)
 i.e. ``x * cos + rotate_half(x) * sin``, computed in fp32 and rounded once to the output dtype
 (PyTorch's version in the model dtype rounds after every op; this one is at least as accurate).
 With a norm weight, ``x`` is first replaced by ``w * (x * rsqrt(mean(x^2) + eps)).to(dtype)``
-(HF rounding order, see :mod:`xoffload.kernels.rms_norm`) in the qkv dtype.
+(HF rounding order, see :mod:`xoffload.kernels.norm`) in the qkv dtype.
 
 CUDA tensors run the Triton kernel; CPU tensors run :func:`qkv_rope_ref`, or the Triton code under
 ``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels._common`).

@@ -82,6 +82,24 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
+_K = None
+
+
+def _kernels():
+    """:mod:`xoffload.kernels` (imported on first use: it imports Triton)."""
+    global _K
+    if _K is None:
+        import xoffload.kernels as k
+
+        _K = k
+    return _K
+
+
+def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`rms_norm` through the fused kernel (one read, one write; torch on the CPU)."""
+    return _kernels().rms_norm(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape)
+
+
 class LlamaModel:
     """A Llama / Qwen3 decoder with its weights on one device.
 
@@ -121,35 +139,30 @@ class LlamaModel:
             self._rope_len = n2
         return self._cos, self._sin
 
-    def _qk_norm(self, x, w):
-        return rms_norm(x, w, self.cfg.rms_norm_eps) if w is not None else x
-
     def _mlp_residual(self, lw: LayerWeights, h: torch.Tensor) -> None:
-        """h += MLP(norm(h)) in place. h ``[c, hidden]``."""
-        x = rms_norm(h, lw.mlp_norm, self.cfg.rms_norm_eps)
+        """h += MLP(norm(h)) in place. h ``[c, hidden]`` (rows contiguous)."""
+        x = _norm(h, lw.mlp_norm, self.cfg.rms_norm_eps)
         gu = x @ lw.w_gate_up.t()
+        del x
         i = self.cfg.intermediate_size
-        a = F.silu(gu[:, :i]) * gu[:, i:]
-        del gu
+        a = _kernels().silu_mul(gu, i, out=gu[:, :i])  # in place over the gate half
         h.addmm_(a, lw.w_down.t())  # residual add fused into the GEMM (beta=1)
 
-    def _qkv_chunk(self, lw, h_chunk, cos, sin, q_out, k_out, v_out) -> None:
-        """Norm, fused QKV projection, q/k norm (Qwen3) and RoPE for a chunk of tokens, written into
-        q_out ``[c, Hq, D]``, k_out / v_out ``[c, Hkv, D]`` (views of the layer's buffers)."""
+    def _qkv(self, lw, h_rows, pos, q_out, k_out, v_out) -> None:
+        """Norm, fused QKV projection, q/k norm (Qwen3) and RoPE of consecutive tokens starting at
+        position ``pos`` (int, or int64 ``[1]`` on the device), written into q_out ``[c, Hq, D]``,
+        k_out / v_out ``[c, Hkv, D]`` (views of the layer's buffers allowed). The RoPE tables must
+        cover ``pos + c`` (:meth:`rope_tables`)."""
         cfg = self.cfg
-        x = rms_norm(h_chunk, lw.attn_norm, cfg.rms_norm_eps)
+        x = _norm(h_rows, lw.attn_norm, cfg.rms_norm_eps)
         qkv = x @ lw.wqkv.t()
         del x
-        qr, kr = self._q_rows, self._kv_rows
-        q = qkv[:, :qr].view(-1, cfg.num_heads, cfg.head_dim)
-        k = qkv[:, qr:qr + kr].view(-1, cfg.num_kv_heads, cfg.head_dim)
-        q_out.copy_(apply_rope(self._qk_norm(q, lw.q_norm), cos, sin))
-        k_out.copy_(apply_rope(self._qk_norm(k, lw.k_norm), cos, sin))
-        v_out.copy_(qkv[:, qr + kr:].view(-1, cfg.num_kv_heads, cfg.head_dim))
+        _kernels().qkv_rope(qkv, self._cos, self._sin, pos, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                            q_out, k_out, v_out, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=cfg.rms_norm_eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[n, V]`` of final hidden states ``h`` ``[n, hidden]`` (final norm applied here)."""
-        x = rms_norm(h, self.w.norm, self.cfg.rms_norm_eps)
+        x = _norm(h, self.w.norm, self.cfg.rms_norm_eps)
         return (x @ self.w.lm_head.t()).float()
 
     # ------------------------------------------------------------------ prefill
@@ -193,14 +206,14 @@ class LlamaModel:
         cfg = self.cfg
         T = int(ids.shape[0])
         chunk = max(1, int(chunk))
-        cos_all, sin_all = self.rope_tables(T)
+        self.rope_tables(T)
         h = F.embedding(ids, self.w.embed)  # [T, hidden]
         for li, lw in enumerate(self.w.layers):
             k, v = sink.buffers(li, T)
             q = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
             for s in range(0, T, chunk):
                 e = min(T, s + chunk)
-                self._qkv_chunk(lw, h[s:e], cos_all[s:e], sin_all[s:e], q[s:e], k[s:e], v[s:e])
+                self._qkv(lw, h[s:e], s, q[s:e], k[s:e], v[s:e])
             density = None
             if sparse_fn is not None and li in sparse_layers:
                 o, density = sparse_fn(q[None], k[None], v[None])
@@ -242,23 +255,18 @@ class LlamaModel:
         if isinstance(pos, torch.Tensor):
             if self._cos is None:
                 raise ValueError("decode_step with a tensor pos needs rope_tables(n) called first")
-            # rows of the same tables as the int path: bit-identical values, no host read
-            cos, sin = self._cos.index_select(0, pos), self._sin.index_select(0, pos)
+            # the kernel reads the position on the device: no host read (CUDA-graph safe)
         else:
-            cos_all, sin_all = self.rope_tables(pos + 1)
-            cos, sin = cos_all[pos:pos + 1], sin_all[pos:pos + 1]
+            self.rope_tables(pos + 1)
         h = F.embedding(token, self.w.embed)  # [1, hidden]
         hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for li, lw in enumerate(self.w.layers):
-            x = rms_norm(h, lw.attn_norm, cfg.rms_norm_eps)
-            qkv = x @ lw.wqkv.t()
-            q = qkv[:, : self._q_rows].view(1, hq, d)
-            k = qkv[:, self._q_rows: self._q_rows + self._kv_rows].view(1, hkv, d)
-            v = qkv[:, self._q_rows + self._kv_rows:].view(1, hkv, d)
-            q = apply_rope(self._qk_norm(q, lw.q_norm), cos, sin)
-            k = apply_rope(self._qk_norm(k, lw.k_norm), cos, sin)
-            o = kv.attend(li, q, k, v.contiguous())
-            h = h + o.reshape(1, -1).to(self.dtype) @ lw.wo.t()
+            q = torch.empty(1, hq, d, dtype=self.dtype, device=self.device)
+            k = torch.empty(1, hkv, d, dtype=self.dtype, device=self.device)
+            v = torch.empty(1, hkv, d, dtype=self.dtype, device=self.device)
+            self._qkv(lw, h, pos, q, k, v)
+            o = kv.attend(li, q, k, v)
+            h.addmm_(o.reshape(1, -1).to(self.dtype), lw.wo.t())
             self._mlp_residual(lw, h)
         return self.logits(h)
 
