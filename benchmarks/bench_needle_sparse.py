@@ -54,6 +54,9 @@ VARIANTS = {
     "t0.8_s8_dlq128": dict(threshold=0.8, stride=8, kwargs={"dense_last_q": 128}),
     "t0.9_s8_keep2": dict(threshold=0.9, stride=8, kwargs={"dense_last_q": 0, "keep_last": 2}),
     "t0.95_s8_plain": dict(threshold=0.95, stride=8, kwargs={"dense_last_q": 0}),
+    "t0.9_s8_dl4": dict(threshold=0.9, stride=8, kwargs={"dense_last_q": 128}, dense_layers=(0, 1, 2, 3)),
+    "t0.9_s8_dl0": dict(threshold=0.9, stride=8, kwargs={"dense_last_q": 128}, dense_layers=()),
+    "t0.9_s4_dlq128": dict(threshold=0.9, stride=4, kwargs={"dense_last_q": 128}),
 }
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 DEFAULT_DEPTHS = 10
@@ -82,8 +85,9 @@ def _llm_for(model, spec, max_len, extra_kwargs):
         return LLM(model, mode="gpu", max_model_len=max_len)
     kw = dict(spec.get("kwargs", {}))
     kw.update(extra_kwargs)
+    extra = {"dense_layers": spec["dense_layers"]} if "dense_layers" in spec else {}
     return LLM(model, mode="gpu", max_model_len=max_len, sparse="xattn", sparse_threshold=spec["threshold"],
-               sparse_stride=spec["stride"], sparse_kwargs=kw)
+               sparse_stride=spec["stride"], sparse_kwargs=kw, **extra)
 
 
 def run_grid(model, prompts, variants, *, max_tokens=16, budget_s=None, extra_kwargs=None, log=print):
@@ -110,7 +114,8 @@ def run_grid(model, prompts, variants, *, max_tokens=16, budget_s=None, extra_kw
         t0 = time.perf_counter()
         rec = {"options": None if spec is None else {"sparse_threshold": spec["threshold"],
                                                      "sparse_stride": spec["stride"],
-                                                     "sparse_kwargs": {**spec.get("kwargs", {}), **extra_kwargs}},
+                                                     "sparse_kwargs": {**spec.get("kwargs", {}), **extra_kwargs},
+                                                     "dense_layers": list(spec.get("dense_layers", (0, 1)))},
                "cells": []}
         llm = None
         try:
