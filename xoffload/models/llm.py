@@ -183,16 +183,30 @@ class _OffloadKV:
         self.splits = _Splits(cfg, torch.device(device))
         self.fixed = max_len is not None
         self.nsplit = self.splits(max_len) if self.fixed else None
+        self._stage, self._stage_ev = [None, None], [None, None]
 
-    # prefill: fresh buffers per layer; the engine copies them out D2H while the next layer runs
+    # prefill: two staging buffers, alternating by layer; the engine copies one out D2H while the
+    # next layer fills the other. Before a buffer is refilled the current stream waits (on the GPU,
+    # not the host) for its previous copy, so the host may run layers ahead without prefill memory
+    # growing (fresh buffers per layer grew by one layer's K/V per layer of host run-ahead).
     def buffers(self, layer, T):
-        self.eng.reclaim()  # the previous layer's K/V once its D2H copy is done
-        shape = (T, self.cfg.num_kv_heads, self.cfg.head_dim)
-        return (torch.empty(shape, dtype=self.dtype, device=self.device),
-                torch.empty(shape, dtype=self.dtype, device=self.device))
+        self.eng.reclaim()
+        slot = layer & 1
+        st = self._stage[slot]
+        if st is None or st[0].shape[0] < T:
+            shape = (T, self.cfg.num_kv_heads, self.cfg.head_dim)
+            st = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                  torch.empty(shape, dtype=self.dtype, device=self.device))
+            self._stage[slot], self._stage_ev[slot] = st, None
+        ev = self._stage_ev[slot]
+        if ev is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        return st[0][:T], st[1][:T]
 
     def done(self, layer, k, v):
-        self.eng.offload_layer(self.seq, layer, k, v)
+        self._stage_ev[layer & 1] = self.eng.offload_layer(self.seq, layer, k, v)
+        if layer == self.cfg.num_layers - 1:  # prefill over: the engine keeps them until copied
+            self._stage, self._stage_ev = [None, None], [None, None]
 
     def begin_step(self, pos: int):
         self.eng.begin_step(self.seq)
@@ -319,7 +333,9 @@ class LLM:
         dtype, device: default bf16 on CUDA, fp32 on the CPU.
         sparse: None or ``"xattn"`` (XAttention block-sparse prefill on layers not in ``dense_layers``).
         sparse_threshold, sparse_stride, sparse_block_size: XAttention's tau, stride and block size.
-        dense_layers: layers kept dense under ``sparse`` (default: the first two).
+        dense_layers: layers kept dense under ``sparse`` (default None: the first four, or all
+            layers of a smaller model; on SmolLM2's needle grid, 4 dense layers with tau=0.9, S=8
+            found what dense attention found, 2 missed one cell more).
         sparse_kwargs: extra keyword arguments for ``xattention_prefill`` (e.g. ``chunk_size``,
             ``dense_fallback_len``).
         prefill_chunk: tokens per chunk in prefill (default 8192 on a GPU, 512 on the CPU).
@@ -342,7 +358,7 @@ class LLM:
     def __init__(self, model=None, *, mode: str = "gpu", num_kv_buffers: int = 4, kv_block_size: int = 1024,
                  max_model_len: int | None = None, dtype=None, device=None, sparse: str | None = None,
                  sparse_threshold: float = 0.9, sparse_stride: int = 8, sparse_block_size: int = 128,
-                 dense_layers=(0, 1), sparse_kwargs: dict | None = None, prefill_chunk: int | None = None,
+                 dense_layers=None, sparse_kwargs: dict | None = None, prefill_chunk: int | None = None,
                  prefill_attn: str = "auto", seed: int = 0, cuda_graph: bool = True):
         if mode not in ("gpu", "offload"):
             raise ValueError(f"mode must be 'gpu' or 'offload', got {mode!r}")
@@ -387,6 +403,8 @@ class LLM:
         self.sparse_block_size = int(sparse_block_size)
         self.sparse_kwargs = dict(sparse_kwargs or {})
         L = self.cfg.num_layers
+        if dense_layers is None:
+            dense_layers = tuple(range(min(4, L)))
         bad = [i for i in (dense_layers or ()) if not -L <= int(i) < L]
         if bad:
             raise ValueError(f"dense_layers {bad} are outside the model's {L} layers")

@@ -190,7 +190,7 @@ class OffloadEngine:
         return self.allocator.num_free
 
     # ==================================================================== prefill
-    def offload_layer(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def offload_layer(self, seq: int, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Append ``T`` tokens of layer ``layer`` to ``seq`` in the host pool, asynchronously.
 
         Args:
@@ -205,6 +205,13 @@ class OffloadEngine:
             TypeError: wrong dtype or not a tensor.
             PoolExhaustedError (ValueError): not enough free blocks (names needed and free).
             Nothing is changed when an error is raised.
+
+        Returns:
+            The event recorded on the offload stream after the copy (a no-op event in host mode):
+            a stream that waits on it may overwrite ``k``/``v``. Reusing the same staging buffers
+            for later layers this way bounds prefill memory by stream order, however far the host
+            runs ahead of the GPU (the engine's own reference to ``k``/``v`` is dropped only once
+            the host sees the copy done).
         """
         s = self._get(seq)
         l = self._layer(layer)
@@ -212,7 +219,7 @@ class OffloadEngine:
             raise ValueError(f"offload_layer: sequence {seq} is inside a decode step (call end_step first)")
         T = self._check_kv("k", k, "v", v, None)
         if T == 0:
-            return
+            return self._sync.record()
         new_len = s.layer_len[l] + T
         if new_len > self.max_tokens:
             raise ValueError(
@@ -234,6 +241,7 @@ class OffloadEngine:
         self._pending.add(ev, k, v)
         s.pool_len[l] += T
         s.layer_len[l] = new_len
+        return ev
 
     # ===================================================================== decode
     def begin_step(self, seq: int, *, prefetch: bool = True) -> None:
