@@ -497,6 +497,8 @@ def test_prefill_attn_sdpa_matches_xoffload():
     assert a.token_ids == b.token_ids
     with pytest.raises(ValueError, match="prefill_attn"):
         LLM(m, prefill_attn="flash3")
+    with pytest.raises(ValueError, match="cudnn"):  # the model is on the CPU
+        LLM(m, prefill_attn="cudnn")
 
 
 def _staging_run(device, dtype):

@@ -76,9 +76,10 @@ def test_bad_inputs():
         causal_attention(q[:, :, :3], k, v)
     with pytest.raises(TypeError):
         causal_attention(q, k.half(), v)
-    if not HAS_CUDA:
-        with pytest.raises(RuntimeError):  # cuDNN cannot run CPU tensors
-            causal_attention(q, k, v, backend="cudnn")
+    with pytest.raises(TypeError, match="out has dtype"):
+        causal_attention(q, k, v, out=torch.empty(1, 8, 4, 16, dtype=torch.float16))
+    with pytest.raises(RuntimeError, match="backend 'cudnn' needs CUDA"):  # CPU fp32: cuDNN cannot run
+        causal_attention(q, k, v, backend="cudnn")
 
 
 @pytest.mark.cuda

@@ -98,10 +98,11 @@ def causal_attention(q, k, v, *, softmax_scale=None, backend: str = "auto", out=
         ``out`` ``[B, Sq, Hq, D]`` in q's dtype. Rows that see no key (only when ``Sq > Sk``) are 0.
 
     Raises:
-        TypeError: non-tensors, unsupported or mismatched dtypes.
+        TypeError: non-tensors, unsupported or mismatched dtypes (``out`` included).
         ValueError: bad ranks/shapes, GQA ratio, unknown backend, ``"cudnn"``/``"sdpa"`` with
             ``Sq != Sk``, a bad ``out``, ``max_tmp_bytes < 1``.
-        RuntimeError: ``backend="cudnn"`` where PyTorch's cuDNN attention cannot run.
+        RuntimeError: ``backend="cudnn"`` where PyTorch's cuDNN attention cannot run (CPU tensors,
+            fp32, ``Sq != Sk``, an unsupported head_dim, or cuDNN refusing the call).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         check_tensor(name, t, 4)
@@ -117,6 +118,10 @@ def causal_attention(q, k, v, *, softmax_scale=None, backend: str = "auto", out=
     if not isinstance(max_tmp_bytes, int) or isinstance(max_tmp_bytes, bool) or max_tmp_bytes < 1:
         raise ValueError(f"max_tmp_bytes must be an int >= 1, got {max_tmp_bytes!r}")
     chosen = causal_attention_backend(q, k, backend)
+    if chosen == "cudnn" and not _cudnn_possible(q, sq, sk, d):
+        raise RuntimeError(f"backend 'cudnn' needs CUDA fp16/bf16 tensors with Sq == Sk, D a multiple of 8 "
+                           f"and <= 128, and PyTorch with cuDNN; got {q.dtype} on {q.device}, Sq={sq}, "
+                           f"Sk={sk}, D={d}: use backend='auto' or 'xoffload'")
     if chosen in ("cudnn", "sdpa") and sq != sk:
         raise ValueError(f"backend {chosen!r} needs Sq == Sk (its causal mask is top-left aligned); got "
                          f"Sq={sq}, Sk={sk}: use backend='xoffload'")
@@ -124,7 +129,9 @@ def causal_attention(q, k, v, *, softmax_scale=None, backend: str = "auto", out=
         out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
     else:
         check_tensor("out", out, 4)
-        if tuple(out.shape) != (b, sq, hq, d) or out.dtype != q.dtype or out.device != q.device:
+        if out.dtype != q.dtype:
+            raise TypeError(f"out has dtype {out.dtype} but q has {q.dtype}; they must match")
+        if tuple(out.shape) != (b, sq, hq, d) or out.device != q.device:
             raise ValueError(f"out must be [{b}, {sq}, {hq}, {d}] {q.dtype} on {q.device}, got "
                              f"{tuple(out.shape)} {out.dtype} on {out.device}")
     if out.numel() == 0:

@@ -394,6 +394,8 @@ class LLM:
         self.prefill_chunk = prefill_chunk
         if prefill_attn not in ("auto", "cudnn", "xoffload", "sdpa"):
             raise ValueError(f"prefill_attn must be 'auto', 'cudnn', 'xoffload' or 'sdpa', got {prefill_attn!r}")
+        if prefill_attn == "cudnn" and self.device.type != "cuda":
+            raise ValueError(f"prefill_attn='cudnn' needs a CUDA device (model on {self.device}); use 'auto'")
         self.prefill_attn = prefill_attn
         self.sparse = sparse
         self.sparse_threshold = float(sparse_threshold)
