@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_heads, check_same, check_tensor, default_scale
+from ._common import check_tensor, default_scale
 
 __all__ = ["causal_attention", "causal_attention_backend"]
 
@@ -104,16 +104,13 @@ def causal_attention(q, k, v, *, softmax_scale=None, backend: str = "auto", out=
         RuntimeError: ``backend="cudnn"`` where PyTorch's cuDNN attention cannot run (CPU tensors,
             fp32, ``Sq != Sk``, an unsupported head_dim, or cuDNN refusing the call).
     """
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, 4)
-    check_same([("q", q), ("k", k), ("v", v)])
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and head_dim")
+    from .flash_attn import _check_qkv
+
+    _check_qkv(q, k, v, 4, "[B, Sk, Hkv, D]")  # ranks, dtypes, devices, k/v shapes, head_dim, GQA
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size: q {tuple(q.shape)}, k {tuple(k.shape)}")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
-    check_heads(hq, hkv, d)
     scale = default_scale(d, softmax_scale)
     if not isinstance(max_tmp_bytes, int) or isinstance(max_tmp_bytes, bool) or max_tmp_bytes < 1:
         raise ValueError(f"max_tmp_bytes must be an int >= 1, got {max_tmp_bytes!r}")
