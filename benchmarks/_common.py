@@ -75,6 +75,37 @@ def bench_ms(fn, warmup: int = 25, rep: int = 100) -> float:
     return float(do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
 
 
+def time_ms(fn, reps: int = 3) -> float:
+    """Median GPU time of ``fn()`` in ms for calls that may be long: one warm-up call, then calls
+    timed with CUDA events (``reps`` in all, the warm-up's timed twin included); a call under
+    20 ms goes to :func:`bench_ms` instead (many repetitions)."""
+    import statistics
+
+    fn()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ts = []
+    for _ in range(max(1, reps)):
+        e0.record()
+        fn()
+        e1.record()
+        e1.synchronize()
+        ts.append(e0.elapsed_time(e1))
+        if ts[0] < 20.0:
+            return bench_ms(fn, warmup=10, rep=60)
+    return statistics.median(ts)
+
+
+def record_extra(benchmark, row: dict, skip=("peers",)) -> None:
+    """Put a benchmark row into pytest-benchmark's ``extra_info``: its fields (less ``skip``), the
+    HBM copy ceiling, and each peer's fields as ``<peer>_<field>``."""
+    benchmark.extra_info.update({k: v for k, v in row.items() if k not in skip})
+    benchmark.extra_info["hbm_copy_GBps"] = hbm_copy_gbps()
+    for name, p in row.get("peers", {}).items():
+        for k, v in p.items():
+            benchmark.extra_info[f"{name}_{k}"] = v
+
+
 def bench_graph_ms(fn) -> float | None:
     """Median GPU time in ms of ``fn`` captured once in a CUDA graph and replayed (no Python launch
     overhead; L2 flushed between replays). None if ``fn`` cannot be captured."""

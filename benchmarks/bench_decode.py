@@ -31,7 +31,7 @@ HAS_CUDA = torch.cuda.is_available()
 HEADS = {"d128_32_8": (32, 8, 128), "d64_9_3": (9, 3, 64)}  # Llama-3.1-8B, SmolLM2 shapes
 
 
-from benchmarks._common import bench_graph_ms, bench_ms, env_record, hbm_copy_gbps, save_json  # noqa: E402
+from benchmarks._common import bench_graph_ms, bench_ms, env_record, hbm_copy_gbps, record_extra, save_json  # noqa: E402
 
 
 def _inputs(b, sk, hq, hkv, d, dtype=torch.bfloat16):
@@ -142,11 +142,7 @@ def sweep(b, sk, heads, hbm, splits, configs) -> list:
 @pytest.mark.parametrize("heads", list(HEADS))
 def test_bench_decode(benchmark, b, sk, heads):
     row = benchmark.pedantic(lambda: run_case(b, sk, heads, hbm_copy_gbps()), rounds=1, iterations=1)
-    benchmark.extra_info.update({k: v for k, v in row.items() if k != "peers"})
-    benchmark.extra_info["hbm_copy_GBps"] = hbm_copy_gbps()
-    for name, p in row["peers"].items():
-        for k, v in p.items():
-            benchmark.extra_info[f"{name}_{k}"] = v
+    record_extra(benchmark, row, skip=("peers",))
 
 
 # ------------------------------------------------------------------------------------- script

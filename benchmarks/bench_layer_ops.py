@@ -36,7 +36,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks._common import HAS_CUDA, bench_ms, env_record, hbm_copy_gbps, save_json  # noqa: E402
+from benchmarks._common import HAS_CUDA, bench_ms, env_record, hbm_copy_gbps, record_extra, save_json  # noqa: E402
 
 N_TOKENS = 8192
 DEVICE = "cuda"  # a CPU dry run of the code paths sets "cpu" (with TRITON_INTERPRET=1)
@@ -202,11 +202,7 @@ def per_layer_summary(rows) -> dict:
                                           if not (k == "rms_norm" and m == "qwen3-8b")])
 def test_bench_layer_ops(benchmark, kernel, model):
     row = benchmark.pedantic(lambda: CASES[kernel](model, N_TOKENS, hbm_copy_gbps()), rounds=1, iterations=1)
-    benchmark.extra_info.update({k: v for k, v in row.items() if k not in ("peers", "config")})
-    benchmark.extra_info["hbm_copy_GBps"] = hbm_copy_gbps()
-    for name, p in row["peers"].items():
-        for k, v in p.items():
-            benchmark.extra_info[f"{name}_{k}"] = v
+    record_extra(benchmark, row, skip=("peers", "config"))
 
 
 def main(argv=None):

@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from benchmarks._common import HAS_CUDA, bench_ms, env_record, hbm_copy_gbps, save_json  # noqa: E402
+from benchmarks._common import HAS_CUDA, bench_ms, env_record, hbm_copy_gbps, record_extra, save_json  # noqa: E402
 
 # (name, N, B, S, H, D): prefill-chunk merges (Llama-3.1-8B / SmolLM2 heads) and decode merges
 SHAPES = [
@@ -81,11 +81,7 @@ def run_case(name, n, b, s, h, d, hbm, dtype=torch.bfloat16) -> dict:
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 def test_bench_merge(benchmark, shape):
     row = benchmark.pedantic(lambda: run_case(*shape, hbm_copy_gbps()), rounds=1, iterations=1)
-    benchmark.extra_info.update({k: v for k, v in row.items() if k != "peers"})
-    benchmark.extra_info["hbm_copy_GBps"] = hbm_copy_gbps()
-    for name, p in row["peers"].items():
-        for k, v in p.items():
-            benchmark.extra_info[f"{name}_{k}"] = v
+    record_extra(benchmark, row, skip=("peers",))
 
 
 def main(argv=None):

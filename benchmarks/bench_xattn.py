@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import time
 import traceback
@@ -55,7 +54,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _common import HAS_CUDA, bench_ms, env_record, fmt_table, requires_cuda, tflops, write_json  # noqa: E402
+from _common import HAS_CUDA, bench_ms, env_record, fmt_table, requires_cuda, tflops, time_ms, write_json  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 128
 DENSITIES = (0.05, 0.10, 0.20, 0.50, 1.00)
@@ -63,29 +62,6 @@ DENSITIES = (0.05, 0.10, 0.20, 0.50, 1.00)
 
 def dense_flops(s):
     return 4.0 * HQ * s * s * D / 2  # causal
-
-
-def time_ms(fn, reps=3):
-    """Median ms of ``fn()`` (CUDA events). Long calls: warm-up + ``reps`` timed calls; short
-    calls (< 20 ms): triton's do_bench."""
-    fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    fn()
-    e1.record()
-    e1.synchronize()
-    first = e0.elapsed_time(e1)
-    if first < 20.0:
-        return bench_ms(fn, warmup=10, rep=60)
-    ts = [first]
-    for _ in range(reps - 1):
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return statistics.median(ts)
 
 
 def _rand_qkv(s, seed=0):

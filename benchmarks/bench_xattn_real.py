@@ -55,7 +55,6 @@ import hashlib
 import math
 import os
 import platform
-import statistics
 import sys
 import sysconfig
 import time
@@ -67,7 +66,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _common import HAS_CUDA, bench_ms, env_record, fmt_table, requires_cuda, write_json  # noqa: E402
+from _common import HAS_CUDA, bench_ms, env_record, fmt_table, requires_cuda, time_ms, write_json  # noqa: E402
 
 LAYERS = (3, 11, 19, 27)  # spread over depth (0 and 1 are dense under the LLM's default dense_layers)
 TRAIN_LEN = 8192
@@ -215,28 +214,6 @@ def lift_heads(caps, kv_per_layer=2, d_to=128):
 
 
 # -------------------------------------------------------------------------------------------- timing
-def time_ms(fn, reps=3):
-    """Median ms of ``fn()`` with CUDA events (do_bench for calls under 20 ms)."""
-    fn()
-    torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    fn()
-    e1.record()
-    e1.synchronize()
-    first = e0.elapsed_time(e1)
-    if first < 20.0:
-        return bench_ms(fn, warmup=10, rep=60)
-    ts = [first]
-    for _ in range(reps - 1):
-        e0.record()
-        fn()
-        e1.record()
-        e1.synchronize()
-        ts.append(e0.elapsed_time(e1))
-    return statistics.median(ts)
-
-
 def _sdpa_cudnn(q, k, v, scale):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

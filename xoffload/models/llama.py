@@ -148,17 +148,23 @@ class LlamaModel:
         a = _kernels().silu_mul(gu, i, out=gu[:, :i])  # in place over the gate half
         h.addmm_(a, lw.w_down.t())  # residual add fused into the GEMM (beta=1)
 
-    def _qkv(self, lw, h_rows, pos, q_out, k_out, v_out) -> None:
+    def _qkv(self, lw, h_rows, pos, q_out=None, k_out=None, v_out=None):
         """Norm, fused QKV projection, q/k norm (Qwen3) and RoPE of consecutive tokens starting at
         position ``pos`` (int, or int64 ``[1]`` on the device), written into q_out ``[c, Hq, D]``,
-        k_out / v_out ``[c, Hkv, D]`` (views of the layer's buffers allowed). The RoPE tables must
-        cover ``pos + c`` (:meth:`rope_tables`)."""
+        k_out / v_out ``[c, Hkv, D]`` (views of the layer's buffers allowed; None: in place, as
+        views of the projection's output — no extra allocation, e.g. per decode step). The RoPE
+        tables must cover ``pos + c`` (:meth:`rope_tables`). Returns ``(q, k, v)``."""
         cfg = self.cfg
+        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         x = _norm(h_rows, lw.attn_norm, cfg.rms_norm_eps)
         qkv = x @ lw.wqkv.t()
         del x
-        _kernels().qkv_rope(qkv, self._cos, self._sin, pos, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                            q_out, k_out, v_out, q_norm=lw.q_norm, k_norm=lw.k_norm, eps=cfg.rms_norm_eps)
+        c, qr, kr = qkv.shape[0], self._q_rows, self._kv_rows
+        q_out = qkv[:, :qr].view(c, hq, d) if q_out is None else q_out
+        k_out = qkv[:, qr:qr + kr].view(c, hkv, d) if k_out is None else k_out
+        v_out = qkv[:, qr + kr:].view(c, hkv, d) if v_out is None else v_out
+        return _kernels().qkv_rope(qkv, self._cos, self._sin, pos, hq, hkv, d, q_out, k_out, v_out,
+                                   q_norm=lw.q_norm, k_norm=lw.k_norm, eps=cfg.rms_norm_eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[n, V]`` of final hidden states ``h`` ``[n, hidden]`` (final norm applied here)."""
@@ -251,7 +257,6 @@ class LlamaModel:
         Returns:
             fp32 logits ``[1, V]``.
         """
-        cfg = self.cfg
         if isinstance(pos, torch.Tensor):
             if self._cos is None:
                 raise ValueError("decode_step with a tensor pos needs rope_tables(n) called first")
@@ -259,12 +264,8 @@ class LlamaModel:
         else:
             self.rope_tables(pos + 1)
         h = F.embedding(token, self.w.embed)  # [1, hidden]
-        hq, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         for li, lw in enumerate(self.w.layers):
-            q = torch.empty(1, hq, d, dtype=self.dtype, device=self.device)
-            k = torch.empty(1, hkv, d, dtype=self.dtype, device=self.device)
-            v = torch.empty(1, hkv, d, dtype=self.dtype, device=self.device)
-            self._qkv(lw, h, pos, q, k, v)
+            q, k, v = self._qkv(lw, h, pos)
             o = kv.attend(li, q, k, v)
             h.addmm_(o.reshape(1, -1).to(self.dtype), lw.wo.t())
             self._mlp_residual(lw, h)
