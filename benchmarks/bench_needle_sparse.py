@@ -69,7 +69,7 @@ def _depths(n):
 
 def build_prompts(tokenizer, lengths, depths, seed=0, answer_tokens=16):
     """The CLI's prompt list (``xoffload needle``: same order, same needles for the same seed)."""
-    from xoffload.models.needle import build_prompt, make_number
+    from xoffload.evals.needle import build_prompt, make_number
 
     rng = random.Random(seed)
     out = []
@@ -94,7 +94,7 @@ def _llm_for(model, spec, max_len, extra_kwargs):
 def run_grid(model, prompts, variants, *, max_tokens=16, budget_s=None, extra_kwargs=None, log=print):
     """Run every prompt through each variant. Returns ``{name: result dict}`` (see the module doc)."""
     from xoffload.models import SamplingParams
-    from xoffload.models.needle import found
+    from xoffload.evals.needle import found
 
     extra_kwargs = dict(extra_kwargs or {})
     max_len = max(len(p.token_ids) for p in prompts) + max_tokens + 8
@@ -200,7 +200,7 @@ def main(argv=None):
     from xoffload.models import load_model
 
     if args.cpu_check:
-        from xoffload.kernels._common import cpu_backend
+        from xoffload.kernels.checks import cpu_backend
 
         model = load_model(args.model, dtype=torch.float32, device="cpu")
         prompts = build_prompts(model.tokenizer, [1536], [0.3], seed=args.seed, answer_tokens=8)
@@ -215,7 +215,7 @@ def main(argv=None):
     if not HAS_CUDA:
         print("bench_needle_sparse: no CUDA device, skipped")
         return 0
-    from xoffload.models.needle import parse_length
+    from xoffload.evals.needle import parse_length
 
     lengths = sorted(set(parse_length(x) for x in args.lengths.split(",") if x.strip()))
     depths = _depths(args.num_depths)

@@ -16,7 +16,7 @@ Shape: D=128, 32 query / 8 KV heads (Llama-3.1-8B), causal prefill (Sq = Sk), bl
    mask (``ours_ms`` = build + kernel) are reported beside it.
 3. ``end_to_end``: :func:`xattention_prefill` (threshold 0.9) at 128K against dense causal
    attention, on synthetic inputs with real attention structure
-   (:func:`xoffload.sparse.synthetic.structured_qkv`: RoPE'd content vectors per KV head, so
+   (:func:`xoffload.testing.synthetic.structured_qkv`: RoPE'd content vectors per KV head, so
    attention is local with a long RoPE tail, plus an attention sink; KV heads range from broad to
    sharp) — random Q/K would have near-uniform attention. Reports the density reached per head,
    the relative error of the output against dense, and the time split.
@@ -105,7 +105,8 @@ def _sdpa_cudnn(q, k, v):
 # ---------------------------------------------------------------------------------------------
 
 def run_estimate(seqs, strides, reps=3):
-    from xoffload.kernels import select_blocks, xattn_estimate
+    from xoffload.kernels import xattn_estimate
+    from xoffload.sparse.select import select_blocks
 
     out = []
     for s in seqs:
@@ -593,14 +594,15 @@ SYNTH = dict(peak=(14.0, 26.0), sink=8.0, sink_tokens=4, noise=0.6, head_spread=
 
 
 def run_end_to_end(s, thresholds=(0.9,), strides=(8,), reps=3):
-    from xoffload.kernels import block_sparse_attn_with_lse, flash_attn_with_lse, select_blocks, xattn_estimate
-    from xoffload.kernels.block_select import mask_density
+    from xoffload.kernels import block_sparse_attn_with_lse, flash_attn_with_lse, xattn_estimate
+    from xoffload.sparse.select import select_blocks
+    from xoffload.sparse.select import mask_density
     from xoffload.sparse import xattention_prefill
-    from xoffload.sparse.synthetic import structured_qkv
+    from xoffload.testing.synthetic import structured_qkv
 
     q, k, v = structured_qkv(s, HQ, HKV, D, dtype=torch.bfloat16, device="cuda", seed=0, **SYNTH)
     res = {"S_tokens": s, "inputs": (
-        "synthetic, xoffload.sparse.synthetic.structured_qkv(seed=0, " + ", ".join(f"{a}={b}" for a, b in SYNTH.items())
+        "synthetic, xoffload.testing.synthetic.structured_qkv(seed=0, " + ", ".join(f"{a}={b}" for a, b in SYNTH.items())
         + "): per KV head a content vector u (norm^2/sqrt(D) = peak, heads spread from broad to sharp), "
           "K_s = RoPE(s)(u + noise), Q_t = RoPE(t)(u + head offset + sink dir + noise): local attention "
           "with a RoPE long-range tail, plus 4 sink tokens every query attends to; V random"), "records": []}

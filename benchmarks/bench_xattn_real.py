@@ -449,7 +449,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     if args.cpu_check:
         global TRAIN_LEN
-        from xoffload.kernels._common import cpu_backend
+        from xoffload.kernels.checks import cpu_backend
         from xoffload.models import load_model
 
         TRAIN_LEN = 512

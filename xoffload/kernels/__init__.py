@@ -1,56 +1,34 @@
 """Triton attention kernels that return log-sum-exp, with PyTorch references.
 
-Conventions (DESIGN.md): q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` (flash-attn layout, GQA
+Conventions (docs/DESIGN.md): q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` (flash-attn layout, GQA
 with ``Hq % Hkv == 0``); LSE natural log, fp32, ``[B, Hq, Sq]``; causal is bottom-right aligned;
 rows that see no key give output 0 and LSE -inf. CUDA tensors run the Triton kernels; CPU tensors
-run the reference, or the Triton code under ``TRITON_INTERPRET=1``.
+run the reference (:mod:`xoffload.kernels.reference`), or the Triton code under ``TRITON_INTERPRET=1``.
 
-Names are imported lazily (Triton is imported on first use).
+One op per module: ``flash_attn`` (dense prefill, padded and varlen), ``decode`` (split-KV decode),
+``merge`` (LSE merge), ``block_sparse`` (block-sparse prefill and its block index), ``xattn``
+(XAttention's strided estimate), ``norm`` / ``swiglu`` / ``rope`` (fused per-token layer ops),
+``gather`` (block copy out of pinned host memory), ``attention_dispatch`` (picks cuDNN or ours for
+whole-prompt causal attention); ``checks`` holds the shared input checks and dispatch rules.
 """
 from __future__ import annotations
 
-import importlib
+from .attention_dispatch import causal_attention, causal_attention_backend
+from .block_sparse import BlockIndex, block_mask_to_indices, block_sparse_attn_with_lse
+from .checks import cpu_backend, interpreter_on
+from .decode import decode_attn_with_lse
+from .flash_attn import flash_attn_varlen_with_lse, flash_attn_with_lse
+from .gather import gather_blocks
+from .merge import merge_attention_states, merge_attention_states_, merge_attention_states_n
+from .norm import rms_norm
+from .rope import qkv_rope
+from .swiglu import silu_mul
+from .xattn import XAttnChunkStats, xattn_block_scores, xattn_chunk_stats, xattn_estimate, xattn_merge_stats
 
-from ._common import cpu_backend, interpreter_on
-
-_LAZY = {
-    "flash_attn_with_lse": ".flash_attn",
-    "flash_attn_varlen_with_lse": ".flash_attn",
-    "causal_attention": ".prefill_attention",
-    "causal_attention_backend": ".prefill_attention",
-    "decode_attn_with_lse": ".decode",
-    "merge_attention_states": ".merge",
-    "merge_attention_states_n": ".merge",
-    "merge_attention_states_": ".merge",
-    "block_sparse_attn_with_lse": ".block_sparse",
-    "BlockIndex": ".block_sparse",
-    "block_mask_to_indices": ".block_sparse",
-    "XAttnChunkStats": ".xattn",
-    "xattn_estimate": ".xattn",
-    "xattn_chunk_stats": ".xattn",
-    "xattn_merge_stats": ".xattn",
-    "xattn_block_scores": ".xattn",
-    "select_blocks": ".block_select",
-    "kv_head_union": ".block_select",
-    "mask_density": ".block_select",
-    "causal_block_visibility": ".block_select",
-    "forced_blocks": ".block_select",
-    "rms_norm": ".norm",
-    "silu_mul": ".swiglu",
-    "qkv_rope": ".rope",
-}
-
-__all__ = sorted(_LAZY) + ["cpu_backend", "interpreter_on"]
-
-
-def __getattr__(name):
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'xoffload.kernels' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__all__ = [
+    "BlockIndex", "XAttnChunkStats", "block_mask_to_indices", "block_sparse_attn_with_lse", "causal_attention",
+    "causal_attention_backend", "cpu_backend", "decode_attn_with_lse", "flash_attn_varlen_with_lse",
+    "flash_attn_with_lse", "gather_blocks", "interpreter_on", "merge_attention_states", "merge_attention_states_",
+    "merge_attention_states_n", "qkv_rope", "rms_norm", "silu_mul", "xattn_block_scores", "xattn_chunk_stats",
+    "xattn_estimate", "xattn_merge_stats",
+]

@@ -35,7 +35,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._common import check_heads, check_same, check_tensor, default_scale, next_pow2, use_triton
+from .checks import check_heads, check_same, check_tensor, default_scale, next_pow2, use_triton
 from .flash_attn import _online_softmax_step, _tma_alloc, _tma_ok
 
 __all__ = ["BlockIndex", "BSConfig", "block_mask_to_indices", "block_sparse_attn_with_lse"]

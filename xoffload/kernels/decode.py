@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._common import check_heads, check_same, check_tensor, default_scale, next_pow2, use_triton
+from .checks import check_heads, check_same, check_tensor, default_scale, next_pow2, use_triton
 
 __all__ = ["decode_attn_with_lse"]
 

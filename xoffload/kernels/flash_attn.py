@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import (
+from .checks import (
     check_cu_seqlens,
     check_heads,
     check_same,

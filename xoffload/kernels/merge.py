@@ -19,7 +19,7 @@ Layout (the outputs of :func:`flash_attn_with_lse` and :func:`decode_attn_with_l
 contiguous; every other stride (also of the LSEs) is honoured.
 
 CUDA tensors run an elementwise Triton kernel; CPU tensors run :func:`reference.merge_ref`, or the
-Triton code under ``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels._common`).
+Triton code under ``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels.checks`).
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._common import check_same, check_tensor, next_pow2, use_triton
+from .checks import check_same, check_tensor, next_pow2, use_triton
 
 __all__ = ["merge_attention_states", "merge_attention_states_n", "merge_attention_states_"]
 

@@ -8,7 +8,7 @@ in PyTorch/HF Llama, whose half-precision multiply is an fp32 multiply rounded o
 two fp16/bf16 numbers is exact in fp32, so the two agree bit for bit up to the fp32 mean/rsqrt).
 
 CUDA tensors run the Triton kernel; CPU tensors run :func:`rms_norm_ref`, or the Triton code under
-``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels._common`).
+``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels.checks`).
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_tensor, next_pow2, use_triton
+from .checks import check_tensor, next_pow2, use_triton
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 

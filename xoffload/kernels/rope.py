@@ -16,7 +16,7 @@ With a norm weight, ``x`` is first replaced by ``w * (x * rsqrt(mean(x^2) + eps)
 (HF rounding order, see :mod:`xoffload.kernels.norm`) in the qkv dtype.
 
 CUDA tensors run the Triton kernel; CPU tensors run :func:`qkv_rope_ref`, or the Triton code under
-``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels._common`).
+``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels.checks`).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import MAX_HEAD_DIM, check_tensor, next_pow2, use_triton
+from .checks import MAX_HEAD_DIM, check_tensor, next_pow2, use_triton
 
 __all__ = ["qkv_rope", "qkv_rope_ref"]
 

@@ -7,7 +7,7 @@ once more (a product of two fp16/bf16 numbers is exact in fp32, so that multiply
 half-precision multiply bit for bit; only the fp32 ``exp`` may differ in the last fp32 bits).
 
 CUDA tensors run the Triton kernel; CPU tensors run :func:`silu_mul_ref`, or the Triton code under
-``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels._common`).
+``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels.checks`).
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._common import check_tensor, next_pow2, use_triton
+from .checks import check_tensor, next_pow2, use_triton
 
 __all__ = ["silu_mul", "silu_mul_ref"]
 

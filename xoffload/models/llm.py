@@ -360,8 +360,9 @@ class LLM:
                  sparse_threshold: float = 0.9, sparse_stride: int = 8, sparse_block_size: int = 128,
                  dense_layers=None, sparse_kwargs: dict | None = None, prefill_chunk: int | None = None,
                  prefill_attn: str = "auto", seed: int = 0, cuda_graph: bool = True):
+        mode = "gpu" if mode == "resident" else mode  # "resident" (KV on the model's device) == "gpu"
         if mode not in ("gpu", "offload"):
-            raise ValueError(f"mode must be 'gpu' or 'offload', got {mode!r}")
+            raise ValueError(f"mode must be 'resident' (alias 'gpu') or 'offload', got {mode!r}")
         if sparse not in (None, "xattn", "none", "dense"):
             raise ValueError(f"sparse must be None or 'xattn', got {sparse!r}")
         sparse = None if sparse in ("none", "dense") else sparse

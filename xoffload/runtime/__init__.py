@@ -31,7 +31,7 @@ Contract notes (additions only; nothing in the contract changed):
 """
 from .allocator import BlockAllocator, PoolExhaustedError, block_runs
 from .engine import OffloadEngine
-from .gather import gather_blocks
+from ..kernels.gather import gather_blocks
 from .pool import CpuKVPool, PoolAllocationError
 from .ring import LayerRing
 

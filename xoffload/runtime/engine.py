@@ -35,9 +35,9 @@ import math
 
 import torch
 
-from ._streams import Pending, Sync
+from .streams import Pending, Sync
 from .allocator import BlockAllocator, block_runs
-from .gather import gather_blocks
+from ..kernels.gather import gather_blocks
 from .pool import CpuKVPool
 from .ring import LayerRing
 

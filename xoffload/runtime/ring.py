@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ._streams import Sync
+from .streams import Sync
 
 
 class _Slot:

@@ -4,7 +4,7 @@ XAttention (Xu et al. 2025, "XAttention: Block Sparse Attention with Antidiagona
 
 1. :func:`xoffload.kernels.xattn_estimate` scores every ``block_size x block_size`` block by
    strided antidiagonal sums (stride S) and a per-row softmax;
-2. :func:`xoffload.kernels.select_blocks` keeps, per (batch, query head, query block), the sink
+2. :func:`xoffload.sparse.select.select_blocks` keeps, per (batch, query head, query block), the sink
    and diagonal blocks plus the highest-scoring blocks until a fraction ``threshold`` of the row's
    mass is covered;
 3. :func:`xoffload.kernels.block_sparse_attn_with_lse` computes attention over the kept blocks.
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels._common import check_heads, check_same, check_tensor
-from ..kernels.block_select import _thresholds, causal_block_visibility, mask_density, select_blocks
+from ..kernels.checks import check_heads, check_same, check_tensor
+from .select import _thresholds, causal_block_visibility, mask_density, select_blocks
 from ..kernels.block_sparse import block_sparse_attn_with_lse
 from ..kernels.xattn import check_geometry, xattn_estimate
 
@@ -73,7 +73,7 @@ def xattention_mask(q, k, *, threshold=0.9, stride=8, block_size=128, chunk_size
     """Block mask XAttention keeps for ``q`` against ``k`` (bottom-right aligned: ``q_start = Sk - Sq``).
 
     Returns bool ``[B, Hq, ceil(Sq/bs), ceil(Sk/bs)]``. Arguments as :func:`xattention_prefill`;
-    ``dense_last_q=0`` gives the plain selection of :func:`xoffload.kernels.select_blocks`.
+    ``dense_last_q=0`` gives the plain selection of :func:`xoffload.sparse.select.select_blocks`.
     """
     n_dense = _dense_rows(dense_last_q, block_size)
     sq, sk = q.shape[1], k.shape[1]

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from xoffload.kernels._common import interpreter_on
+from xoffload.kernels.checks import interpreter_on
 from xoffload.runtime import (BlockAllocator, CpuKVPool, LayerRing, OffloadEngine, PoolAllocationError,
                               PoolExhaustedError, block_runs, gather_blocks)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from xoffload.kernels._common import interpreter_on
+from xoffload.kernels.checks import interpreter_on
 
 DEFAULT_BLOCK = 8192  # elements per program per tensor (16 KiB of bf16)
 DEFAULT_WARPS = 8

@@ -3,8 +3,9 @@ import pytest
 import torch
 
 from helpers import assert_lse_match, max_err, out_tol, sdpa_in_dtype
-from xoffload.kernels import select_blocks, xattn_estimate
-from xoffload.kernels.block_select import causal_block_visibility, mask_density
+from xoffload.kernels import xattn_estimate
+from xoffload.sparse.select import select_blocks
+from xoffload.sparse.select import causal_block_visibility, mask_density
 from xoffload.kernels.reference import attention_ref, block_sparse_attention_ref
 from xoffload.sparse import DEFAULT_DENSE_LAST_Q, XAttentionPrefill, xattention_mask, xattention_prefill
 from xoffload.sparse.xattention import dense_query_blocks
@@ -170,7 +171,7 @@ def test_llm_sparse_kwargs_reach_the_option():
 def test_gpu_bf16_last_rows_dense(n):
     """bf16, block 128, S=8, structured inputs: the default dense rows (the query blocks holding the
     last 128 rows) equal dense attention within the bf16 tolerance; the rest is sparse."""
-    from xoffload.sparse.synthetic import structured_qkv
+    from xoffload.testing.synthetic import structured_qkv
 
     q, k, v = structured_qkv(n, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=1)
     out, lse, dens = xattention_prefill(q, k, v, threshold=0.9, stride=8, dense_fallback_len=0)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import check_tensor, default_scale
+from .checks import check_tensor, default_scale
 
 __all__ = ["causal_attention", "causal_attention_backend"]
 

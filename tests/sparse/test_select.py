@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from xoffload.kernels import kv_head_union, select_blocks
-from xoffload.kernels.block_select import causal_block_visibility, forced_blocks, mask_density
+from xoffload.sparse.select import kv_head_union, select_blocks
+from xoffload.sparse.select import causal_block_visibility, forced_blocks, mask_density
 from xoffload.kernels.reference import select_blocks_ref
 
 

@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from helpers import assert_lse_match, max_err, out_tol, sdpa_in_dtype
-from xoffload.kernels import select_blocks, xattn_estimate
+from xoffload.kernels import xattn_estimate
+from xoffload.sparse.select import select_blocks
 from xoffload.kernels.reference import attention_ref, block_sparse_attention_ref
 from xoffload.sparse import XAttentionPrefill, full, xattention, xattention_mask, xattention_prefill
 
@@ -93,7 +94,7 @@ def test_bad_inputs(device):
 def test_gpu_model_call_structured_inputs():
     """The model's call, bf16, on inputs with local + sink structure: sparse, and close to dense."""
     from xoffload.kernels import flash_attn_with_lse
-    from xoffload.sparse.synthetic import structured_qkv
+    from xoffload.testing.synthetic import structured_qkv
 
     q, k, v = structured_qkv(8192, 8, 2, 128, dtype=torch.bfloat16, device="cuda", seed=3)
     out, lse, dens = xattention_prefill(q, k, v, threshold=0.9, stride=8)

@@ -6,32 +6,14 @@ import time
 import pytest
 import torch
 
-from xoffload.models import LLM, SamplingParams, find_smollm2_gguf, load_model
+from helpers import smollm2, smollm2_path
+from xoffload.models import LLM, SamplingParams, load_model
 
 PROMPTS = [
     "What is the capital of France?",
     "Write a haiku about the sea.",
     "List three prime numbers.",
 ]
-
-_CACHE = {}
-
-
-def smollm2_path():
-    try:
-        return find_smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
-
-def smollm2():
-    """Our SmolLM2 model (fp32, CPU), loaded once per test process and shared by the test files."""
-    if "model" not in _CACHE:
-        t = time.perf_counter()
-        _CACHE["model"] = load_model(smollm2_path(), dtype=torch.float32, device="cpu")
-        _CACHE["load_s"] = time.perf_counter() - t
-    return _CACHE["model"]
-
 
 def _transformers_smollm2(path):
     """transformers' own GGUF loader (its dequantization and q/k un-permutation), fp32 CPU.

@@ -1,5 +1,11 @@
 """Shared input checks and dispatch rules for every kernel in :mod:`xoffload.kernels`.
 
+The check vocabulary (each raises a one-line ``TypeError`` / ``ValueError`` naming the argument and
+the offending value, shape or dtype): :func:`check_tensor`, :func:`check_same`, :func:`check_heads`,
+:func:`check_qkv` (q/k/v of an attention call), :func:`check_out` (a caller's output buffer),
+:func:`check_int`, :func:`check_bool`, :func:`check_cu_seqlens`. The runtime, the sparse policies
+and the integrations use the same functions.
+
 Dispatch rule (DESIGN.md): a CUDA tensor runs the Triton kernel; a CPU tensor runs the PyTorch
 reference, unless Triton's interpreter is on (``TRITON_INTERPRET=1`` set before Triton is
 imported), in which case the Triton code runs on the CPU.
@@ -121,3 +127,69 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device) -> None:
         raise ValueError(f"{name} must be non-decreasing, got {c.tolist()[:16]}")
     if int(c[-1]) != total:
         raise ValueError(f"{name}[-1] = {int(c[-1])} must equal the packed length {total}")
+
+
+def check_qkv(q, k, v, ndim: int, layout: str = "") -> None:
+    """Check the q, k, v of an attention call: tensors of ``ndim`` dims, a supported dtype, contiguous
+    last dim, one dtype and device, k and v of one shape, q's head_dim equal to k's and a valid GQA
+    ratio (heads are dim -2, head_dim dim -1). ``layout`` (e.g. ``"[B, S, H, D]"``) is named in the
+    errors. Raises TypeError / ValueError."""
+    check_tensor("q", q, ndim)
+    check_tensor("k", k, ndim)
+    check_tensor("v", v, ndim)
+    check_same([("q", q), ("k", k), ("v", v)])
+    where = f" ({layout})" if layout else ""
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape{where}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k must have the same head_dim: q {tuple(q.shape)}, k {tuple(k.shape)}{where}")
+    check_heads(q.shape[-2], k.shape[-2], q.shape[-1])
+
+
+def check_out(name: str, out, shape, dtype, device) -> None:
+    """Check a caller-provided output buffer: a tensor of exactly ``shape``, ``dtype`` and ``device``
+    with a contiguous last dim (other strides are honoured). Raises TypeError (not a tensor, wrong
+    dtype) or ValueError (shape, device, last-dim stride)."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} has dtype {out.dtype}, expected {dtype}")
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.device != torch.device(device):
+        raise ValueError(f"{name} is on {out.device}, expected {device}")
+    if out.dim() > 0 and out.shape[-1] > 1 and out.stride(-1) != 1:
+        raise ValueError(f"{name} must have a contiguous last dim, got strides {tuple(out.stride())}")
+
+
+def is_int(x) -> bool:
+    """True for a Python or numpy integer (never a bool)."""
+    if isinstance(x, bool):
+        return False
+    if isinstance(x, int):
+        return True
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(x, np.integer)
+
+
+def check_int(name: str, x, lo: int | None = None, hi: int | None = None) -> int:
+    """``x`` as an int, checked to be an integer (not a bool) in ``[lo, hi]`` (either bound optional).
+    Raises TypeError for a non-integer, ValueError out of range."""
+    if not is_int(x):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
+    x = int(x)
+    if (lo is not None and x < lo) or (hi is not None and x > hi):
+        lo_s = "-inf" if lo is None else lo
+        hi_s = "inf" if hi is None else hi
+        raise ValueError(f"{name} must be in [{lo_s}, {hi_s}], got {x}")
+    return x
+
+
+def check_bool(name: str, x) -> bool:
+    """``x`` checked to be a bool. Raises TypeError otherwise."""
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
+    return x

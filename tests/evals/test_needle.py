@@ -8,22 +8,9 @@ import pytest
 import torch
 
 from xoffload.models import LLM, SamplingParams
-from xoffload.models.needle import build_prompt, found, make_number, parse_length
+from xoffload.evals.needle import build_prompt, found, make_number, parse_length
 
-try:  # share the loaded model with test_model_smollm (pytest puts tests/ on sys.path)
-    from test_model_smollm import smollm2
-except ImportError:  # pragma: no cover - other import modes
-    from xoffload.models import find_smollm2_gguf, load_model
-
-    _M = {}
-
-    def smollm2():
-        if "m" not in _M:
-            try:
-                _M["m"] = load_model(find_smollm2_gguf(), dtype=torch.float32, device="cpu")
-            except FileNotFoundError as e:
-                pytest.skip(str(e))
-        return _M["m"]
+from helpers import smollm2
 
 
 def test_found_and_parse_length():

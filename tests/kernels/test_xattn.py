@@ -10,13 +10,13 @@ import torch
 
 from xoffload.kernels import (
     cpu_backend,
-    select_blocks,
     xattn_block_scores,
     xattn_chunk_stats,
     xattn_estimate,
     xattn_merge_stats,
 )
 from xoffload.kernels.reference import xattn_estimate_ref, xattn_strided_scores_ref
+from xoffload.sparse.select import select_blocks
 
 ATOL = 2e-5  # block scores are sums of <= B/S softmax probabilities, fp32 both sides
 

@@ -1,0 +1,1 @@
+"""Evaluations: the needle-in-a-haystack test and RULER-style long-context tasks."""

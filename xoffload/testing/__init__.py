@@ -1,0 +1,1 @@
+"""Helpers for tests and benchmarks (synthetic attention inputs); not used by the library itself."""
