@@ -52,6 +52,23 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreter_on()
 
 
+class HostPtr:
+    """Pointer argument for a Triton kernel standing for a host tensor in pinned (page-locked or
+    ``cudaHostRegister``-ed) memory: exposes the tensor's ``data_ptr()`` and a ``dtype`` (default the
+    tensor's). Triton's launcher maps the host pointer to its device alias
+    (``cuPointerGetAttribute``), so the kernel reads host memory over PCIe (UVA, zero copy).
+    Strides are passed separately; the tensor must stay alive while the kernel runs."""
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, t: torch.Tensor, dtype: torch.dtype | None = None):
+        self._ptr = t.data_ptr()
+        self.dtype = dtype or t.dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
