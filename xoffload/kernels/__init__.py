@@ -19,6 +19,7 @@ _LAZY = {
     "causal_attention": ".prefill_attention",
     "causal_attention_backend": ".prefill_attention",
     "decode_attn_with_lse": ".decode",
+    "paged_decode_attn_with_lse": ".paged_decode",
     "merge_attention_states": ".merge",
     "merge_attention_states_n": ".merge",
     "merge_attention_states_": ".merge",
