@@ -369,6 +369,18 @@ def test_paged_pinned_host_store_uva(dtype, page, shared):
 
 
 @pytest.mark.cuda
+def test_paged_unpinned_host_store_raises():
+    q = torch.randn(1, 1, 4, 64, dtype=torch.float16, device="cuda")
+    kp = torch.randn(256, 2, 64).half()  # plain (pageable) host memory
+    table = torch.zeros(1, 1, 2, dtype=torch.int32, device="cuda")
+    lens = torch.tensor([20], dtype=torch.int32, device="cuda")
+    with pytest.raises(ValueError, match="k_pages is a host tensor that is not pinned"):
+        paged_decode_attn_with_lse(q, kp, kp, table, lens, page_size=16)
+    with pytest.raises(ValueError, match="k_pages/v_pages are on cuda.*but q is on cpu"):
+        paged_decode_attn_with_lse(q.cpu(), kp.cuda(), kp.cuda(), table.cpu(), lens.cpu(), page_size=16)
+
+
+@pytest.mark.cuda
 def test_paged_registered_pool_uva_and_graph():
     """The runtime's pool (cudaHostRegister'ed slabs) read over UVA inside a captured CUDA graph
     (check=False); replay after the lengths and the table change gives the eager answer."""
@@ -378,7 +390,7 @@ def test_paged_registered_pool_uva_and_graph():
     assert pool.pinned
     pool.k[0].copy_(torch.randn(pool.k[0].shape).to(torch.bfloat16))
     pool.v[0].copy_(torch.randn(pool.v[0].shape).to(torch.bfloat16))
-    kh, vh = pool.k_rows(0), pool.v_rows(0)
+    kh, vh = pool.k_rows(0), pool.v_rows(0)  # views into registered slabs (is_pinned() may say False)
     r = kh.shape[0]
     q = _query(1, 32, 128, torch.bfloat16, "cuda", seed=24)
     page = 64

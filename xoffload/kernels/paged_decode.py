@@ -24,7 +24,9 @@ import triton
 import triton.language as tl
 
 from . import reference
-from ._common import HostPtr, check_heads, check_same, check_tensor, default_scale, next_pow2, use_triton
+from ._common import (
+    HostPtr, check_heads, check_same, check_tensor, default_scale, device_can_read_host, next_pow2, use_triton,
+)
 from .decode import (
     _LOG2E, _attend_tile, _block_m, _default_config, _sm_count, _store_split_state, default_num_splits,
     reduce_splits, split_buffers,
@@ -66,7 +68,7 @@ def _check_inputs(q, k_pages, v_pages, page_table, seqlens, page_size, check: bo
             raise ValueError(f"k_pages/v_pages are on {k_pages.device} but q is on {q.device}; the store must be "
                              f"on q's device or, for q on CUDA, in pinned host memory")
         for n, t in (("k_pages", k_pages), ("v_pages", v_pages)):
-            if not t.is_pinned():
+            if not device_can_read_host(t):
                 raise ValueError(f"{n} is a host tensor that is not pinned (page-locked); a GPU kernel reads host "
                                  f"memory only through UVA: allocate it with pin_memory=True or cudaHostRegister")
     if not isinstance(page_table, torch.Tensor):
