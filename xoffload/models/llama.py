@@ -3,8 +3,9 @@
 
 The model knows nothing about where KV lives. Prefill writes each layer's K/V through a *sink*
 (``buffers(layer, T) -> (k, v)`` to fill, ``done(layer, k, v)`` once filled); decode reads it through
-a *KV store* (``attend(layer, q, k_new, v_new) -> out``). :mod:`xoffload.models.llm` provides the
-GPU cache and the offload-engine versions.
+a *KV store* (``attend(layer, q, k_new, v_new) -> out``). :mod:`xoffload.engine.kv_store` provides
+the resident (KV on the model's device) and offloaded versions; which attention a prefill layer runs
+is a :class:`xoffload.sparse.PrefillPolicy`'s choice.
 
 Prefill is layerwise: all prompt tokens pass layer ``l`` before layer ``l+1`` starts. Inside a layer,
 pass 1 runs norm + QKV projection + RoPE over token chunks into the whole layer's q and K/V; the
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..kernels import causal_attention, qkv_rope, silu_mul
+from ..kernels import rms_norm as fused_rms_norm
 from .config import ModelConfig, rope_inv_freq
 
 
@@ -82,22 +85,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return x * cos + _rotate_half(x) * sin
 
 
-_K = None
-
-
-def _kernels():
-    """:mod:`xoffload.kernels` (imported on first use: it imports Triton)."""
-    global _K
-    if _K is None:
-        import xoffload.kernels as k
-
-        _K = k
-    return _K
-
-
 def _norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`rms_norm` through the fused kernel (one read, one write; torch on the CPU)."""
-    return _kernels().rms_norm(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape)
+    return fused_rms_norm(x.reshape(-1, x.shape[-1]), w, eps).view(x.shape)
 
 
 class LlamaModel:
@@ -145,7 +135,7 @@ class LlamaModel:
         gu = x @ lw.w_gate_up.t()
         del x
         i = self.cfg.intermediate_size
-        a = _kernels().silu_mul(gu, i, out=gu[:, :i])  # in place over the gate half
+        a = silu_mul(gu, i, out=gu[:, :i])  # in place over the gate half
         h.addmm_(a, lw.w_down.t())  # residual add fused into the GEMM (beta=1)
 
     def _qkv(self, lw, h_rows, pos, q_out=None, k_out=None, v_out=None):
@@ -163,7 +153,7 @@ class LlamaModel:
         q_out = qkv[:, :qr].view(c, hq, d) if q_out is None else q_out
         k_out = qkv[:, qr:qr + kr].view(c, hkv, d) if k_out is None else k_out
         v_out = qkv[:, qr + kr:].view(c, hkv, d) if v_out is None else v_out
-        return _kernels().qkv_rope(qkv, self._cos, self._sin, pos, hq, hkv, d, q_out, k_out, v_out,
+        return qkv_rope(qkv, self._cos, self._sin, pos, hq, hkv, d, q_out, k_out, v_out,
                                    q_norm=lw.q_norm, k_norm=lw.k_norm, eps=cfg.rms_norm_eps)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -173,14 +163,13 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, ids: torch.Tensor, sink, *, chunk: int = 4096, all_logits: bool = False,
-                sparse_fn=None, sparse_layers=(), densities: list | None = None,
-                attn_backend: str = "auto") -> torch.Tensor:
+                policy=None, densities: list | None = None, attn_backend: str = "auto") -> torch.Tensor:
         """Layerwise prefill of one sequence.
 
         Per layer: (1) norm + fused QKV projection + RoPE over token chunks, writing the whole
         layer's q ``[T, Hq, D]`` and its K/V (into the sink's buffers); (2) causal attention of the
         whole prompt at once (no LSE is needed: :func:`xoffload.kernels.causal_attention`, the
-        fastest correct kernel available, or ``sparse_fn``), written over q in place; (3) the
+        fastest correct kernel available, or the sparse ``policy``), written over q in place; (3) the
         sink gets the layer's K/V (offload: the D2H copy overlaps step 4); (4) output projection
         + residual + MLP over token chunks. Activation memory: the residual stream
         ``[T, hidden]``, q / attention output ``[T, Hq, D]``, the layer's K/V and one chunk's
@@ -192,11 +181,12 @@ class LlamaModel:
                 ``done(layer, k, v)`` (called once layer ``layer``'s K/V are written and attended).
             chunk: tokens per chunk for the projections and the MLP.
             all_logits: return logits for every position (``[T, V]``) instead of the last (``[1, V]``).
-            sparse_fn: None, or ``fn(q, k, v) -> (out, density)`` used instead of dense attention
-                for the layers in ``sparse_layers``; called with the whole layer's q ``[1, T, Hq, D]``
-                and k/v ``[1, T, Hkv, D]``, returns out ``[1, T, Hq, D]`` and the kept fraction.
-            sparse_layers: layer indices that use ``sparse_fn``.
-            densities: list receiving one entry per layer: ``sparse_fn``'s density, or None (dense).
+            policy: None (dense), or a :class:`xoffload.sparse.PrefillPolicy`: ``policy(q, k, v) ->
+                (out, lse, density)`` runs instead of dense attention on the layers
+                ``policy.layers(num_layers)``; called with the whole layer's q ``[1, T, Hq, D]`` and
+                k/v ``[1, T, Hkv, D]``, returns out ``[1, T, Hq, D]``, the LSE (unused here) and the
+                kept fraction.
+            densities: list receiving one entry per layer: the policy's density, or None (dense).
             attn_backend: dense causal attention: ``"auto"`` (cuDNN where it runs, else ours),
                 ``"cudnn"``, ``"xoffload"`` (the Triton ``flash_attn_with_lse``; the kernels'
                 reference on the CPU) or ``"sdpa"`` (PyTorch's own choice).
@@ -205,13 +195,12 @@ class LlamaModel:
         Raises:
             ValueError: unknown ``attn_backend``.
         """
-        from xoffload.kernels import causal_attention
-
         if attn_backend not in ("auto", "cudnn", "xoffload", "sdpa"):
             raise ValueError(f"attn_backend must be 'auto', 'cudnn', 'xoffload' or 'sdpa', got {attn_backend!r}")
         cfg = self.cfg
         T = int(ids.shape[0])
         chunk = max(1, int(chunk))
+        sparse_layers = frozenset(policy.layers(cfg.num_layers)) if policy is not None else frozenset()
         self.rope_tables(T)
         h = F.embedding(ids, self.w.embed)  # [T, hidden]
         for li, lw in enumerate(self.w.layers):
@@ -221,8 +210,8 @@ class LlamaModel:
                 e = min(T, s + chunk)
                 self._qkv(lw, h[s:e], s, q[s:e], k[s:e], v[s:e])
             density = None
-            if sparse_fn is not None and li in sparse_layers:
-                o, density = sparse_fn(q[None], k[None], v[None])
+            if li in sparse_layers:
+                o, _lse, density = policy(q[None], k[None], v[None])
                 o = o[0]
             else:
                 o = causal_attention(q[None], k[None], v[None], softmax_scale=self.scale, backend=attn_backend,

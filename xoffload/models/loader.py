@@ -3,6 +3,10 @@ package), named random-weight presets, and the default SmolLM2-135M-Instruct GGU
 
 Every loader returns a :class:`~xoffload.models.llama.LlamaModel` with weights in ``dtype`` on
 ``device`` and a transformers tokenizer when one is available.
+
+Over 300 lines on purpose: the four loaders share the weight fusing, shape checks and dtype/device
+resolution kept here; splitting them per format would spread one job over files that import each
+other's helpers.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .config import ModelConfig, config_from_hf, get_preset, PRESETS, SUPPORTED_ARCHS
+from .config import (PRESETS, SUPPORTED_ARCHS, ModelConfig, config_from_gguf, config_from_hf, get_preset,
+                     gguf_field)
 from .llama import LayerWeights, LlamaModel, Weights
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,7 +101,7 @@ def _check_shapes(cfg: ModelConfig, w: Weights, source: str) -> None:
                 raise ValueError(f"{source}: layer {i} {n} has shape {tuple(t.shape)}, config expects {s}")
 
 
-def _resolve_dtype_device(dtype, device):
+def resolve_dtype_device(dtype, device):
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(device)
@@ -135,7 +140,7 @@ def load_hf_dir(path, *, dtype=None, device=None, load_tokenizer: bool = True) -
     """
     from safetensors import safe_open
 
-    dtype, device = _resolve_dtype_device(dtype, device)
+    dtype, device = resolve_dtype_device(dtype, device)
     p = Path(path)
     cfg_path = p / "config.json"
     if not cfg_path.is_file():
@@ -216,19 +221,6 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, d // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_field(reader, key, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    try:
-        return f.contents()
-    except Exception:  # older gguf: parse by hand
-        v = f.parts[f.data[0]]
-        if f.types and f.types[0].name == "STRING":
-            return bytes(v).decode("utf-8")
-        return v.tolist()[0] if hasattr(v, "tolist") else v
-
-
 def _open_gguf(path: str):
     import gguf
 
@@ -238,46 +230,6 @@ def _open_gguf(path: str):
         return gguf.GGUFReader(path)
     except Exception as e:  # the reader raises ValueError/struct.error/IndexError/... on a bad file
         raise ValueError(f"cannot read GGUF file {path}: {type(e).__name__}: {e} (corrupt or not a GGUF?)") from e
-
-
-def config_from_gguf(reader, name: str = "") -> ModelConfig:
-    """ModelConfig from GGUF metadata (``general.architecture`` must be llama or qwen3)."""
-    arch = _gguf_field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"unsupported architecture in GGUF: {arch!r}; xoffload supports {', '.join(SUPPORTED_ARCHS)}")
-
-    def f(key, default=None):
-        return _gguf_field(reader, f"{arch}.{key}", default)
-
-    hidden = int(f("embedding_length"))
-    heads = int(f("attention.head_count"))
-    kv = f("attention.head_count_kv", heads)
-    if isinstance(kv, list):
-        kv = max(kv)
-    head_dim = f("attention.key_length") or f("rope.dimension_count") or hidden // heads
-    emb = [t for t in reader.tensors if t.name == "token_embd.weight"]
-    vocab = f("vocab_size")
-    if vocab is None:
-        vocab = int(emb[0].shape[-1]) if emb else len(_gguf_field(reader, "tokenizer.ggml.tokens", []))
-    tied = all(t.name != "output.weight" for t in reader.tensors)
-    scaling = None
-    st = f("rope.scaling.type")
-    if st == "linear":
-        scaling = {"rope_type": "linear", "factor": float(f("rope.scaling.factor"))}
-    elif st not in (None, "none"):
-        raise ValueError(f"unsupported GGUF rope.scaling.type {st!r}")
-    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id")
-    eot = _gguf_field(reader, "tokenizer.ggml.eot_token_id")
-    eos_ids = tuple(dict.fromkeys(int(x) for x in (eos, eot) if x is not None))
-    bos = _gguf_field(reader, "tokenizer.ggml.bos_token_id")
-    return ModelConfig(
-        arch=arch, vocab_size=int(vocab), hidden_size=hidden, intermediate_size=int(f("feed_forward_length")),
-        num_layers=int(f("block_count")), num_heads=heads, num_kv_heads=int(kv), head_dim=int(head_dim),
-        rms_norm_eps=float(f("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(f("rope.freq_base", 10000.0)), rope_scaling=scaling,
-        max_position_embeddings=int(f("context_length", 8192)), tie_word_embeddings=tied,
-        bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids, name=name,
-    )
 
 
 def _cache_dir() -> Path:
@@ -320,7 +272,7 @@ def load_gguf(path, *, dtype=None, device=None, load_tokenizer: bool = True) -> 
     """
     from gguf.quants import dequantize
 
-    dtype, device = _resolve_dtype_device(dtype, device)
+    dtype, device = resolve_dtype_device(dtype, device)
     path = str(path)
     reader = _open_gguf(path)
     cfg = config_from_gguf(reader, name=os.path.basename(path))
@@ -371,7 +323,7 @@ def random_model(preset, *, dtype=None, device=None, seed: int = 0, std: float =
     No tokenizer: prompts must be token ids. Raises ValueError for an unknown preset name.
     """
     cfg = preset if isinstance(preset, ModelConfig) else get_preset(preset)
-    dtype, device = _resolve_dtype_device(dtype, device)
+    dtype, device = resolve_dtype_device(dtype, device)
     g = torch.Generator(device=device)
     g.manual_seed(int(seed))
 

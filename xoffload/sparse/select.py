@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["select_blocks", "kv_head_union", "causal_block_visibility", "forced_blocks", "mask_density"]
+from ..kernels.checks import is_int
 
-
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+__all__ = ["select_blocks", "kv_head_union", "causal_block_visibility", "forced_blocks", "mask_density",
+           "thresholds"]
 
 
 def _check_lengths(sq, sk, block_size, q_start):
     for name, v in (("sq", sq), ("sk", sk), ("block_size", block_size)):
-        if not _is_int(v):
+        if not is_int(v):
             raise TypeError(f"{name} must be an int, got {type(v).__name__}")
         if v < 0:
             raise ValueError(f"{name} must be >= 0, got {v}")
@@ -39,7 +38,7 @@ def _check_lengths(sq, sk, block_size, q_start):
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if q_start is None:
         return sk - sq
-    if not _is_int(q_start):
+    if not is_int(q_start):
         raise TypeError(f"q_start must be an int, got {type(q_start).__name__}")
     return q_start
 
@@ -68,7 +67,7 @@ def forced_blocks(sq, sk, block_size, *, q_start=None, causal=True, keep_last=0,
     adds the k blocks ending at the last diagonal block. Only visible blocks are returned.
     """
     q_start = _check_lengths(sq, sk, block_size, q_start)
-    if not _is_int(keep_last) or keep_last < 0:
+    if not is_int(keep_last) or keep_last < 0:
         raise ValueError(f"keep_last must be an int >= 0, got {keep_last!r}")
     nqb, nkb = -(-sq // block_size), -(-sk // block_size)
     vis = causal_block_visibility(sq, sk, block_size, q_start=q_start, causal=causal, device=device)
@@ -85,7 +84,7 @@ def forced_blocks(sq, sk, block_size, *, q_start=None, causal=True, keep_last=0,
     return (diag | recent | sink) & vis
 
 
-def _thresholds(threshold, h, device):
+def thresholds(threshold, h, device):
     """Threshold as an fp32 tensor broadcastable to ``[B, H, nqb, 1]``; validates [0, 1]."""
     if isinstance(threshold, bool):
         raise TypeError("threshold must be a float or a per-head tensor, got bool")
@@ -146,7 +145,7 @@ def select_blocks(block_scores, threshold=0.9, *, sq, sk, block_size=128, q_star
             f"block_size={block_size}: expected [B, H, {want[0]}, {want[1]}]"
         )
     dev = block_scores.device
-    tau = _thresholds(threshold, h, dev)
+    tau = thresholds(threshold, h, dev)
     vis = causal_block_visibility(sq, sk, block_size, q_start=q_start, causal=causal, device=dev)
     forced = forced_blocks(sq, sk, block_size, q_start=q_start, causal=causal, keep_last=keep_last,
                            device=dev)
@@ -186,7 +185,7 @@ def kv_head_union(block_mask, num_kv_heads):
         raise TypeError("block_mask must be a bool torch.Tensor")
     if block_mask.dim() != 4:
         raise ValueError(f"block_mask must be [B, Hq, q_blocks, k_blocks], got shape {tuple(block_mask.shape)}")
-    if not _is_int(num_kv_heads) or num_kv_heads <= 0 or block_mask.shape[1] % num_kv_heads:
+    if not is_int(num_kv_heads) or num_kv_heads <= 0 or block_mask.shape[1] % num_kv_heads:
         raise ValueError(f"num_kv_heads={num_kv_heads!r} must be a positive int dividing Hq={block_mask.shape[1]}")
     b, hq, nqb, nkb = block_mask.shape
     return block_mask.view(b, num_kv_heads, hq // num_kv_heads, nqb, nkb).any(dim=2)

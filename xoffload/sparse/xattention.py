@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.checks import check_heads, check_same, check_tensor
-from .select import _thresholds, causal_block_visibility, mask_density, select_blocks
 from ..kernels.block_sparse import block_sparse_attn_with_lse
+from ..kernels.checks import check_qkv, is_int
+from ..kernels.flash_attn import flash_attn_with_lse
 from ..kernels.xattn import check_geometry, xattn_estimate
+from .select import causal_block_visibility, mask_density, select_blocks, thresholds
 
-__all__ = ["xattention_prefill", "xattention_mask", "DEFAULT_DENSE_FALLBACK_LEN", "DEFAULT_DENSE_LAST_Q"]
+__all__ = ["xattention_prefill", "xattention_mask", "dense_query_blocks", "dense_rows", "DEFAULT_DENSE_FALLBACK_LEN",
+           "DEFAULT_DENSE_LAST_Q"]
 
 #: key lengths up to this many tokens run dense attention (estimation would cost more than it saves)
 DEFAULT_DENSE_FALLBACK_LEN = 1024
@@ -30,26 +32,17 @@ DEFAULT_DENSE_FALLBACK_LEN = 1024
 DEFAULT_DENSE_LAST_Q = None
 
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def _check_inputs(q, k, v):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        check_tensor(name, t, 4)
-    check_same([("q", q), ("k", k), ("v", v)])
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if q.shape[0] != k.shape[0] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch and head_dim")
-    check_heads(q.shape[2], k.shape[2], q.shape[3])
+    check_qkv(q, k, v, 4, "[B, S, H, D]")
+    if q.shape[0] != k.shape[0]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch")
 
 
-def _dense_rows(dense_last_q, block_size) -> int:
+def dense_rows(dense_last_q, block_size) -> int:
     """``dense_last_q`` validated and resolved to a row count (None -> ``block_size``)."""
     if dense_last_q is None:
         return int(block_size)
-    if not _is_int(dense_last_q):
+    if not is_int(dense_last_q):
         raise TypeError(f"dense_last_q must be None or an int (query rows), got {type(dense_last_q).__name__}")
     if dense_last_q < 0:
         raise ValueError(f"dense_last_q must be >= 0, got {dense_last_q}")
@@ -75,7 +68,7 @@ def xattention_mask(q, k, *, threshold=0.9, stride=8, block_size=128, chunk_size
     Returns bool ``[B, Hq, ceil(Sq/bs), ceil(Sk/bs)]``. Arguments as :func:`xattention_prefill`;
     ``dense_last_q=0`` gives the plain selection of :func:`xoffload.sparse.select.select_blocks`.
     """
-    n_dense = _dense_rows(dense_last_q, block_size)
+    n_dense = dense_rows(dense_last_q, block_size)
     sq, sk = q.shape[1], k.shape[1]
     scores = xattn_estimate(q, k, stride=stride, block_size=block_size, chunk_size=chunk_size,
                             q_start=sk - sq, causal=causal, softmax_scale=softmax_scale)
@@ -130,16 +123,16 @@ def xattention_prefill(q, k, v, *, threshold=0.9, stride=8, block_size=128, chun
             dense_last_q not None or an int >= 0.
     """
     _check_inputs(q, k, v)
-    _dense_rows(dense_last_q, 1)
+    dense_rows(dense_last_q, 1)
     check_geometry(stride, block_size)
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    if not _is_int(dense_fallback_len) or dense_fallback_len < 0:
+    if not is_int(dense_fallback_len) or dense_fallback_len < 0:
         raise ValueError(f"dense_fallback_len must be an int >= 0, got {dense_fallback_len!r}")
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     if q_start is not None:
-        if not _is_int(q_start):
+        if not is_int(q_start):
             raise TypeError(f"q_start must be an int, got {type(q_start).__name__}")
         if q_start < 0 or q_start + sq > sk:
             raise ValueError(f"q_start={q_start} with Sq={sq} needs 0 <= q_start <= Sk - Sq = {sk - sq}")
@@ -148,10 +141,8 @@ def xattention_prefill(q, k, v, *, threshold=0.9, stride=8, block_size=128, chun
             v = v[:, : q_start + sq]
             sk = q_start + sq
     # validate threshold before choosing a path (select_blocks re-checks)
-    _thresholds(threshold, hq, q.device)
+    thresholds(threshold, hq, q.device)
     if sk <= dense_fallback_len:
-        from ..kernels import flash_attn_with_lse
-
         out, lse = flash_attn_with_lse(q, k, v, causal=causal, softmax_scale=softmax_scale)
         return out, lse, torch.ones(hq, dtype=torch.float32, device=q.device)
     mask = xattention_mask(q, k, threshold=threshold, stride=stride, block_size=block_size,

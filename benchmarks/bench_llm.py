@@ -12,7 +12,7 @@ Measured in one run, on the same random weights:
   128K, ``gpu`` mode runs out of memory.
 
 Each section is wrapped so that a failure is recorded in the JSON (``errors``) and the rest still
-runs. Run: ``python benchmarks/bench_model.py [--quick]`` (writes benchmarks/results/model.json), or
+runs. Run: ``python benchmarks/bench_llm.py [--quick]`` (writes benchmarks/results/model.json), or
 through pytest-benchmark (``test_bench_model``).
 """
 from __future__ import annotations
@@ -69,7 +69,7 @@ def run_ours(llm, n_ctx, seed=0, repeat=1) -> dict:
     """``repeat`` generate calls of the same prompt; the last one is reported (the earlier ones'
     prefill tok/s are kept under ``earlier_prefill_tok_per_s``: first-call costs such as the
     caching allocator growing or cuDNN building its plan for a new length show there)."""
-    from xoffload.models import SamplingParams
+    from xoffload import SamplingParams
 
     ids = _prompt(n_ctx - N_NEW, llm.cfg.vocab_size, seed)
     earlier = []
@@ -187,7 +187,8 @@ def _section(res, name, fn):
 
 
 def run(quick: bool = False, out_dir=None, peers: bool = True, cap: bool = True) -> dict:
-    from xoffload.models import LLM, SamplingParams, random_model
+    from xoffload import LLM, SamplingParams
+    from xoffload.models import random_model
 
     ctxs = [32768] if quick else [32768, 131072]
     res = {"name": "model", "env": env_record(), "preset": PRESET, "dtype": "bfloat16", "n_new_tokens": N_NEW,
@@ -353,8 +354,9 @@ def diagnose(preset="llama-3.2-1b", lengths=(3000, 33000), out_dir=None, device=
     """Find where ``offload`` and ``gpu`` modes part: prefill logits through each KV sink, the K/V
     the engine stored (``host_kv``) against the gpu cache, then decode logits step by step with the
     same input tokens. Prints and writes ``model_diagnose.json``."""
-    from xoffload.models import LLM, SamplingParams, random_model
-    from xoffload.models.llm import _GPUCache, _OffloadKV
+    from xoffload import LLM, SamplingParams
+    from xoffload.engine.kv_store import OffloadKV, ResidentKV
+    from xoffload.models import random_model
 
     model = random_model(preset, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device,
                          seed=0, std=0.02 if device == "cuda" else 0.15)
@@ -374,11 +376,11 @@ def diagnose(preset="llama-3.2-1b", lengths=(3000, 33000), out_dir=None, device=
             from xoffload.kernels import cpu_backend
 
             with torch.no_grad(), (cpu_backend("reference") if device == "cpu" else contextlib.nullcontext()):
-                gc_ = _GPUCache(cfg, n + 8, model.dtype, model.device, model.scale)
+                gc_ = ResidentKV(cfg, n + 8, model.dtype, model.device, model.scale)
                 lg = model.prefill(ids_t, gc_, chunk=8192)
                 eng = o.engine
                 seq = eng.add_sequence()
-                okv = _OffloadKV(eng, seq, cfg, model.dtype, model.device, model.scale)
+                okv = OffloadKV(eng, seq, cfg, model.dtype, model.device, model.scale)
                 lo = model.prefill(ids_t, okv, chunk=8192)
                 case["prefill_logits_max_abs_diff"] = float((lg - lo).abs().max())
                 case["prefill_logits_nan"] = [bool(lg.isnan().any()), bool(lo.isnan().any())]
@@ -410,7 +412,7 @@ def diagnose(preset="llama-3.2-1b", lengths=(3000, 33000), out_dir=None, device=
                 raw = OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
                                     device=str(model.device), max_tokens=n + 16)
                 seq = raw.add_sequence()
-                rkv = _OffloadKV(raw, seq, cfg, model.dtype, model.device, model.scale)
+                rkv = OffloadKV(raw, seq, cfg, model.dtype, model.device, model.scale)
                 tok = model.prefill(ids_t, rkv, chunk=8192).argmax(-1)
                 toks = [tok]
                 for i in range(5):

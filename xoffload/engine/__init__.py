@@ -1,0 +1,25 @@
+"""The engine room: everything between a loaded model and ``LLM.generate``, one job per file.
+
+- :mod:`.config`: :class:`EngineConfig` (the LLM's options and their checks);
+- :mod:`.sampling`: :class:`SamplingParams`, :func:`sample`;
+- :mod:`.request`: per-request state, the token log, the clock and :class:`RequestOutput`;
+- :mod:`.kv_store`: the KV stores behind one interface (:class:`KVStore`: :class:`ResidentKV`,
+  :class:`OffloadKV`) and their registry (:func:`register_store`);
+- :mod:`.cuda_graph`: decode steps replayed from a CUDA graph;
+- :mod:`.llm`: :class:`LLM`, which wires them.
+
+Layering: kernels -> runtime | sparse -> models -> engine -> integrations / cli.
+"""
+from __future__ import annotations
+
+from .config import EngineConfig
+from .cuda_graph import GraphDecode
+from .kv_store import (MODE_ALIASES, STORES, KVStore, OffloadKV, ResidentKV, Splits, canonical_mode,
+                       register_store, store_class)
+from .llm import LLM
+from .request import Clock, Request, RequestOutput, TokenLog
+from .sampling import SamplingParams, sample
+
+__all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "KVStore", "ResidentKV", "OffloadKV",
+           "Splits", "STORES", "MODE_ALIASES", "register_store", "canonical_mode", "store_class", "GraphDecode",
+           "Clock", "Request", "TokenLog", "sample"]

@@ -1,0 +1,118 @@
+"""Options of an :class:`~xoffload.engine.llm.LLM`: one dataclass filled from its keyword arguments
+by field name, holding every check of them (one-line ValueError / TypeError naming the value)."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from ..kernels.checks import check_bool, check_int, is_int
+from ..models.loader import resolve_dtype_device
+from ..sparse.policy import PrefillPolicy, resolve_prefill
+from .kv_store import canonical_mode
+
+__all__ = ["EngineConfig", "PREFILL_ATTN"]
+
+#: dense causal attention choices of the prefill (see :func:`xoffload.kernels.causal_attention`)
+PREFILL_ATTN = ("auto", "cudnn", "xoffload", "sdpa")
+
+#: keyword arguments of earlier versions, with what replaces them
+_REMOVED = {
+    "sparse_threshold": "sparse=XAttentionPrefill(threshold=...)",
+    "sparse_stride": "sparse=XAttentionPrefill(stride=...)",
+    "sparse_block_size": "sparse=XAttentionPrefill(block_size=...)",
+    "sparse_kwargs": "sparse=XAttentionPrefill(<option>=...)",
+    "dense_layers": "sparse=XAttentionPrefill(dense_layers=...)",
+}
+
+
+@dataclass
+class EngineConfig:
+    """Options of an LLM.
+
+    Args:
+        mode: where the KV lives — ``"resident"`` (on the model's device; ``"gpu"`` is an alias) or
+            ``"offload"`` (layerwise prefill, KV in pinned CPU memory, decode through the offload
+            engine's ring of ``num_kv_buffers`` GPU layer buffers); any name registered with
+            :func:`xoffload.engine.kv_store.register_store`. Stored as the canonical name.
+        num_kv_buffers, kv_block_size: ring buffers and pool block size (offload mode).
+        max_model_len: longest sequence (prompt + generated); default the model's context length.
+        dtype, device: default bf16 on CUDA, fp32 on the CPU.
+        sparse: the prefill policy — a :class:`xoffload.sparse.PrefillPolicy` (e.g.
+            ``XAttentionPrefill(threshold=0.9, stride=8, dense_layers=...)``), or None / ``"dense"``
+            / ``"xattn"`` (resolved once by :func:`xoffload.sparse.resolve_prefill`). Stored as the
+            policy object.
+        prefill_chunk: tokens per chunk in prefill (default 8192 on a GPU, 512 on the CPU).
+        prefill_attn: dense causal attention of the whole prompt in prefill (no LSE needed):
+            ``"auto"`` (default: cuDNN's fused attention through PyTorch SDPA where it runs — the
+            fastest on an H200 — else ours), ``"cudnn"``, ``"xoffload"`` (our Triton
+            ``flash_attn_with_lse``) or ``"sdpa"`` (PyTorch's own backend choice).
+        seed: default sampling seed of requests without one.
+        cuda_graph: with a capturable KV store (resident) on CUDA, capture one decode step in a
+            CUDA graph per request and replay it per token (default True; removes the host's
+            per-kernel launch cost). False: the eager loop. Ignored in offload mode (the engine's
+            per-layer stream/event work on the host stays eager) and on the CPU. Both give the same
+            tokens.
+    """
+
+    mode: str = "resident"
+    num_kv_buffers: int = 4
+    kv_block_size: int = 1024
+    max_model_len: int | None = None
+    dtype: object = None
+    device: object = None
+    sparse: object = None
+    prefill_chunk: int | None = None
+    prefill_attn: str = "auto"
+    seed: int = 0
+    cuda_graph: bool = True
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """The config of ``LLM(model, **kwargs)``; TypeError naming an unknown keyword."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        for k in kwargs:
+            if k in _REMOVED:
+                raise TypeError(f"LLM option {k!r} was removed: pass {_REMOVED[k]} (xoffload.sparse)")
+            if k not in names:
+                raise TypeError(f"LLM got an unexpected option {k!r}; options: {', '.join(sorted(names))}")
+        return cls(**kwargs)
+
+    def __post_init__(self):
+        self.mode = canonical_mode(self.mode)
+        self.sparse = resolve_prefill(self.sparse)
+        check_bool("cuda_graph", self.cuda_graph)
+        if self.max_model_len is not None:
+            self.max_model_len = _positive("max_model_len", self.max_model_len)
+        if self.prefill_chunk is not None:
+            self.prefill_chunk = _positive("prefill_chunk", self.prefill_chunk)
+        if self.prefill_attn not in PREFILL_ATTN:
+            raise ValueError(f"prefill_attn must be one of {', '.join(map(repr, PREFILL_ATTN))}, "
+                             f"got {self.prefill_attn!r}")
+        check_int("num_kv_buffers", self.num_kv_buffers, 1)
+        check_int("kv_block_size", self.kv_block_size, 1)
+        self.seed = int(self.seed)
+
+    @property
+    def policy(self) -> PrefillPolicy:
+        return self.sparse
+
+    def bind(self, model) -> "EngineConfig":
+        """This config with the model's defaults filled in (``max_model_len``, ``prefill_chunk``,
+        ``dtype``, ``device``) and the model-dependent checks done: an explicit dtype must be the
+        model's, ``prefill_attn="cudnn"`` needs CUDA, the policy's layers must exist."""
+        dev = model.device
+        if self.dtype is not None and resolve_dtype_device(self.dtype, dev)[0] != model.dtype:
+            raise ValueError(f"dtype {self.dtype} differs from the given model's {model.dtype}")
+        if self.prefill_attn == "cudnn" and dev.type != "cuda":
+            raise ValueError(f"prefill_attn='cudnn' needs a CUDA device (model on {dev}); use 'auto'")
+        self.sparse.layers(model.cfg.num_layers)  # raises for layers outside the model
+        return dataclasses.replace(
+            self, dtype=model.dtype, device=dev,
+            max_model_len=self.max_model_len or model.cfg.max_position_embeddings,
+            prefill_chunk=self.prefill_chunk or (8192 if dev.type == "cuda" else 512))
+
+
+def _positive(name: str, x) -> int:
+    if not is_int(x) or x < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {x!r}")
+    return int(x)

@@ -1,0 +1,238 @@
+"""``LLM``: generation with the KV cache where the ``mode``'s store keeps it — on the model's device
+(``"resident"``, alias ``"gpu"``) or offloaded to pinned CPU memory through
+:class:`xoffload.runtime.OffloadEngine` (``"offload"``).
+
+Requests are served one after another; each gets a fresh KV store (:mod:`.kv_store`) that is
+closed at the end, also when the request fails, so calls share nothing but the weights (and, in
+offload mode, the engine's pool). Options: :class:`~.config.EngineConfig`; sampling:
+:mod:`.sampling`; per-request state and timings: :mod:`.request`; the CUDA-graph decode:
+:mod:`.cuda_graph`.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from tqdm.auto import tqdm
+
+from ..kernels import cpu_backend
+from ..models.llama import LlamaModel
+from ..models.loader import load_model, resolve_dtype_device
+from .config import EngineConfig
+from .cuda_graph import GraphDecode
+from .kv_store import store_class
+from .request import Clock, Request, RequestOutput, TokenLog, request_timings
+from .sampling import SamplingParams, sample
+
+__all__ = ["LLM"]
+
+
+class LLM:
+    """Generate with a Llama/Qwen3 model, KV cache resident on its device or offloaded to CPU memory.
+
+    Args:
+        model: what :func:`~xoffload.models.loader.load_model` accepts — None / ``"smollm2"`` (the
+            default SmolLM2-135M-Instruct GGUF), a ``.gguf`` path, a HF directory, a preset name
+            (random weights), a ModelConfig, or a loaded :class:`LlamaModel` (weights are shared).
+        **options: the fields of :class:`~xoffload.engine.config.EngineConfig` (``mode``,
+            ``num_kv_buffers``, ``kv_block_size``, ``max_model_len``, ``dtype``, ``device``,
+            ``sparse``, ``prefill_chunk``, ``prefill_attn``, ``seed``, ``cuda_graph``).
+
+    Attributes: ``config`` (the bound :class:`EngineConfig`), ``mode`` (canonical name),
+    ``policy`` (the prefill policy object), ``sparse_layers`` (layers it applies to), ``engine``
+    (the offload engine, None for a store that shares nothing), ``model``, ``tokenizer``.
+
+    On the CPU the attention kernels run their PyTorch references (exact fp32) inside
+    :meth:`generate`, whatever ``TRITON_INTERPRET`` says. Raises ValueError / TypeError on bad
+    options, FileNotFoundError when the model is missing.
+    """
+
+    def __init__(self, model=None, **options):
+        cfg = EngineConfig.from_kwargs(**options)
+        if isinstance(model, LlamaModel):
+            self.model = model
+        else:
+            dt, dev = resolve_dtype_device(cfg.dtype, cfg.device)
+            self.model = load_model(model, dtype=dt, device=dev, seed=cfg.seed)
+        m = self.model
+        self.config = cfg = cfg.bind(m)
+        self.cfg, self.device, self.dtype, self.tokenizer = m.cfg, m.device, m.dtype, m.tokenizer
+        self.mode, self.seed, self.cuda_graph = cfg.mode, cfg.seed, cfg.cuda_graph
+        self.max_model_len, self.prefill_chunk, self.prefill_attn = cfg.max_model_len, cfg.prefill_chunk, cfg.prefill_attn
+        self.policy = cfg.policy
+        self.sparse_layers = self.policy.layers(self.cfg.num_layers)
+        self._store = store_class(cfg.mode)  # chosen once; per request: self._store.for_request(...)
+        self.engine = self._store.open_shared(m, cfg)
+        self._closed, self._shares = False, self.engine is not None
+        self._stop_ids = set(self.cfg.eos_token_ids)
+        tok = self.tokenizer
+        if tok is not None and getattr(tok, "eos_token_id", None) is not None:
+            self._stop_ids.add(int(tok.eos_token_id))
+
+    # ------------------------------------------------------------------ prompts
+    def apply_chat_template(self, messages, add_generation_prompt: bool = True) -> list:
+        """Token ids of a chat (a user string or a list of ``{"role", "content"}`` dicts) through the
+        tokenizer's chat template. Raises ValueError without a tokenizer or chat template."""
+        tok = self.tokenizer
+        if tok is None:
+            raise ValueError(f"model {self.model.source} has no tokenizer; pass token ids")
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        if not getattr(tok, "chat_template", None):
+            raise ValueError(f"tokenizer of {self.model.source} has no chat template")
+        ids = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(x) for x in ids]
+
+    def encode(self, text: str) -> list:
+        """Token ids of raw text (the tokenizer's default special tokens)."""
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.model.source} has no tokenizer; pass token ids instead of text")
+        return [int(x) for x in self.tokenizer.encode(text)]
+
+    def decode(self, ids) -> str | None:
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+    def _normalize(self, prompts) -> list:
+        if isinstance(prompts, torch.Tensor):
+            prompts = prompts.tolist()
+            if prompts and isinstance(prompts[0], int):
+                prompts = [prompts]
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        elif isinstance(prompts, (list, tuple)):
+            if len(prompts) == 0:
+                raise ValueError("prompts is empty: pass a string, a list of token ids, or a list of those")
+            if all(isinstance(x, int) and not isinstance(x, bool) for x in prompts):
+                prompts = [list(prompts)]
+        else:
+            raise TypeError(f"prompts must be str, list of ids, or a list of those; got {type(prompts).__name__}")
+        return [self._prompt_ids(i, p) for i, p in enumerate(prompts)]
+
+    def _prompt_ids(self, i: int, p) -> list:
+        if isinstance(p, str):
+            if not p:
+                raise ValueError(f"prompt {i} is empty")
+            ids = self.encode(p)
+        elif isinstance(p, (list, tuple)) or isinstance(p, torch.Tensor):
+            ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
+            if not all(isinstance(x, int) and not isinstance(x, bool) for x in ids):
+                raise TypeError(f"prompt {i}: token ids must be ints")
+        else:
+            raise TypeError(f"prompt {i} must be a str or a list of token ids, got {type(p).__name__}")
+        if len(ids) == 0:
+            raise ValueError(f"prompt {i} is empty (0 tokens)")
+        if len(ids) > self.max_model_len:
+            raise ValueError(f"prompt {i} has {len(ids)} tokens, more than max_model_len={self.max_model_len}")
+        V = self.cfg.vocab_size
+        bad = [x for x in ids if x < 0 or x >= V]
+        if bad:
+            raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {V})")
+        return ids
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompts, sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False) -> list:
+        """Generate for each prompt, one after another.
+
+        Args:
+            prompts: a string, a list of token ids, or a list of strings / token-id lists (a
+                1-D/2-D int tensor works too). Strings are tokenized as they are (no chat
+                template: see :meth:`apply_chat_template`).
+            sampling_params: :class:`SamplingParams` (default greedy, 64 tokens).
+        Returns:
+            list of :class:`RequestOutput`, one per prompt.
+        Raises:
+            ValueError / TypeError on an empty prompt, one longer than ``max_model_len``, ids
+            outside the vocabulary, a string without a tokenizer. All prompts are checked before
+            any runs; a failed request frees its KV and the LLM keeps serving.
+        """
+        if self._closed and self._shares:
+            raise ValueError("this LLM was closed; create a new one")
+        sp = sampling_params or SamplingParams()
+        if not isinstance(sp, SamplingParams):
+            raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
+        batch = self._normalize(prompts)
+        ctx = cpu_backend("reference") if self.device.type == "cpu" else contextlib.nullcontext()
+        it = tqdm(batch, desc="requests") if use_tqdm else batch
+        with ctx, torch.no_grad():
+            return [self._run_one(ids, sp) for ids in it]
+
+    def _run_one(self, ids: list, sp: SamplingParams) -> RequestOutput:
+        dev = self.device
+        cuda = dev.type == "cuda"
+        req = Request.make(ids, sp, max_model_len=self.max_model_len, seed=self.seed, stop_ids=self._stop_ids,
+                           device=dev)
+        clock = Clock(dev)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        ids_t = torch.tensor(ids, dtype=torch.int64).to(dev)
+        marks = {"t0": clock.mark()}
+        kv = self._store.for_request(self.model, self.engine, req.final_len)
+        try:
+            densities = None if self.policy.dense else []
+            tok = self._prefill(ids_t, kv, req, densities, clock, marks)
+            all_ids = self._decode_loop(tok, kv, req, clock, marks)
+        finally:
+            kv.close()
+            del kv
+        out_ids, reason = req.finish(all_ids)
+        timings = request_timings(clock, marks, len(ids), len(all_ids) - 1, densities)
+        peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else None
+        return RequestOutput(prompt_token_ids=list(ids), token_ids=out_ids, text=self.decode(out_ids),
+                             finish_reason=reason, timings=timings, peak_gpu_memory_bytes=peak)
+
+    def _prefill(self, ids_t, kv, req: Request, densities, clock: Clock, marks: dict) -> torch.Tensor:
+        """Layerwise prefill into ``kv``; returns the first token (device). Marks ``prefill`` and
+        ``first``."""
+        logits = self.model.prefill(ids_t, kv, chunk=self.prefill_chunk, policy=self.policy,
+                                    densities=densities, attn_backend=self.prefill_attn)
+        marks["prefill"] = clock.mark()
+        tok = sample(logits, req.sp, req.gen)
+        marks["first"] = clock.mark()
+        return tok
+
+    def _decode_loop(self, tok, kv, req: Request, clock: Clock, marks: dict) -> list:
+        """Decode up to ``req.max_new - 1`` more tokens after ``tok`` (the eager loop, or replays
+        of a CUDA graph when the store is capturable); stops a few steps after a stop id reaches
+        the host. Returns every token produced (host ints). Marks ``end``."""
+        m, cuda = self.model, self.device.type == "cuda"
+        toks, log = [tok], TokenLog(req.max_new, cuda)
+        log.publish(0, tok)
+        pos = len(req.ids)
+        graph = None
+        if cuda and self.cuda_graph and kv.capturable and req.max_new > 1:
+            graph = GraphDecode(m, kv, pos)
+        try:
+            for i in range(1, req.max_new):
+                if log.stopped(i, req.stop):
+                    break
+                if graph is not None:
+                    logits = graph.step(toks[-1])
+                else:
+                    kv.begin_step(pos)
+                    logits = m.decode_step(toks[-1], pos, kv)
+                    kv.end_step()
+                pos += 1
+                tok = sample(logits, req.sp, req.gen)
+                toks.append(tok)
+                log.publish(i, tok)
+            marks["end"] = end = clock.mark()
+            all_ids = torch.cat(toks).tolist()
+            if cuda:
+                end.synchronize()
+        finally:
+            if graph is not None:
+                graph.close()
+                del graph
+        return all_ids
+
+    def close(self):
+        """Release what the requests share (the offload engine: its pinned pool and GPU ring); the
+        LLM cannot generate afterwards. Safe to call twice."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+        self._closed = True

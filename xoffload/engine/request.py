@@ -1,0 +1,148 @@
+"""One request: its state (:class:`Request`), the tokens it produced as the host sees them
+(:class:`TokenLog`), the clock its timings are read from (:class:`Clock`), and its result
+(:class:`RequestOutput`)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+__all__ = ["RequestOutput", "Request", "TokenLog", "Clock", "EOS_LAG", "request_timings"]
+
+#: decode steps between producing a token and the host checking it for EOS (GPU)
+EOS_LAG = 2
+
+
+@dataclass
+class RequestOutput:
+    """Result of one prompt.
+
+    ``token_ids``: generated ids (the stop token included when generation stopped on it);
+    ``text``: their decoding without special tokens (None without a tokenizer); ``finish_reason``:
+    ``"stop"`` (EOS / stop id) or ``"length"``; ``timings``: ``prefill_ms``, ``prefill_tok_per_s``,
+    ``ttft_ms`` (prefill + first token), ``decode_ms_per_token`` (None if no decode step),
+    ``decode_steps``, ``total_ms``, ``prompt_tokens``, and with sparse prefill ``density`` (per layer,
+    None for dense layers) and ``mean_density``; ``peak_gpu_memory_bytes``: peak allocated during the
+    request (None on the CPU).
+    """
+
+    prompt_token_ids: list
+    token_ids: list
+    text: str | None
+    finish_reason: str
+    timings: dict = field(default_factory=dict)
+    peak_gpu_memory_bytes: int | None = None
+
+
+class Clock:
+    """Timestamps: CUDA events on a GPU (the host waits only on events), ``perf_counter`` on the CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def mark(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self, a, b) -> float:
+        if self.cuda:
+            return float(a.elapsed_time(b))
+        return (b - a) * 1e3
+
+
+@dataclass
+class Request:
+    """What one request needs to run: prompt ids, sampling, how many new tokens at most
+    (``max_new``, capped by ``max_model_len``), its own generator and its stop ids."""
+
+    ids: list
+    sp: SamplingParams
+    max_new: int
+    gen: torch.Generator
+    stop: set
+
+    @classmethod
+    def make(cls, ids: list, sp: SamplingParams, *, max_model_len: int, seed: int, stop_ids, device) -> "Request":
+        max_new = min(sp.max_tokens, max_model_len - len(ids) + 1)
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed if sp.seed is None else int(sp.seed))
+        stop = set() if sp.ignore_eos else set(stop_ids)
+        stop.update(sp.stop_token_ids)
+        return cls(list(ids), sp, max_new, gen, stop)
+
+    @property
+    def final_len(self) -> int:
+        """Tokens the KV store must hold: the prompt and every new token but the last."""
+        return len(self.ids) + self.max_new - 1
+
+    def finish(self, all_ids: list):
+        """``(token_ids, finish_reason)``: ``all_ids`` cut after the first stop id."""
+        for j, t in enumerate(all_ids):
+            if t in self.stop:
+                return all_ids[:j + 1], "stop"
+        return all_ids, "length"
+
+
+class TokenLog:
+    """Sampled tokens as the host sees them. On a GPU each token is copied into a pinned buffer
+    behind an event and checked for a stop id ``EOS_LAG`` steps later (the host never waits on the
+    step it just launched); on the CPU it is read at once."""
+
+    def __init__(self, n: int, cuda: bool):
+        self.cuda = cuda
+        self.host, self.events, self.checked = [], [], 0
+        if cuda:
+            self.buf = torch.empty(n, dtype=torch.int64, pin_memory=True)
+
+    def publish(self, i: int, tok: torch.Tensor) -> None:
+        if self.cuda:
+            self.buf[i:i + 1].copy_(tok, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record()
+            self.events.append(ev)
+        else:
+            self.host.append(int(tok))
+
+    def stopped(self, i: int, stop: set) -> bool:
+        """Whether a token published before step ``i`` (and old enough to read) is a stop id."""
+        limit = i - EOS_LAG if self.cuda else i
+        while self.checked < limit and stop:
+            if self.cuda:
+                self.events[self.checked].synchronize()
+                val = int(self.buf[self.checked])
+            else:
+                val = self.host[self.checked]
+            if val in stop:
+                return True
+            self.checked += 1
+        return False
+
+
+def request_timings(clock: Clock, marks: dict, prompt_tokens: int, steps: int, densities) -> dict:
+    """The ``timings`` dict of a :class:`RequestOutput` from the marks ``t0`` (start), ``prefill``,
+    ``first`` (first token sampled) and ``end``; ``densities``: per-layer densities of a sparse
+    prefill (tensor, float or None per layer), or None for a dense one."""
+    prefill_ms = clock.ms(marks["t0"], marks["prefill"])
+    dec_ms = clock.ms(marks["first"], marks["end"])
+    t = {
+        "prompt_tokens": prompt_tokens,
+        "prefill_ms": prefill_ms,
+        "prefill_tok_per_s": prompt_tokens / prefill_ms * 1e3 if prefill_ms > 0 else float("inf"),
+        "ttft_ms": clock.ms(marks["t0"], marks["first"]),
+        "decode_steps": steps,
+        "decode_ms_per_token": dec_ms / steps if steps > 0 else None,
+        "total_ms": clock.ms(marks["t0"], marks["end"]),
+    }
+    if densities is not None:
+        dens = [None if d is None else float(d.float().mean()) if isinstance(d, torch.Tensor) else float(d)
+                for d in densities]
+        t["density"] = dens
+        vals = [d for d in dens if d is not None]
+        t["mean_density"] = sum(vals) / len(vals) if vals else None
+    return t

@@ -1,0 +1,58 @@
+"""How a request picks its tokens: :class:`SamplingParams` and :func:`sample` (on the device)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.checks import is_int
+
+__all__ = ["SamplingParams", "sample"]
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens.
+
+    Args:
+        temperature: 0 (default) = greedy argmax; > 0 samples from softmax(logits / temperature).
+        top_p: nucleus sampling mass in (0, 1]; 1 = no truncation.
+        max_tokens: most new tokens to generate (>= 1); also capped by ``max_model_len``.
+        seed: seed of the request's own random generator (None: the LLM's ``seed``).
+        ignore_eos: keep generating past EOS (benchmarks).
+        stop_token_ids: extra token ids that end generation (besides the model's EOS ids).
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    max_tokens: int = 64
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple = ()
+
+    def __post_init__(self):
+        t = float(self.temperature)
+        if not (t >= 0 and t < float("inf")):
+            raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")
+        p = float(self.top_p)
+        if not (0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        self.temperature, self.top_p = t, p
+        self.stop_token_ids = tuple(int(x) for x in self.stop_token_ids)
+
+
+def sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> torch.Tensor:
+    """int64 ``[1]`` token from fp32 logits ``[1, V]`` (stays on the device, no host sync)."""
+    if sp.temperature <= 0:
+        return logits.argmax(-1)
+    # subtract the max first: a tiny temperature then gives a one-hot, not inf - inf = NaN
+    p = torch.softmax((logits - logits.amax(-1, keepdim=True)) / sp.temperature, dim=-1)
+    if sp.top_p < 1.0:
+        ps, idx = p.sort(dim=-1, descending=True)
+        cum = ps.cumsum(-1)
+        ps = ps.masked_fill((cum - ps) > sp.top_p, 0.0)
+        choice = torch.multinomial(ps, 1, generator=gen)
+        return idx.gather(-1, choice).view(1)
+    return torch.multinomial(p, 1, generator=gen).view(1)
