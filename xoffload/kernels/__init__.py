@@ -19,6 +19,7 @@ from .checks import cpu_backend, interpreter_on
 from .decode import decode_attn_with_lse
 from .flash_attn import flash_attn_varlen_with_lse, flash_attn_with_lse
 from .gather import gather_blocks
+from .paged_decode import paged_decode_attn_with_lse
 from .merge import merge_attention_states, merge_attention_states_, merge_attention_states_n
 from .norm import rms_norm
 from .rope import qkv_rope
@@ -29,6 +30,6 @@ __all__ = [
     "BlockIndex", "XAttnChunkStats", "block_mask_to_indices", "block_sparse_attn_with_lse", "causal_attention",
     "causal_attention_backend", "cpu_backend", "decode_attn_with_lse", "flash_attn_varlen_with_lse",
     "flash_attn_with_lse", "gather_blocks", "interpreter_on", "merge_attention_states", "merge_attention_states_",
-    "merge_attention_states_n", "qkv_rope", "rms_norm", "silu_mul", "xattn_block_scores", "xattn_chunk_stats",
+    "merge_attention_states_n", "paged_decode_attn_with_lse", "qkv_rope", "rms_norm", "silu_mul", "xattn_block_scores", "xattn_chunk_stats",
     "xattn_estimate", "xattn_merge_stats",
 ]

@@ -58,6 +58,66 @@ def use_triton(t: torch.Tensor) -> bool:
     return t.is_cuda or interpreter_on()
 
 
+class HostPtr:
+    """Pointer argument for a Triton kernel standing for a host tensor in pinned (page-locked or
+    ``cudaHostRegister``-ed) memory: exposes the tensor's ``data_ptr()`` and a ``dtype`` (default the
+    tensor's). Triton's launcher maps the host pointer to its device alias
+    (``cuPointerGetAttribute``), so the kernel reads host memory over PCIe (UVA, zero copy).
+    Strides are passed separately; the tensor must stay alive while the kernel runs."""
+
+    __slots__ = ("_ptr", "dtype")
+
+    def __init__(self, t: torch.Tensor, dtype: torch.dtype | None = None):
+        self._ptr = t.data_ptr()
+        self.dtype = dtype or t.dtype
+
+    def data_ptr(self) -> int:
+        return self._ptr
+
+
+_LIBCUDA: list = []
+
+
+def _libcuda():
+    if not _LIBCUDA:
+        import ctypes
+
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            lib.cuPointerGetAttribute.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_ulonglong]
+            lib.cuPointerGetAttribute.restype = ctypes.c_int
+        except (OSError, AttributeError):
+            lib = None
+        _LIBCUDA.append(lib)
+    return _LIBCUDA[0]
+
+
+def device_can_read_host(t: torch.Tensor) -> bool:
+    """Whether a GPU kernel can address the host tensor ``t``'s elements through UVA: its first
+    and last element have a device alias (``cuPointerGetAttribute(DEVICE_POINTER)``, the query
+    Triton's launcher makes), i.e. the memory is pinned (``pin_memory=True``) or registered
+    (``cudaHostRegister``). ``Tensor.is_pinned()`` asks about the storage's start instead, which
+    for a view into a registered slab (the runtime's pool) may lie outside the registered range.
+    Falls back to ``t.is_pinned()`` when the driver library cannot be loaded or the query fails
+    for another reason than an unknown address."""
+    if t.numel() == 0:
+        return True
+    lib = _libcuda()
+    if lib is None:
+        return bool(t.is_pinned())
+    import ctypes
+
+    last = t.data_ptr() + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) * t.element_size()
+    out = ctypes.c_ulonglong(0)
+    for ptr in (t.data_ptr(), last + t.element_size() - 1):
+        rc = lib.cuPointerGetAttribute(ctypes.byref(out), 2, ptr)  # 2: CU_POINTER_ATTRIBUTE_DEVICE_POINTER
+        if rc == 1:  # CUDA_ERROR_INVALID_VALUE: the driver does not know this host address
+            return False
+        if rc != 0:  # e.g. no current context on this thread: ask torch instead
+            return bool(t.is_pinned())
+    return True
+
+
 def next_pow2(n: int) -> int:
     """Smallest power of two >= max(n, 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())

@@ -113,6 +113,41 @@ _PROGRAMS_PER_SM = 8
 
 
 @triton.jit
+def _attend_tile(q, k_ptrs, v_ptrs, nmask, dmask, m_i, l_i, acc, qk_scale, DOT_PREC: tl.constexpr):
+    """One online-softmax step over a tile of BLOCK_N keys: load K at ``k_ptrs`` and V at
+    ``v_ptrs`` (``[BLOCK_N, BLOCK_D]`` pointer tiles; rows with ``nmask`` False are masked keys,
+    columns with ``dmask`` False are head-dim padding), update the running row max ``m_i`` (log2
+    units), row sum ``l_i`` and unnormalised output ``acc``. Shared by the contiguous and the paged
+    decode kernels (they differ only in how the key rows' addresses are formed). The tile must hold
+    at least one valid key."""
+    k = tl.load(k_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 units
+    s = tl.where(nmask[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_split_state(O, L, acc, m_i, l_i, split, b, hq, offs_d, mmask, dmask,
+                       s_os, s_ob, s_oh, s_ls, s_lb, s_lh):
+    """Normalise a split's state and store out ``[BLOCK_M, BLOCK_D]`` (cast to O's element type)
+    and its natural-log LSE (-inf, out 0 for a split that saw no key)."""
+    nonempty = l_i > 0.0
+    l_safe = tl.where(nonempty, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    split64 = split.to(tl.int64)
+    tl.store(O + split64 * s_os + b * s_ob + hq[:, None] * s_oh + offs_d[None, :],
+             out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+    tl.store(L + split64 * s_ls + b * s_lb + hq * s_lh, lse, mask=mmask)
+
+
+@triton.jit
 def _decode_split_kernel(
     Q, K, V, Lens, O, L,
     qk_scale, S_max, Hkv, GROUP, D, NUM_SPLITS, M_BLOCKS,
@@ -160,27 +195,12 @@ def _decode_split_kernel(
     # every block visited holds >= 1 valid key, so m_i is finite after the first block
     for start in range(lo, hi, BLOCK_N):
         nmask = (start + offs_n) < hi
-        k = tl.load(k_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale  # log2 units
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, nmask, dmask, m_i, l_i, acc, qk_scale, DOT_PREC)
         k_ptrs += BLOCK_N * s_kn
         v_ptrs += BLOCK_N * s_vn
 
-    nonempty = l_i > 0.0
-    l_safe = tl.where(nonempty, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse = tl.where(nonempty, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    split64 = split.to(tl.int64)
-    tl.store(O + split64 * s_os + b * s_ob + hq[:, None] * s_oh + offs_d[None, :],
-             out.to(O.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
-    tl.store(L + split64 * s_ls + b * s_lb + hq * s_lh, lse, mask=mmask)
+    _store_split_state(O, L, acc, m_i, l_i, split, b, hq, offs_d, mmask, dmask,
+                       s_os, s_ob, s_oh, s_ls, s_lb, s_lh)
 
 
 @triton.jit
@@ -277,17 +297,7 @@ def _decode_triton(q, k_cache, v_cache, cache_seqlens, scale, num_splits, config
         cfg.update(config)
     if num_splits is None:
         num_splits = default_num_splits(b, hkv, group, s_max, _sm_count(q.device))
-    out = torch.empty(b, 1, hq, d, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, hq, 1, dtype=torch.float32, device=q.device)
-    if num_splits == 1:
-        o_dst, l_dst = out, lse
-        o_strides = (0, out.stride(0), out.stride(2))
-        l_strides = (0, lse.stride(0), lse.stride(1))
-    else:
-        o_dst = torch.empty(num_splits, b, hq, d, dtype=torch.float32, device=q.device)
-        l_dst = torch.empty(num_splits, b, hq, dtype=torch.float32, device=q.device)
-        o_strides = o_dst.stride()[:3]
-        l_strides = l_dst.stride()
+    out, lse, o_dst, l_dst, o_strides, l_strides = split_buffers(q, num_splits)
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     grid = (b * hkv * m_blocks, num_splits)
     _decode_split_kernel[grid](
@@ -300,16 +310,40 @@ def _decode_triton(q, k_cache, v_cache, cache_seqlens, scale, num_splits, config
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, DOT_PREC=prec,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if num_splits > 1:
-        splits_p2 = next_pow2(num_splits)
-        block_dr = min(block_d, 32)
-        _decode_reduce_kernel[(b * hq, triton.cdiv(d, block_dr))](
-            o_dst, l_dst, out, lse,
-            hq, d, num_splits,
-            o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),
-            l_dst.stride(0), l_dst.stride(1), l_dst.stride(2),
-            out.stride(0), out.stride(2), lse.stride(0), lse.stride(1),
-            SPLITS_P2=splits_p2, SPLIT_BLOCK=min(splits_p2, 128), BLOCK_D=block_dr,
-            num_warps=4,
-        )
+    reduce_splits(o_dst, l_dst, out, lse, num_splits)
     return out, lse
+
+
+def split_buffers(q, num_splits):
+    """Outputs of a split-KV decode launch for q ``[B, 1, Hq, D]``: ``(out, lse, o_dst, l_dst,
+    o_strides, l_strides)``. With one split the split kernel writes ``out`` [B,1,Hq,D] (q.dtype)
+    and ``lse`` [B,Hq,1] directly; otherwise it writes fp32 partials ``o_dst`` [S,B,Hq,D] and
+    ``l_dst`` [S,B,Hq] that :func:`reduce_splits` merges. Strides are (split, batch, head)."""
+    b, _, hq, d = q.shape
+    out = torch.empty(b, 1, hq, d, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, hq, 1, dtype=torch.float32, device=q.device)
+    if num_splits == 1:
+        return out, lse, out, lse, (0, out.stride(0), out.stride(2)), (0, lse.stride(0), lse.stride(1))
+    o_dst = torch.empty(num_splits, b, hq, d, dtype=torch.float32, device=q.device)
+    l_dst = torch.empty(num_splits, b, hq, dtype=torch.float32, device=q.device)
+    return out, lse, o_dst, l_dst, o_dst.stride()[:3], l_dst.stride()
+
+
+def reduce_splits(o_dst, l_dst, out, lse, num_splits):
+    """LSE-merge the ``num_splits`` partial states from :func:`split_buffers` into out/lse (one
+    launch of the reduce kernel; nothing to do for one split)."""
+    if num_splits == 1:
+        return
+    _, b, hq, d = o_dst.shape
+    block_d = max(16, next_pow2(d))
+    splits_p2 = next_pow2(num_splits)
+    block_dr = min(block_d, 32)
+    _decode_reduce_kernel[(b * hq, triton.cdiv(d, block_dr))](
+        o_dst, l_dst, out, lse,
+        hq, d, num_splits,
+        o_dst.stride(0), o_dst.stride(1), o_dst.stride(2),
+        l_dst.stride(0), l_dst.stride(1), l_dst.stride(2),
+        out.stride(0), out.stride(2), lse.stride(0), lse.stride(1),
+        SPLITS_P2=splits_p2, SPLIT_BLOCK=min(splits_p2, 128), BLOCK_D=block_dr,
+        num_warps=4,
+    )

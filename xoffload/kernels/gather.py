@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from xoffload.kernels.checks import interpreter_on
+from xoffload.kernels.checks import HostPtr, interpreter_on  # noqa: F401 (HostPtr re-exported)
 
 DEFAULT_BLOCK = 8192  # elements per program per tensor (16 KiB of bf16)
 DEFAULT_WARPS = 8
@@ -23,19 +23,6 @@ DEFAULT_WARPS = 8
 _kernel = None
 _MAX_GRID_Y = 65535
 _HOST_ARG = ["ptr"]  # how host sources are handed to Triton: HostPtr, or the tensor if that fails
-
-
-class HostPtr:
-    """Pointer argument for Triton standing for a host tensor (pinned/registered memory)."""
-
-    __slots__ = ("_ptr", "dtype")
-
-    def __init__(self, t: torch.Tensor, dtype: torch.dtype | None = None):
-        self._ptr = t.data_ptr()
-        self.dtype = dtype or t.dtype
-
-    def data_ptr(self) -> int:
-        return self._ptr
 
 
 def _get_kernel():

@@ -104,6 +104,49 @@ def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, *, softmax_scale=No
     return torch.stack(outs), torch.stack(lses)
 
 
+def paged_rows_ref(page_table_row, n: int, page_size: int) -> torch.Tensor:
+    """Row indices (int64 ``[n]``) of the first ``n`` tokens along one page list: token t lives at
+    row ``page_table_row[t // page_size] + t % page_size``."""
+    npages = -(-n // page_size)
+    starts = page_table_row[:npages].to(torch.int64)
+    rows = starts[:, None] + torch.arange(page_size, dtype=torch.int64, device=starts.device)[None, :]
+    return rows.reshape(-1)[:n]
+
+
+def paged_decode_attn_ref(q, k_pages, v_pages, page_table, seqlens, *, page_size, softmax_scale=None):
+    """Reference for :func:`paged_decode_attn_with_lse`: gather each (batch, KV head)'s token rows,
+    then plain attention in fp32.
+
+    q ``[B, 1, Hq, D]``; k/v_pages ``[R, Hkv, D]`` row stores (any device; rows are gathered there
+    and moved to q's device); page_table int ``[B, Hkv, P]`` or ``[B, 1, P]`` (shared by the KV
+    heads): entry j = row of the first token of the j-th page of (b, h); seqlens int ``[B]``.
+    Returns (out ``[B, 1, Hq, D]`` fp32, lse ``[B, Hq, 1]`` fp32); a length of 0 gives out 0 and
+    LSE -inf.
+    """
+    b, _, hq, d = q.shape
+    hkv = k_pages.shape[1]
+    g = hq // hkv
+    scale = _scale(d, softmax_scale)
+    out = torch.zeros(b, 1, hq, v_pages.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq, 1), NEG_INF, dtype=torch.float32, device=q.device)
+    table = page_table.cpu()
+    lens = seqlens.tolist()
+    for i, n in enumerate(lens):
+        if n <= 0:
+            continue
+        for h in range(hkv):
+            rows = paged_rows_ref(table[i, h if table.shape[1] > 1 else 0], n, page_size)
+            rows = rows.to(k_pages.device)
+            kf = k_pages[rows, h].to(q.device).float()  # [n, D]
+            vf = v_pages[rows, h].to(q.device).float()
+            qf = q[i, 0, h * g:(h + 1) * g].float()  # [g, D]
+            s = (qf @ kf.T) * scale
+            l = torch.logsumexp(s, dim=-1)
+            out[i, 0, h * g:(h + 1) * g] = torch.exp(s - l[:, None]) @ vf
+            lse[i, h * g:(h + 1) * g, 0] = l
+    return out, lse
+
+
 def merge_ref(outs, lses):
     """Reference for merging N partial attention states.
 
