@@ -219,7 +219,7 @@ def select_pages(scores: torch.Tensor, k: int, first_page: int, page_size: int, 
     hkv, n = scores.shape
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, {n}] (candidate pages), got {k}")
-    if block_size % page_size:
+    if block_table is not None and block_size % page_size:
         raise ValueError(f"block_size {block_size} must be a multiple of page_size {page_size}")
     idx = scores.topk(k, dim=-1, sorted=False).indices if k < n else \
         torch.arange(n, device=scores.device).expand(hkv, n)
