@@ -1,0 +1,173 @@
+"""Quest page selection (xoffload.sparse.quest): the min/max bound, GQA group scores, the per-request
+plan in every edge case, page rows through a block table, and bad values."""
+import pytest
+import torch
+
+from xoffload.sparse.quest import DecodePlan, PageSummaries, QuestDecode, page_scores, select_pages
+
+
+def _summaries(k, P):
+    """kmin/kmax [Hkv, n, D] of k [T, Hkv, D] through PageSummaries (fp32, CPU)."""
+    T, hkv, d = k.shape
+    s = PageSummaries(1, hkv, d, max_pages=T // P + 1, page_size=P, dtype=k.dtype, device=k.device)
+    n = s.write(0, k)
+    return s.kmin[0, :, :n], s.kmax[0, :, :n], n
+
+
+def _true_page_max(q, k, P, hkv):
+    """max over the group's query heads and the page's keys of q·k: [Hkv, n_pages] (fp64)."""
+    hq, d = q.shape
+    n = k.shape[0] // P
+    kk = k[: n * P].double().unflatten(0, (n, P))  # [n, P, Hkv, D]
+    g = hq // hkv
+    qq = q.double().view(hkv, g, d)
+    dots = torch.einsum("hgd,nphd->hgnp", qq, kk)  # [Hkv, g, n, P]
+    return dots.amax(-1).amax(1)
+
+
+@pytest.mark.parametrize("hq,hkv,d,P", [(4, 4, 16, 16), (8, 2, 64, 32), (9, 3, 40, 16)])
+def test_bound_is_upper_bound_random(hq, hkv, d, P):
+    g = torch.Generator().manual_seed(hq * 100 + d)
+    T = 7 * P + 5  # a partial last page is left out of the summaries
+    k = torch.randn(T, hkv, d, generator=g) * 3
+    for _ in range(5):
+        q = torch.randn(hq, d, generator=g)
+        kmin, kmax, n = _summaries(k, P)
+        assert n == 7
+        bound = page_scores(q, kmin, kmax).double()
+        true = _true_page_max(q, k, P, hkv)
+        assert bound.shape == (hkv, n)
+        assert bool((bound >= true - 1e-9 * (1 + true.abs())).all())
+
+
+def test_bound_is_upper_bound_adversarial():
+    """Mixed signs, one huge coordinate, a zero query, constant pages, +-large values: the bound
+    holds and is tight for a page of identical keys."""
+    P, hkv, hq, d = 16, 2, 4, 8
+    k = torch.zeros(4 * P, hkv, d)
+    k[:P] = torch.tensor([1e4, -1e4, 0, 0, 1, -1, 3, -3])  # constant page: bound = q·k exactly
+    k[P:2 * P, :, 0] = torch.linspace(-1e3, 1e3, P)[:, None]
+    k[2 * P:3 * P] = torch.randn(P, hkv, d) * 1e3
+    k[3 * P:, :, 5] = -7.0
+    kmin, kmax, n = _summaries(k, P)
+    for q in (torch.zeros(hq, d), torch.randn(hq, d) * 10, -torch.ones(hq, d), torch.eye(d)[:hq] * 1e3):
+        bound = page_scores(q, kmin, kmax).double()
+        true = _true_page_max(q, k, P, hkv)
+        assert bool((bound >= true - 1e-6 * (1 + true.abs())).all())
+    q = torch.randn(hq, d)
+    exact = (q.double().view(hkv, 2, d) @ k[0, 0].double()).amax(1)
+    assert torch.allclose(page_scores(q, kmin, kmax)[:, 0].double(), exact, rtol=1e-5, atol=1e-3)
+
+
+def test_gqa_score_is_group_max():
+    """Each KV head's score is the max of its query heads' bounds, never another group's."""
+    P, hkv, hq, d = 16, 2, 6, 8
+    k = torch.randn(3 * P, hkv, d)
+    kmin, kmax, _ = _summaries(k, P)
+    q = torch.randn(hq, d)
+    s = page_scores(q, kmin, kmax)
+    for h in range(hkv):
+        per = torch.stack([page_scores(q[h * 3 + j: h * 3 + j + 1].repeat(1, 1), kmin[h:h + 1], kmax[h:h + 1])[0]
+                           for j in range(3)])
+        assert torch.allclose(s[h], per.amax(0))
+
+
+@pytest.mark.parametrize("hkv,hq", [(1, 1), (2, 8), (3, 9)])
+def test_planted_key_is_always_selected(hkv, hq):
+    """A key aligned with the query (dominating attention) lies in a chosen page at a small budget,
+    for the KV head that holds it, wherever it is planted."""
+    P, d, T = 16, 32, 64 * 16
+    pol = QuestDecode(token_budget=96, page_size=P, sink_tokens=16, recent_tokens=32)
+    plan = pol.plan(T)
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(12):
+        k = torch.randn(T, hkv, d, generator=gen)
+        q = torch.randn(hq, d, generator=gen)
+        h = trial % hkv
+        pos = int(torch.randint(plan.sink_len, plan.tail_start, (1,), generator=gen))
+        k[pos, h] = q[h * (hq // hkv)] * 4  # q·k* = 4|q|^2 >> any random q·k
+        kmin, kmax, _ = _summaries(k, P)
+        f, n = plan.first_page, plan.num_candidates
+        s = page_scores(q, kmin[:, f:f + n], kmax[:, f:f + n])
+        rows = select_pages(s, plan.pages_per_step, f, P, None, 1024)
+        assert rows.shape == (1, hkv, plan.pages_per_step) and rows.dtype == torch.int32
+        assert (pos // P) * P in rows[0, h].tolist()
+
+
+def test_plan_edge_cases():
+    P = 32
+    pol = QuestDecode(token_budget=512, page_size=P, sink_tokens=32, recent_tokens=128)
+    p = pol.plan(4096)
+    assert (p.sink_len, p.tail_start, p.first_page) == (32, 4096 - 128, 1)
+    assert p.num_candidates == (4096 - 128) // P - 1
+    assert p.pages_per_step == (512 - 32 - 128) // P and not p.dense
+    assert p.resident_prompt_tokens == 160
+    # budget >= the context: every candidate page, dense
+    assert pol.__class__(token_budget=8192, page_size=P).plan(4096).dense
+    assert QuestDecode(token_budget=None, page_size=P).plan(4096).dense
+    # budget smaller than sink + recent: no page read
+    p = QuestDecode(token_budget=100, page_size=P, sink_tokens=32, recent_tokens=128).plan(4096)
+    assert p.pages_per_step == 0 and p.num_candidates > 0
+    # a context shorter than one page: nothing to select, everything resident
+    for T in (1, 5, P - 1):
+        p = pol.plan(T)
+        assert p.num_candidates == 0 and p.pages_per_step == 0 and p.sink_len == 0 and p.tail_start == 0
+        assert p.resident_prompt_tokens == T
+    # a prompt of sink + recent tokens: resident, no candidate
+    p = pol.plan(160)
+    assert p.num_candidates == 0 and p.resident_prompt_tokens == 160
+    # the tail is extended down to a page boundary: at least recent_tokens resident at the end
+    p = pol.plan(1000)
+    assert p.tail_start % P == 0 and 1000 - p.tail_start >= 128
+    assert isinstance(p, DecodePlan)
+
+
+def test_select_pages_through_block_table_and_out():
+    """Rows go through the sequence's block table (pages inside pool blocks) and into out."""
+    P, B = 16, 64
+    scores = torch.tensor([[0.0, 5.0, 1.0, 9.0, 2.0, 3.0], [7.0, 0.0, 0.0, 0.0, 0.0, 8.0]])
+    bt = torch.tensor([5, 2], dtype=torch.int32)  # logical block 0 -> pool block 5, 1 -> 2
+    out = torch.full((1, 2, 2), -1, dtype=torch.int32)
+    r = select_pages(scores, 2, first_page=1, page_size=P, block_table=bt, block_size=B, out=out)
+    assert r is out
+    # head 0: pages 1+3=4 (token 64 -> block 1 -> pool 2 -> row 128) and 1+1=2 (token 32 -> row 5*64+32)
+    assert sorted(out[0, 0].tolist()) == sorted([2 * 64 + 0, 5 * 64 + 32])
+    # head 1: candidates 5 (page 6: token 96 -> block 1, off 32 -> 2*64+32) and 0 (page 1: token 16 -> 5*64+16)
+    assert sorted(out[0, 1].tolist()) == sorted([2 * 64 + 32, 5 * 64 + 16])
+    allr = select_pages(scores, 6, 0, P, None, B)
+    assert allr[0, 0].tolist() == [i * P for i in range(6)]
+    with pytest.raises(ValueError, match="k must be in"):
+        select_pages(scores, 7, 0, P, None, B)
+    with pytest.raises(ValueError, match="multiple of page_size"):
+        select_pages(scores, 1, 0, 32, None, 48)
+
+
+def test_summaries_write_and_bytes():
+    s = PageSummaries(2, 2, 8, max_pages=4, page_size=16, dtype=torch.float32, device="cpu")
+    assert s.nbytes == 2 * 2 * 2 * 4 * 8 * 4
+    k = torch.randn(40, 2, 8)
+    assert s.write(1, k) == 2  # 40 tokens: two whole pages, the partial third is left out
+    assert torch.equal(s.kmax[1, :, 1], k[16:32].amax(0))
+    assert torch.equal(s.kmin[1, :, 0], k[:16].amin(0))
+    assert s.write(1, k[:32], first_page=2) == 2
+    with pytest.raises(ValueError, match="max_pages"):
+        s.write(0, torch.randn(80, 2, 8))
+
+
+def test_policy_bad_values_and_layers():
+    for kw, exc, msg in [(dict(token_budget=0), ValueError, "token_budget"),
+                         (dict(token_budget=1.5), TypeError, "token_budget"),
+                         (dict(page_size=24), ValueError, "power of two"),
+                         (dict(page_size=8), ValueError, "page_size"),
+                         (dict(sink_tokens=-1), ValueError, "sink_tokens"),
+                         (dict(recent_tokens=True), TypeError, "recent_tokens"),
+                         (dict(dense_layers="0,1"), TypeError, "dense_layers")]:
+        with pytest.raises(exc, match=msg):
+            QuestDecode(**kw)
+    assert QuestDecode().sparse_layers(4) == (2, 3)
+    assert QuestDecode(dense_layers=(-1,)).sparse_layers(4) == (0, 1, 2)
+    assert QuestDecode(dense_layers=()).sparse_layers(3) == (0, 1, 2)
+    with pytest.raises(ValueError, match="outside the model"):
+        QuestDecode(dense_layers=(5,)).sparse_layers(4)
+    with pytest.raises(ValueError, match="prompt_len"):
+        QuestDecode().plan(0)

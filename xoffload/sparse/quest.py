@@ -1,0 +1,235 @@
+"""Quest page selection for decode (Tang et al., 2024, "Quest: Query-Aware Sparsity for Efficient
+Long-Context LLM Inference"), GQA-aware, for KV that lives in pinned CPU memory or on the GPU.
+
+The prompt's K of each layer is cut into pages of ``page_size`` tokens. Per page and KV head we keep
+the elementwise minimum ``m`` and maximum ``M`` of its keys (:class:`PageSummaries`, on the GPU).
+For a query ``q`` every key ``k`` of the page satisfies ``q·k <= sum_i max(q_i m_i, q_i M_i)``, and
+that bound splits into two matrix products: ``q⁺·M + q⁻·m`` with ``q⁺ = max(q, 0)``,
+``q⁻ = min(q, 0)`` (:func:`page_scores`). A KV head serves a group of query heads (GQA); its page
+score is the maximum of the group's bounds, still an upper bound for every query head of the group,
+so one selection per KV head serves the whole group and one fetch per KV head suffices.
+
+A decode step of a sparse layer then attends to: the sink (the first pages), the recent tokens
+(the prompt's tail and every generated token), both resident on the GPU, and the ``k`` best-scoring
+pages of the candidate region between them (:func:`select_pages`), read where the pool lives. The
+selection is a device tensor of pool row indices (no host round trip, CUDA-graph safe).
+
+:class:`QuestDecode` is the decode policy object (``LLM(..., sparse_decode=QuestDecode(...))``);
+:meth:`QuestDecode.plan` fixes, per request, which tokens are resident and how many pages each
+step reads, so every step of a request has the same shapes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.checks import check_int, check_tensor
+
+__all__ = ["DecodePlan", "PageSummaries", "QuestDecode", "page_scores", "select_pages"]
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What one request's sparse decode reads, fixed at the end of its prefill.
+
+    Attributes:
+        prompt_len: prompt tokens ``T`` (all in the pool).
+        page_size: tokens per page ``P``.
+        sink_len: resident head of the prompt, tokens ``[0, sink_len)`` (a multiple of ``P`` or T).
+        tail_start: resident tail of the prompt, tokens ``[tail_start, T)``.
+        first_page, num_candidates: candidate pages ``first_page .. first_page + num_candidates - 1``
+            (tokens ``[sink_len, tail_start)``, whole pages).
+        pages_per_step: pages read per KV head and step (``k``), ``<= num_candidates``.
+    """
+
+    prompt_len: int
+    page_size: int
+    sink_len: int
+    tail_start: int
+    first_page: int
+    num_candidates: int
+    pages_per_step: int
+
+    @property
+    def resident_prompt_tokens(self) -> int:
+        """Prompt tokens kept on the GPU (sink + tail)."""
+        return self.sink_len + self.prompt_len - self.tail_start
+
+    @property
+    def dense(self) -> bool:
+        """True when every candidate page is read each step (the selection changes nothing)."""
+        return self.pages_per_step == self.num_candidates
+
+
+@dataclass(frozen=True)
+class QuestDecode:
+    """Quest decode policy: per KV head, the top pages by their min/max bound, up to a token budget.
+
+    Args:
+        token_budget: tokens one sparse layer attends to per step and KV head, counting the sink,
+            the prompt's resident tail and the selected pages (generated tokens are attended on
+            top: they are resident). ``None``: every page (dense decode through the same path).
+        page_size: tokens per page (power of two >= 16; must divide the pool's block size).
+        sink_tokens: leading prompt tokens always attended (rounded up to whole pages).
+        recent_tokens: trailing prompt tokens always attended (resident; the tail is extended
+            down to a page boundary).
+        dense_layers: layers that read all their KV every step (kept resident on the GPU by the
+            offload store); default ``(0, 1)`` as in Quest, whose first two layers show < 10%
+            sparsity. ``()`` makes every layer sparse.
+
+    Raises:
+        TypeError / ValueError on a bad value (named in the message).
+    """
+
+    token_budget: int | None = 2048
+    page_size: int = 32
+    sink_tokens: int = 32
+    recent_tokens: int = 128
+    dense_layers: tuple = (0, 1)
+
+    def __post_init__(self):
+        if self.token_budget is not None:
+            check_int("token_budget", self.token_budget, 1)
+        p = check_int("page_size", self.page_size, 16)
+        if p & (p - 1):
+            raise ValueError(f"page_size must be a power of two >= 16, got {p}")
+        check_int("sink_tokens", self.sink_tokens, 0)
+        check_int("recent_tokens", self.recent_tokens, 0)
+        if isinstance(self.dense_layers, (str, bytes)) or not hasattr(self.dense_layers, "__iter__"):
+            raise TypeError(f"dense_layers must be a tuple of layer indices, got {self.dense_layers!r}")
+        object.__setattr__(self, "dense_layers", tuple(check_int("dense_layers entry", i) for i in self.dense_layers))
+
+    def sparse_layers(self, num_layers: int) -> tuple:
+        """Indices of the layers that select pages (the others are dense). Raises ValueError for a
+        dense layer outside ``[-num_layers, num_layers)``."""
+        bad = [i for i in self.dense_layers if not -num_layers <= i < num_layers]
+        if bad:
+            raise ValueError(f"dense_layers {bad} are outside the model's {num_layers} layers")
+        dense = {i % num_layers for i in self.dense_layers}
+        return tuple(i for i in range(num_layers) if i not in dense)
+
+    def plan(self, prompt_len: int) -> DecodePlan:
+        """The request's :class:`DecodePlan` for a prompt of ``prompt_len`` tokens.
+
+        Defined for every case: a prompt shorter than sink + recent + one page has no candidate
+        page (everything resident, ``pages_per_step = 0``); a budget smaller than the resident
+        prompt tokens reads no page (sink + tail only); a budget >= the prompt (or None) reads
+        every candidate page each step (``plan.dense``).
+        """
+        T = check_int("prompt_len", prompt_len, 1)
+        P = self.page_size
+        first = min(-(-self.sink_tokens // P), T // P)  # sink pages (ceil), never past the last full page
+        last = max(first, (T - self.recent_tokens) // P)  # candidate pages end before the tail
+        sink_len, tail_start = first * P, last * P
+        n_cand = last - first
+        if self.token_budget is None:
+            k = n_cand
+        else:
+            resident = sink_len + T - tail_start
+            k = min(n_cand, max(0, (self.token_budget - resident) // P))
+        return DecodePlan(prompt_len=T, page_size=P, sink_len=sink_len, tail_start=tail_start,
+                          first_page=first, num_candidates=n_cand, pages_per_step=k)
+
+
+class PageSummaries:
+    """Per-page elementwise min and max of K, per layer and KV head, kept on the KV's device.
+
+    Storage: ``kmin`` / ``kmax`` ``[L, Hkv, max_pages, D]`` in the K dtype (min and max are K
+    elements, so no rounding: the bound is exact for the stored K). Bytes: ``2 / page_size`` of K's.
+
+    Args:
+        num_layers, num_kv_heads, head_dim: model shape.
+        max_pages: pages per layer (``ceil(max_tokens / page_size)``).
+        page_size: tokens per page.
+        dtype, device: of the K it summarises.
+    """
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_pages: int, page_size: int,
+                 dtype, device):
+        shape = (num_layers, num_kv_heads, max_pages, head_dim)
+        self.kmin = torch.empty(shape, dtype=dtype, device=device)
+        self.kmax = torch.empty(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+        self.max_pages = max_pages
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.kmin.numel() * self.kmin.element_size()
+
+    def write(self, layer: int, k: torch.Tensor, first_page: int = 0) -> int:
+        """Summarise the whole pages of ``k`` ``[T, Hkv, D]`` (tokens of pages ``first_page ..``;
+        a partial last page is left out: it is never a candidate). Returns the pages written.
+        Raises ValueError when they would pass ``max_pages``."""
+        P = self.page_size
+        n = k.shape[0] // P
+        if first_page + n > self.max_pages:
+            raise ValueError(f"PageSummaries.write: pages {first_page}..{first_page + n - 1} pass max_pages={self.max_pages}")
+        if n:
+            kp = k[: n * P].unflatten(0, (n, P))  # [n, P, Hkv, D]
+            self.kmin[layer, :, first_page:first_page + n] = kp.amin(1).transpose(0, 1)
+            self.kmax[layer, :, first_page:first_page + n] = kp.amax(1).transpose(0, 1)
+        return n
+
+
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Quest's upper bound of ``q·k`` per page, maximised over each KV head's query-head group.
+
+    Args:
+        q: ``[Hq, D]`` the step's (post-RoPE) query of one layer, any float dtype.
+        kmin, kmax: ``[Hkv, n_pages, D]`` page minima / maxima of the same (post-RoPE) keys.
+    Returns:
+        fp32 ``[Hkv, n_pages]``: ``max over g of (q_g⁺ · M + q_g⁻ · m)``, which is >= ``q_g · k``
+        for every key k of the page and every query head g of the group (softmax scale not applied;
+        it does not change the order).
+    Raises:
+        ValueError: shapes that do not fit (Hq not a multiple of Hkv, head_dim mismatch).
+    """
+    check_tensor("q", q, 2)
+    check_tensor("kmin", kmin, 3)
+    check_tensor("kmax", kmax, 3)
+    hq, d = q.shape
+    hkv, n, dk = kmin.shape
+    if tuple(kmax.shape) != tuple(kmin.shape):
+        raise ValueError(f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} must have one shape")
+    if dk != d or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit summaries {tuple(kmin.shape)} (GQA, head_dim)")
+    qg = q.to(kmin.dtype).view(hkv, hq // hkv, d)
+    s = torch.bmm(qg.clamp(min=0), kmax.transpose(1, 2)).float()
+    s += torch.bmm(qg.clamp(max=0), kmin.transpose(1, 2)).float()
+    return s.amax(1)
+
+
+def select_pages(scores: torch.Tensor, k: int, first_page: int, page_size: int, block_table: torch.Tensor | None,
+                 block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pool row of the first token of each KV head's ``k`` best candidate pages.
+
+    Args:
+        scores: fp32 ``[Hkv, n_cand]`` (:func:`page_scores` of the candidate pages only).
+        k: pages per KV head, ``0 <= k <= n_cand``.
+        first_page: logical index of candidate 0.
+        page_size, block_size: tokens per page / per pool block (``block_size % page_size == 0``).
+        block_table: int32 ``[n_blocks]`` physical pool block of each logical block of the sequence
+            (on the scores' device), or None when rows are logical token indices (a contiguous cache).
+        out: optional int32 ``[1, Hkv, k]`` written in place (a CUDA graph's static buffer).
+    Returns:
+        int32 ``[1, Hkv, k]`` row indices (the page table of
+        :func:`xoffload.kernels.paged_decode_attn_with_lse`), in no particular order.
+    """
+    hkv, n = scores.shape
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, {n}] (candidate pages), got {k}")
+    if block_table is not None and block_size % page_size:
+        raise ValueError(f"block_size {block_size} must be a multiple of page_size {page_size}")
+    idx = scores.topk(k, dim=-1, sorted=False).indices if k < n else \
+        torch.arange(n, device=scores.device).expand(hkv, n)
+    tok = (idx + first_page) * page_size
+    if block_table is None:
+        rows = tok
+    else:
+        rows = block_table.long()[tok // block_size] * block_size + tok % block_size
+    rows = rows.to(torch.int32)[None]
+    if out is None:
+        return rows
+    out.copy_(rows)
+    return out
