@@ -64,7 +64,7 @@ def test_cuda_graph_decode_equals_eager_and_offload_cuda(monkeypatch):
     ids = torch.randint(0, m.cfg.vocab_size, (2000,), generator=torch.Generator().manual_seed(1)).tolist()
     graph = LLM(m, mode="gpu", max_model_len=4096)
     eager = LLM(m, mode="gpu", max_model_len=4096, cuda_graph=False)
-    off = LLM(m, mode="offload", max_model_len=4096)
+    off = LLM(m, mode="offload", max_model_len=4096, offload_decode="ring")
     for sp in (SamplingParams(max_tokens=33, ignore_eos=True),
                SamplingParams(max_tokens=33, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5)):
         a = graph.generate(ids, sp)[0]

@@ -33,7 +33,9 @@ def test_offload_equals_gpu_32_steps_cuda(dtype):
     ids = torch.randint(0, m.cfg.vocab_size, (3000,), generator=torch.Generator().manual_seed(0)).tolist()
     sp = SamplingParams(max_tokens=32, ignore_eos=True)
     a = LLM(m, mode="gpu", max_model_len=4096).generate(ids, sp)[0]
-    b = LLM(m, mode="offload", max_model_len=4096).generate(ids, sp)[0]
+    # the ring sums attention in the resident cache's order: bit-identical logits, same tokens
+    # (the direct paged path merges pool pages and tail by LSE: tests/engine/test_kv_paged.py)
+    b = LLM(m, mode="offload", max_model_len=4096, offload_decode="ring").generate(ids, sp)[0]
     assert a.token_ids == b.token_ids
     assert a.peak_gpu_memory_bytes > 0 and b.timings["decode_ms_per_token"] > 0
 
@@ -88,10 +90,16 @@ def test_offload_prefill_staging_reuse_cuda():
 
 
 def test_modes_canonical_and_gpu_alias():
+    from xoffload.engine.config import EngineConfig
+    from xoffload.engine.kv_paged import OffloadPagedKV, ResidentPagedKV
     from xoffload.engine.kv_store import MODE_ALIASES, STORES, OffloadKV, ResidentKV, canonical_mode
 
     m = _tiny_random("tiny-llama")
-    assert STORES["resident"] is ResidentKV and STORES["offload"] is OffloadKV and MODE_ALIASES["gpu"] == "resident"
+    assert STORES["resident"] is ResidentKV and STORES["offload"] is OffloadPagedKV and MODE_ALIASES["gpu"] == "resident"
+    # the configuration picks the class once: ring decode, and the paged store under a decode policy
+    variant = lambda mode, **kw: STORES[mode].variant(EngineConfig.from_kwargs(mode=mode, **kw))  # noqa: E731
+    assert variant("offload", offload_decode="ring") is OffloadKV and variant("offload") is OffloadPagedKV
+    assert variant("resident") is ResidentKV and variant("resident", token_budget=256) is ResidentPagedKV
     for mode, want in (("gpu", "resident"), ("resident", "resident"), ("offload", "offload")):
         llm = LLM(m, mode=mode, max_model_len=64, kv_block_size=16)
         assert llm.mode == want and llm.config.mode == want
@@ -117,9 +125,9 @@ def test_new_store_plugs_in_through_the_factory():
             self.inner = inner
 
         @classmethod
-        def for_request(cls, model, shared, max_len):
+        def for_request(cls, model, shared, req, config):
             calls["for_request"] = calls.get("for_request", 0) + 1
-            return cls(ResidentKV.for_request(model, shared, max_len))
+            return cls(ResidentKV.for_request(model, shared, req, config))
 
         @property
         def capturable(self):

@@ -54,8 +54,9 @@ def test_sparse_xattn_hook():
 
 def test_bad_input_then_still_serves():
     m = _tiny_random("tiny-llama")
-    for mode in ("gpu", "offload"):
-        llm = LLM(m, mode=mode, max_model_len=32, kv_block_size=8)
+    for mode, kw in (("gpu", {}), ("offload", {"kv_block_size": 16}),
+                     ("offload", {"kv_block_size": 8, "offload_decode": "ring"})):
+        llm = LLM(m, mode=mode, max_model_len=32, **kw)
         good = llm.generate([1, 2, 3], SamplingParams(max_tokens=4))[0].token_ids
         with pytest.raises(ValueError, match="empty"):
             llm.generate([])

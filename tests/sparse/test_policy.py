@@ -56,8 +56,8 @@ def test_layers():
         XAttentionPrefill(dense_layers=[7]).layers(5)
     with pytest.raises(NotImplementedError):
         PrefillPolicy()(None, None, None)
-    with pytest.raises(NotImplementedError, match="sparse decode"):
-        DecodePolicy().select(0, None, None, 0)
+    with pytest.raises(NotImplementedError, match="plan"):
+        DecodePolicy().plan(10)
 
 
 def test_llm_resolves_once_and_reports_policy():

@@ -139,7 +139,7 @@ def test_select_pages_through_block_table_and_out():
     with pytest.raises(ValueError, match="k must be in"):
         select_pages(scores, 7, 0, P, None, B)
     with pytest.raises(ValueError, match="multiple of page_size"):
-        select_pages(scores, 1, 0, 32, None, 48)
+        select_pages(scores, 1, 0, 32, bt, 48)
 
 
 def test_summaries_write_and_bytes():

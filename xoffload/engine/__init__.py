@@ -5,6 +5,9 @@
 - :mod:`.request`: per-request state, the token log, the clock and :class:`RequestOutput`;
 - :mod:`.kv_store`: the KV stores behind one interface (:class:`KVStore`: :class:`ResidentKV`,
   :class:`OffloadKV`) and their registry (:func:`register_store`);
+- :mod:`.kv_paged`: the paged stores (:class:`PagedKV`: decode reads the prompt's pages in place —
+  from the pinned pool over PCIe in ``offload`` mode, or from HBM — all of them or a decode
+  policy's choice, plus a GPU tail; one CUDA graph per step);
 - :mod:`.cuda_graph`: decode steps replayed from a CUDA graph;
 - :mod:`.llm`: :class:`LLM`, which wires them.
 
@@ -16,10 +19,11 @@ from .config import EngineConfig
 from .cuda_graph import GraphDecode
 from .kv_store import (MODE_ALIASES, STORES, KVStore, OffloadKV, ResidentKV, Splits, canonical_mode,
                        register_store, store_class)
+from .kv_paged import OffloadPagedKV, PagedKV, ResidentPagedKV
 from .llm import LLM
 from .request import Clock, Request, RequestOutput, TokenLog
 from .sampling import SamplingParams, sample
 
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "KVStore", "ResidentKV", "OffloadKV",
-           "Splits", "STORES", "MODE_ALIASES", "register_store", "canonical_mode", "store_class", "GraphDecode",
+           "Splits", "PagedKV", "OffloadPagedKV", "ResidentPagedKV", "STORES", "MODE_ALIASES", "register_store", "canonical_mode", "store_class", "GraphDecode",
            "Clock", "Request", "TokenLog", "sample"]

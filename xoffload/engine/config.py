@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from ..kernels.checks import check_bool, check_int, is_int
 from ..models.loader import resolve_dtype_device
-from ..sparse.policy import PrefillPolicy, resolve_prefill
+from ..sparse.policy import DecodePolicy, PrefillPolicy, resolve_decode, resolve_prefill
 from .kv_store import canonical_mode
 
 __all__ = ["EngineConfig", "PREFILL_ATTN"]
@@ -47,11 +47,21 @@ class EngineConfig:
             fastest on an H200 — else ours), ``"cudnn"``, ``"xoffload"`` (our Triton
             ``flash_attn_with_lse``) or ``"sdpa"`` (PyTorch's own backend choice).
         seed: default sampling seed of requests without one.
-        cuda_graph: with a capturable KV store (resident) on CUDA, capture one decode step in a
-            CUDA graph per request and replay it per token (default True; removes the host's
-            per-kernel launch cost). False: the eager loop. Ignored in offload mode (the engine's
-            per-layer stream/event work on the host stays eager) and on the CPU. Both give the same
-            tokens.
+        cuda_graph: with a capturable KV store on CUDA (resident, and offload with
+            ``offload_decode="direct"``), capture one decode step in a CUDA graph per request and
+            replay it per token (default True; removes the host's per-kernel launch cost). False:
+            the eager loop. Ignored with the ring and on the CPU. Both give the same tokens.
+        sparse_decode: the decode policy — None (every step reads all of the prompt's KV), ``"quest"``
+            or a :class:`xoffload.sparse.QuestDecode` (each step reads, per KV head, the pages
+            whose min/max bound scores highest, up to ``token_budget`` tokens). Works in both
+            modes: offloaded, only the chosen pages cross PCIe; resident, it saves HBM reads.
+            Resolved once by :func:`xoffload.sparse.resolve_decode`.
+        token_budget: tokens a sparse layer attends to per step (sink + recent + chosen pages);
+            alone it means ``sparse_decode="quest"`` with this budget.
+        offload_decode: how offload-mode decode reads the pool — ``"direct"`` (default: the paged
+            attention kernel reads the prompt's pages in place over PCIe, the whole step in a CUDA
+            graph; the only choice with ``sparse_decode``) or ``"ring"`` (the engine copies each
+            layer into a ring of ``num_kv_buffers`` GPU buffers ahead of its compute; eager).
     """
 
     mode: str = "resident"
@@ -65,6 +75,9 @@ class EngineConfig:
     prefill_attn: str = "auto"
     seed: int = 0
     cuda_graph: bool = True
+    sparse_decode: object = None
+    token_budget: int | None = None
+    offload_decode: str = "direct"
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -80,6 +93,20 @@ class EngineConfig:
     def __post_init__(self):
         self.mode = canonical_mode(self.mode)
         self.sparse = resolve_prefill(self.sparse)
+        if self.token_budget is not None:
+            check_int("token_budget", self.token_budget, 1)
+        self.sparse_decode = resolve_decode(self.sparse_decode, self.token_budget)
+        if self.offload_decode not in ("direct", "ring"):
+            raise ValueError(f"offload_decode must be 'direct' or 'ring', got {self.offload_decode!r}")
+        if self.offload_decode == "ring" and self.sparse_decode is not None:
+            raise ValueError("offload_decode='ring' reads whole layers; sparse_decode needs offload_decode='direct'")
+        if self.mode == "offload" and self.offload_decode == "direct":
+            b = self.kv_block_size
+            if is_int(b) and (b < 16 or b & (b - 1)):
+                raise ValueError(f"kv_block_size must be a power of two >= 16 for offload_decode='direct', got {b}")
+            p = getattr(self.sparse_decode, "page_size", None)
+            if p is not None and is_int(b) and b % p:
+                raise ValueError(f"kv_block_size {b} must be a multiple of the decode policy's page_size {p}")
         check_bool("cuda_graph", self.cuda_graph)
         if self.max_model_len is not None:
             self.max_model_len = _positive("max_model_len", self.max_model_len)
@@ -96,6 +123,10 @@ class EngineConfig:
     def policy(self) -> PrefillPolicy:
         return self.sparse
 
+    @property
+    def decode_policy(self) -> DecodePolicy | None:
+        return self.sparse_decode
+
     def bind(self, model) -> "EngineConfig":
         """This config with the model's defaults filled in (``max_model_len``, ``prefill_chunk``,
         ``dtype``, ``device``) and the model-dependent checks done: an explicit dtype must be the
@@ -106,6 +137,8 @@ class EngineConfig:
         if self.prefill_attn == "cudnn" and dev.type != "cuda":
             raise ValueError(f"prefill_attn='cudnn' needs a CUDA device (model on {dev}); use 'auto'")
         self.sparse.layers(model.cfg.num_layers)  # raises for layers outside the model
+        if self.sparse_decode is not None:
+            self.sparse_decode.sparse_layers(model.cfg.num_layers)
         return dataclasses.replace(
             self, dtype=model.dtype, device=dev,
             max_model_len=self.max_model_len or model.cfg.max_position_embeddings,

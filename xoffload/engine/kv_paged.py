@@ -25,8 +25,9 @@ import torch
 from ..kernels import decode_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
 from ..kernels.decode import default_num_splits
 from ..sparse.quest import PageSummaries, QuestDecode, page_scores, select_pages
+from .kv_store import KVStore, OffloadKV, register_store
 
-__all__ = ["PagedKV"]
+__all__ = ["PagedKV", "OffloadPagedKV", "ResidentPagedKV"]
 
 
 def _splits(device, hkv: int, group: int, n: int):
@@ -37,7 +38,7 @@ def _splits(device, hkv: int, group: int, n: int):
     return int(default_num_splits(1, hkv, group, max(n, 1), sms))
 
 
-class PagedKV:
+class PagedKV(KVStore):
     """One request's KV: prompt pages read in place (all, or Quest-selected), plus a GPU tail.
 
     Args:
@@ -64,6 +65,7 @@ class PagedKV:
                  policy: QuestDecode | None = None, engine=None, seq: int | None = None):
         self.cfg, self.dtype, self.device, self.scale = cfg, dtype, torch.device(device), scale
         self.T, self.policy, self.eng, self.seq = int(prompt_len), policy, engine, seq
+        self.capacity = self.T + max_new
         L, hkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         self.group = cfg.num_heads // hkv
         T = self.T
@@ -228,6 +230,43 @@ class PagedKV:
         self.pos_t.add_(1)
 
     def close(self) -> None:
-        """Free the request's tails, summaries and row store (the engine sequence is freed by its owner)."""
+        """Free the request's tails, summaries, row store and (offload) its pool sequence."""
         self._tk = self._tv = []
-        self._rows = self.summaries = None
+        self._rows = self.summaries = self._stage = None
+        if self.eng is not None and self.seq is not None:
+            seq, self.seq = self.seq, None
+            self.eng.free(seq)
+
+    @classmethod
+    def _make(cls, model, req, config, engine=None, seq=None) -> "PagedKV":
+        T = len(req.ids)
+        return cls(model.cfg, model.dtype, model.device, model.scale, prompt_len=T, max_new=req.final_len - T,
+                   policy=config.decode_policy, engine=engine, seq=seq)
+
+
+class ResidentPagedKV(PagedKV):
+    """``mode="resident"`` with a decode policy: the prompt's KV in one device row store, each
+    step reads the chosen pages from HBM (Quest's setting: fewer HBM reads, not less memory)."""
+
+    mode = "resident"
+
+    @classmethod
+    def for_request(cls, model, shared, req, config) -> "ResidentPagedKV":
+        return cls._make(model, req, config)
+
+
+@register_store("offload")
+class OffloadPagedKV(PagedKV):
+    """``mode="offload"``: layerwise prefill copies each layer's K/V into the engine's pinned CPU
+    pool; decode reads the prompt's pages (all, or the decode policy's choice) in place over PCIe,
+    one CUDA graph per step. ``offload_decode="ring"`` selects :class:`OffloadKV` instead."""
+
+    open_shared = OffloadKV.open_shared
+
+    @classmethod
+    def variant(cls, config) -> type:
+        return OffloadKV if config.offload_decode == "ring" else cls
+
+    @classmethod
+    def for_request(cls, model, shared, req, config) -> "OffloadPagedKV":
+        return cls._make(model, req, config, engine=shared, seq=shared.add_sequence())

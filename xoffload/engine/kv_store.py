@@ -13,9 +13,12 @@ A store is the model's prefill *sink* and decode *KV store* (:mod:`xoffload.mode
 - ``close()``: free everything of this request (idempotent).
 
 :class:`LLM` picks the store class once, from ``mode``, through :func:`store_class`; per request it
-calls ``cls.for_request(model, shared, max_len)`` where ``shared`` is what ``cls.open_shared(model,
-config)`` built once per LLM (e.g. the offload engine; None for the resident store). A new store
-plugs in as a class with one line::
+calls ``cls.for_request(model, shared, req, config)`` where ``shared`` is what
+``cls.open_shared(model, config)`` built once per LLM (e.g. the offload engine; None for the
+resident store) and ``req`` the :class:`~xoffload.engine.request.Request` (prompt ids, final
+length). A mode's registered class may hand a configuration to another class through
+``variant(config)`` (e.g. resident + ``sparse_decode`` -> the paged store). A new store plugs in
+as a class with one line::
 
     @register_store("offload_sparse")
     class SparseOffloadKV(KVStore): ...
@@ -105,8 +108,14 @@ class KVStore:
         return None
 
     @classmethod
-    def for_request(cls, model, shared, max_len: int) -> "KVStore":
-        """The store of one request whose final length is ``max_len`` tokens (prompt + new)."""
+    def variant(cls, config) -> type:
+        """The store class that serves ``config`` in this mode (default: this class)."""
+        return cls
+
+    @classmethod
+    def for_request(cls, model, shared, req, config) -> "KVStore":
+        """The store of one request ``req`` (its prompt ``req.ids``, final length ``req.final_len``
+        tokens: prompt + new) under the LLM's ``config``."""
         raise NotImplementedError(f"{cls.__name__}.for_request")
 
     # prefill sink
@@ -157,8 +166,17 @@ class ResidentKV(KVStore):
         self.nsplit = self.splits(max_len) if self.fixed else None
 
     @classmethod
-    def for_request(cls, model, shared, max_len: int) -> "ResidentKV":
-        return cls(model.cfg, max_len, model.dtype, model.device, model.scale, max_len=max_len)
+    def variant(cls, config) -> type:
+        if config.decode_policy is not None:
+            from .kv_paged import ResidentPagedKV
+
+            return ResidentPagedKV
+        return cls
+
+    @classmethod
+    def for_request(cls, model, shared, req, config) -> "ResidentKV":
+        n = req.final_len
+        return cls(model.cfg, n, model.dtype, model.device, model.scale, max_len=n)
 
     @property
     def capturable(self) -> bool:
@@ -192,7 +210,6 @@ class ResidentKV(KVStore):
         self.k = self.v = None
 
 
-@register_store("offload")
 class OffloadKV(KVStore):
     """One :class:`~xoffload.runtime.OffloadEngine` sequence: layerwise prefill copies each layer's
     K/V to the pinned CPU pool, decode streams layers through the engine's GPU ring. ``max_len``
@@ -217,9 +234,10 @@ class OffloadKV(KVStore):
                              block_size=config.kv_block_size, num_buffers=config.num_kv_buffers)
 
     @classmethod
-    def for_request(cls, model, shared, max_len: int) -> "OffloadKV":
+    def for_request(cls, model, shared, req, config) -> "OffloadKV":
         seq = shared.add_sequence()
-        return cls(shared, seq, model.cfg, model.dtype, model.device, model.scale, max_len=max_len)
+        n = req.final_len
+        return cls(shared, seq, model.cfg, model.dtype, model.device, model.scale, max_len=n)
 
     # prefill: two staging buffers, alternating by layer; the engine copies one out D2H while the
     # next layer fills the other. Before a buffer is refilled the current stream waits (on the GPU,

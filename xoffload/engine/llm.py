@@ -26,6 +26,9 @@ from .sampling import SamplingParams, sample
 
 __all__ = ["LLM"]
 
+#: decode steps before the steady state (step 1 eager warm-up, step 2 graph capture)
+_STEADY_FROM = 2
+
 
 class LLM:
     """Generate with a Llama/Qwen3 model, KV cache resident on its device or offloaded to CPU memory.
@@ -61,7 +64,7 @@ class LLM:
         self.max_model_len, self.prefill_chunk, self.prefill_attn = cfg.max_model_len, cfg.prefill_chunk, cfg.prefill_attn
         self.policy = cfg.policy
         self.sparse_layers = self.policy.layers(self.cfg.num_layers)
-        self._store = store_class(cfg.mode)  # chosen once; per request: self._store.for_request(...)
+        self._store = store_class(cfg.mode).variant(cfg)  # chosen once; per request: .for_request(...)
         self.engine = self._store.open_shared(m, cfg)
         self._closed, self._shares = False, self.engine is not None
         self._stop_ids = set(self.cfg.eos_token_ids)
@@ -170,7 +173,7 @@ class LLM:
             torch.cuda.reset_peak_memory_stats(dev)
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev)
         marks = {"t0": clock.mark()}
-        kv = self._store.for_request(self.model, self.engine, req.final_len)
+        kv = self._store.for_request(self.model, self.engine, req, self.config)
         try:
             densities = None if self.policy.dense else []
             tok = self._prefill(ids_t, kv, req, densities, clock, marks)
@@ -219,6 +222,8 @@ class LLM:
                 tok = sample(logits, req.sp, req.gen)
                 toks.append(tok)
                 log.publish(i, tok)
+                if i == _STEADY_FROM:
+                    marks["steady"] = clock.mark()
             marks["end"] = end = clock.mark()
             all_ids = torch.cat(toks).tolist()
             if cuda:

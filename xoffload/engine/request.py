@@ -23,7 +23,8 @@ class RequestOutput:
     ``token_ids``: generated ids (the stop token included when generation stopped on it);
     ``text``: their decoding without special tokens (None without a tokenizer); ``finish_reason``:
     ``"stop"`` (EOS / stop id) or ``"length"``; ``timings``: ``prefill_ms``, ``prefill_tok_per_s``,
-    ``ttft_ms`` (prefill + first token), ``decode_ms_per_token`` (None if no decode step),
+    ``ttft_ms`` (prefill + first token), ``decode_ms_per_token`` (None if no decode step; ``decode_first_steps_ms`` and
+    ``decode_steady_ms_per_token`` split off the first two steps, warm-up and graph capture),
     ``decode_steps``, ``total_ms``, ``prompt_tokens``, and with sparse prefill ``density`` (per layer,
     None for dense layers) and ``mean_density``; ``peak_gpu_memory_bytes``: peak allocated during the
     request (None on the CPU).
@@ -139,6 +140,10 @@ def request_timings(clock: Clock, marks: dict, prompt_tokens: int, steps: int, d
         "decode_ms_per_token": dec_ms / steps if steps > 0 else None,
         "total_ms": clock.ms(marks["t0"], marks["end"]),
     }
+    if "steady" in marks and steps > 2:
+        # the first two steps hold the eager warm-up and the CUDA-graph capture
+        t["decode_first_steps_ms"] = clock.ms(marks["first"], marks["steady"])
+        t["decode_steady_ms_per_token"] = clock.ms(marks["steady"], marks["end"]) / (steps - 2)
     if densities is not None:
         dens = [None if d is None else float(d.float().mean()) if isinstance(d, torch.Tensor) else float(d)
                 for d in densities]

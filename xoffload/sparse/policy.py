@@ -135,14 +135,20 @@ class XAttentionPrefill(PrefillPolicy):
 
 
 class DecodePolicy:
-    """Base of decode policies: per decode step, choose the KV pages a sequence's attention reads
-    (e.g. scored from the step's query against per-page summaries written while offloading, top
-    pages up to a token budget plus the sink and recent pages). The selection is meant to be a
-    device tensor of page indices that a KV store's gather and attention consume without a host
-    round trip; a sparse-decode KV store would take one of these. Not implemented yet."""
+    """Base of decode policies: which of the prompt's KV pages each decode step reads.
 
-    def select(self, layer: int, q, summaries, num_pages: int):
-        raise NotImplementedError(f"{type(self).__name__}.select: sparse decode is not implemented yet")
+    A decode policy fixes per request, from the prompt length, what stays resident and how many
+    pages a step reads (``plan(prompt_len)``), and which layers select at all
+    (``sparse_layers(num_layers)``); the selection itself is a device tensor of page rows that the
+    KV store's paged attention consumes without a host round trip
+    (:class:`xoffload.engine.kv_paged.PagedKV`). Implementation: :class:`xoffload.sparse.quest.QuestDecode`.
+    """
+
+    def plan(self, prompt_len: int):
+        raise NotImplementedError(f"{type(self).__name__}.plan")
+
+    def sparse_layers(self, num_layers: int) -> tuple:
+        raise NotImplementedError(f"{type(self).__name__}.sparse_layers")
 
 
 #: prefill policy names accepted by :func:`resolve_prefill` (the class is built with its defaults)
@@ -162,3 +168,24 @@ def resolve_prefill(spec) -> PrefillPolicy:
             raise ValueError(f"sparse must be None, a PrefillPolicy or one of {sorted(PREFILL_POLICIES)}, got {spec!r}")
         return PREFILL_POLICIES[spec]()
     raise TypeError(f"sparse must be None, a PrefillPolicy or a policy name, got {type(spec).__name__} {spec!r}")
+
+
+def resolve_decode(spec, token_budget=None):
+    """The decode policy for ``sparse_decode=spec, token_budget=token_budget``: None (dense decode;
+    a ``token_budget`` alone means Quest with that budget), ``"quest"`` (Quest with
+    ``token_budget`` or its default), or a :class:`DecodePolicy` object (then ``token_budget``
+    must be None: it is the policy's own). Raises ValueError / TypeError naming the value."""
+    from .quest import QuestDecode
+
+    if isinstance(spec, DecodePolicy):
+        if token_budget is not None and token_budget != getattr(spec, "token_budget", None):
+            raise ValueError(f"token_budget={token_budget!r} given with a policy object: set it in the policy "
+                             f"({type(spec).__name__}(token_budget=...))")
+        return spec
+    if spec is None and token_budget is None:
+        return None
+    if spec is None or spec == "quest":
+        return QuestDecode() if token_budget is None else QuestDecode(token_budget=token_budget)
+    if isinstance(spec, str):
+        raise ValueError(f"sparse_decode must be None, 'quest' or a DecodePolicy, got {spec!r}")
+    raise TypeError(f"sparse_decode must be None, 'quest' or a DecodePolicy, got {type(spec).__name__}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.checks import check_int, check_tensor
+from .policy import DecodePolicy
 
 __all__ = ["DecodePlan", "PageSummaries", "QuestDecode", "page_scores", "select_pages"]
 
@@ -63,7 +64,7 @@ class DecodePlan:
 
 
 @dataclass(frozen=True)
-class QuestDecode:
+class QuestDecode(DecodePolicy):
     """Quest decode policy: per KV head, the top pages by their min/max bound, up to a token budget.
 
     Args:
