@@ -16,7 +16,7 @@ def shared_model(monkeypatch):
     """Serve the already loaded SmolLM2 to the CLI (loading is tested elsewhere; saves ~10 s per call)."""
     m = smollm2()
     import xoffload.models as models
-    import xoffload.models.llm as llm_mod
+    import xoffload.engine.llm as llm_mod
 
     def fake_load(model=None, **kw):
         assert model is None or model == "smollm2"
@@ -195,8 +195,15 @@ def test_png_title_names_model_device_dtype_date(tmp_path, monkeypatch):
 
 
 def test_sparse_options_one_place():
+    """The command line's sparse flags become policy objects in one place."""
     import argparse
 
-    assert cli._sparse_options(argparse.Namespace(sparse=None, sparse_threshold=0.9)) == {}
-    assert cli._sparse_options(argparse.Namespace(sparse="xattn", sparse_threshold=0.8)) == {
-        "sparse": "xattn", "sparse_threshold": 0.8}
+    from xoffload.sparse import QuestDecode, XAttentionPrefill
+
+    ns = lambda **kw: argparse.Namespace(**{**dict(sparse=None, sparse_threshold=0.9, sparse_decode=None,  # noqa: E731
+                                                   token_budget=None, offload_decode="direct"), **kw})
+    assert cli._sparse_options(ns()) == {"offload_decode": "direct"}
+    assert cli._sparse_options(ns(sparse="xattn", sparse_threshold=0.8))["sparse"] == XAttentionPrefill(threshold=0.8)
+    assert cli._sparse_options(ns(token_budget=512))["sparse_decode"] == QuestDecode(token_budget=512)
+    assert cli._sparse_options(ns(sparse_decode="quest"))["sparse_decode"] == QuestDecode()
+    assert cli._sparse_options(ns(offload_decode="ring"))["offload_decode"] == "ring"

@@ -158,6 +158,15 @@ def _add_model_args(p):
                    help="tokens per block of the CPU KV pool (default 1024)")
     p.add_argument("--sparse", default=None, choices=["xattn"], help="XAttention block-sparse prefill")
     p.add_argument("--sparse-threshold", type=_fraction, default=0.9, help="XAttention tau in [0, 1] (default 0.9)")
+    p.add_argument("--sparse-decode", default=None, choices=["quest"],
+                   help="sparse decode: each step reads, per KV head, the pages with the highest Quest "
+                        "min/max bound up to --token-budget tokens (offloaded: only those cross PCIe)")
+    p.add_argument("--token-budget", type=_int_at_least(1), default=None,
+                   help="tokens a sparse-decode layer attends to per step (default 2048; alone it turns on "
+                        "--sparse-decode quest)")
+    p.add_argument("--offload-decode", default="direct", choices=["direct", "ring"],
+                   help="offload-mode decode: direct (pages read in place over PCIe, CUDA graph; default) or "
+                        "ring (whole layers copied through GPU buffers)")
     p.add_argument("--prefill-attn", default=None, choices=["auto", "xoffload", "sdpa", "cudnn"],
                    help="dense prefill attention: auto (cuDNN where it runs, else ours), xoffload (our Triton "
                         "kernel), sdpa (PyTorch), cudnn. Default: auto on a GPU, sdpa on the CPU (our kernels "
@@ -165,10 +174,22 @@ def _add_model_args(p):
 
 
 def _sparse_options(a) -> dict:
-    """The LLM options of the sparse prefill (the one place to change when ``sparse=`` takes a policy)."""
-    if not a.sparse:
-        return {}
-    return {"sparse": a.sparse, "sparse_threshold": a.sparse_threshold}
+    """The LLM options of the sparse prefill and decode policies (policy objects, resolved here once)."""
+    from .sparse import XAttentionPrefill, resolve_decode
+
+    opts = {"offload_decode": a.offload_decode}
+    if a.sparse:
+        opts["sparse"] = XAttentionPrefill(threshold=a.sparse_threshold)
+    dec = resolve_decode(a.sparse_decode, a.token_budget)
+    if dec is not None:
+        opts["sparse_decode"] = dec
+    return opts
+
+
+def _sparse_meta(a) -> dict:
+    """The sparse settings as JSON values (for the report)."""
+    return {"sparse": a.sparse, "sparse_threshold": a.sparse_threshold if a.sparse else None,
+            "sparse_decode": repr(_sparse_options(a).get("sparse_decode")), "offload_decode": a.offload_decode}
 
 
 def _llm_kwargs(a, mode, max_model_len, device_type):
@@ -343,7 +364,7 @@ def _needle_meta(a, model, modes, lengths, depths, max_len, t_load):
         "date": time.strftime("%Y-%m-%d %H:%M"), "modes": modes, "lengths": lengths, "depths": depths,
         "samples": a.samples, "seed": a.seed, "max_tokens": a.max_tokens, "max_model_len": max_len,
         "prefill_attn": _llm_kwargs(a, modes[0], max_len, model.device.type)["prefill_attn"],
-        **{k: v for k, v in _sparse_options(a).items()}, "num_kv_buffers": a.num_kv_buffers,
+        **_sparse_meta(a), "num_kv_buffers": a.num_kv_buffers,
         "kv_block_size": a.kv_block_size, "load_s": t_load,
     }
 

@@ -7,7 +7,7 @@ import time
 import pytest
 import torch
 
-from xoffload.models import LLM, SamplingParams
+from xoffload import LLM, SamplingParams
 from xoffload.evals.needle import build_prompt, found, make_number, parse_length
 
 from helpers import smollm2

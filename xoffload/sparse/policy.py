@@ -170,13 +170,18 @@ def resolve_prefill(spec) -> PrefillPolicy:
     raise TypeError(f"sparse must be None, a PrefillPolicy or a policy name, got {type(spec).__name__} {spec!r}")
 
 
+def decode_policies() -> dict:
+    """Decode policy names accepted by :func:`resolve_decode` -> their classes."""
+    from .quest import QuestDecode
+
+    return {"quest": QuestDecode}
+
+
 def resolve_decode(spec, token_budget=None):
     """The decode policy for ``sparse_decode=spec, token_budget=token_budget``: None (dense decode;
     a ``token_budget`` alone means Quest with that budget), ``"quest"`` (Quest with
     ``token_budget`` or its default), or a :class:`DecodePolicy` object (then ``token_budget``
     must be None: it is the policy's own). Raises ValueError / TypeError naming the value."""
-    from .quest import QuestDecode
-
     if isinstance(spec, DecodePolicy):
         if token_budget is not None and token_budget != getattr(spec, "token_budget", None):
             raise ValueError(f"token_budget={token_budget!r} given with a policy object: set it in the policy "
@@ -184,8 +189,10 @@ def resolve_decode(spec, token_budget=None):
         return spec
     if spec is None and token_budget is None:
         return None
-    if spec is None or spec == "quest":
-        return QuestDecode() if token_budget is None else QuestDecode(token_budget=token_budget)
+    names = decode_policies()
+    if spec is None or spec in names:
+        cls = names[spec or "quest"]
+        return cls() if token_budget is None else cls(token_budget=token_budget)
     if isinstance(spec, str):
-        raise ValueError(f"sparse_decode must be None, 'quest' or a DecodePolicy, got {spec!r}")
+        raise ValueError(f"sparse_decode must be None, a DecodePolicy or one of {sorted(names)}, got {spec!r}")
     raise TypeError(f"sparse_decode must be None, 'quest' or a DecodePolicy, got {type(spec).__name__}")
