@@ -17,6 +17,14 @@ from xoffload.kernels.reference import causal_mask
 from xoffload.models import find_smollm2_gguf, load_model
 
 EPS32 = torch.finfo(torch.float32).eps
+HAS_CUDA = torch.cuda.is_available()
+
+
+def rand_block_mask(b, h, sq, sk, bs, density, seed=0, device="cpu"):
+    """Seeded random bool block mask ``[b, h, ceil(sq/bs), ceil(sk/bs)]`` kept with ``density``."""
+    g = torch.Generator().manual_seed(seed)
+    nqb, nkb = -(-sq // bs), -(-sk // bs)
+    return (torch.rand(b, h, nqb, nkb, generator=g) < density).to(device)
 
 
 def max_err(a, b):

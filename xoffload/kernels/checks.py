@@ -3,7 +3,7 @@
 The check vocabulary (each raises a one-line ``TypeError`` / ``ValueError`` naming the argument and
 the offending value, shape or dtype): :func:`check_tensor`, :func:`check_same`, :func:`check_heads`,
 :func:`check_qkv` (q/k/v of an attention call), :func:`check_out` (a caller's output buffer),
-:func:`check_int`, :func:`check_bool`, :func:`check_cu_seqlens`. The runtime, the sparse policies
+:func:`check_int`, :func:`check_pow2`, :func:`is_int`, :func:`check_bool`, :func:`check_cu_seqlens`. The runtime, the sparse policies
 and the integrations use the same functions.
 
 Dispatch rule (DESIGN.md): a CUDA tensor runs the Triton kernel; a CPU tensor runs the PyTorch
@@ -129,18 +129,21 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device) -> None:
         raise ValueError(f"{name}[-1] = {int(c[-1])} must equal the packed length {total}")
 
 
-def check_qkv(q, k, v, ndim: int, layout: str = "") -> None:
+def check_qkv(q, k, v, ndim: int, layout: str = "", *, same_batch: bool = False) -> None:
     """Check the q, k, v of an attention call: tensors of ``ndim`` dims, a supported dtype, contiguous
     last dim, one dtype and device, k and v of one shape, q's head_dim equal to k's and a valid GQA
-    ratio (heads are dim -2, head_dim dim -1). ``layout`` (e.g. ``"[B, S, H, D]"``) is named in the
+    ratio (heads are dim -2, head_dim dim -1); with ``same_batch`` also q's dim 0 equal to k's.
+    ``v`` may be None (a q/k-only call). ``layout`` (e.g. ``"[B, S, H, D]"``) is named in the
     errors. Raises TypeError / ValueError."""
-    check_tensor("q", q, ndim)
-    check_tensor("k", k, ndim)
-    check_tensor("v", v, ndim)
-    check_same([("q", q), ("k", k), ("v", v)])
+    named = [("q", q), ("k", k)] + ([("v", v)] if v is not None else [])
+    for name, t in named:
+        check_tensor(name, t, ndim)
+    check_same(named)
     where = f" ({layout})" if layout else ""
-    if tuple(k.shape) != tuple(v.shape):
+    if v is not None and tuple(k.shape) != tuple(v.shape):
         raise ValueError(f"k and v must have the same shape{where}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if same_batch and q.shape[0] != k.shape[0]:
+        raise ValueError(f"q and k must have the same batch size: q {tuple(q.shape)}, k {tuple(k.shape)}")
     if q.shape[-1] != k.shape[-1]:
         raise ValueError(f"q and k must have the same head_dim: q {tuple(q.shape)}, k {tuple(k.shape)}{where}")
     check_heads(q.shape[-2], k.shape[-2], q.shape[-1])
@@ -182,10 +185,21 @@ def check_int(name: str, x, lo: int | None = None, hi: int | None = None) -> int
         raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
     x = int(x)
     if (lo is not None and x < lo) or (hi is not None and x > hi):
-        lo_s = "-inf" if lo is None else lo
-        hi_s = "inf" if hi is None else hi
-        raise ValueError(f"{name} must be in [{lo_s}, {hi_s}], got {x}")
+        if hi is None:
+            raise ValueError(f"{name} must be >= {lo}, got {x}")
+        if lo is None:
+            raise ValueError(f"{name} must be <= {hi}, got {x}")
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {x}")
     return x
+
+
+def check_pow2(name: str, x, lo: int = 1) -> int:
+    """``x`` checked to be an int power of two >= ``lo``. Raises TypeError / ValueError."""
+    if not is_int(x):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < lo or x & (x - 1):
+        raise ValueError(f"{name} must be a power of two >= {lo}, got {x}")
+    return int(x)
 
 
 def check_bool(name: str, x) -> bool:
