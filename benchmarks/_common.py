@@ -5,7 +5,8 @@
 - :func:`hbm_copy_gbps`: device-to-device copy bandwidth (bytes read + written per second), the
   ceiling memory-bound kernels are compared against.
 - :func:`bench_parser`: the one argparse base of every script (``--quick``, ``--out``, default
-  ``benchmarks/results/<name>.json``); :func:`run`: the ``__main__`` entry (``run(main)``).
+  ``benchmarks/results/<name>.json``); :func:`parse_gpu_args` (None without a GPU); :func:`run`:
+  the ``__main__`` entry (``run(main)``).
 - :func:`write_json`: the one result writer: ``benchmarks/results/<name>.json`` or a path, with
   the environment record (GPU, versions, commit, date) added under ``"env"`` when the payload has
   none, and a copy under ``$XOFFLOAD_BENCH_OUT`` when that is set (runs on a remote machine).
@@ -177,6 +178,15 @@ def bench_parser(doc: str, name: str, quick_help: str = "fewer shapes") -> argpa
     ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, f"{name}.json"), help="result JSON path")
     return ap
+
+
+def parse_gpu_args(ap: argparse.ArgumentParser, argv=None):
+    """``ap.parse_args(argv)``, or None (after saying so) when there is no CUDA GPU to run on."""
+    args = ap.parse_args(argv)
+    if not HAS_CUDA:
+        print(f"{ap.prog}: no CUDA GPU, skipped")
+        return None
+    return args
 
 
 def run(main) -> None:

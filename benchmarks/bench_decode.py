@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 HEADS = {"d128_32_8": (32, 8, 128), "d64_9_3": (9, 3, 64)}  # Llama-3.1-8B, SmolLM2 shapes
 
 
-from _common import HAS_CUDA, bench_graph_ms, bench_ms, bench_parser, env_record, hbm_copy_gbps, record_extra, run, write_json  # noqa: E402
+from _common import HAS_CUDA, bench_graph_ms, bench_ms, bench_parser, env_record, hbm_copy_gbps, parse_gpu_args, record_extra, run, write_json  # noqa: E402
 
 
 def _inputs(b, sk, hq, hkv, d, dtype=torch.bfloat16):
@@ -145,9 +145,8 @@ def test_bench_decode(benchmark, b, sk, heads):
 def main(argv=None):
     ap = bench_parser(__doc__, "decode", quick_help="fewer lengths, short tile sweep")
     ap.add_argument("--flex", action="store_true", help="also FlexAttention (compiles; slow)")
-    args = ap.parse_args(argv)
-    if not HAS_CUDA:
-        print("bench_decode: no CUDA GPU, skipped")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     # SDPA explains at length why a backend refuses GQA inputs; the refusal is recorded in the JSON
     warnings.filterwarnings("ignore", message=r".*(not used because|runtime disabled|same num_heads).*")

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import HAS_CUDA, bench_parser, env_record, run, write_json  # noqa: E402
+from _common import HAS_CUDA, bench_parser, env_record, parse_gpu_args, run, write_json  # noqa: E402
 
 BF = torch.bfloat16
 SHAPES = {"llama8b_8x128": (8, 128), "smollm2_3x64": (3, 64)}
@@ -293,7 +293,7 @@ try:
     import pytest
 
     @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-    def test_bench_transfer(benchmark):
+    def test_bench_engine(benchmark):
         res = benchmark.pedantic(lambda: run_all(quick=True), rounds=1, iterations=1)
         benchmark.extra_info.update({"ceiling": res["ceiling"], "block_fetch": res["block_fetch"],
                                      "whole_layer": res["whole_layer"], "overlap": res["overlap"]})
@@ -303,9 +303,8 @@ except ImportError:
 
 def main(argv=None):
     ap = bench_parser(__doc__, "transfer")
-    args = ap.parse_args(argv)
-    if not HAS_CUDA:
-        print("bench_engine: no CUDA device, skipped")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     res = run_all(quick=args.quick)
     print_table(res)

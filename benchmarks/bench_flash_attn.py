@@ -32,7 +32,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _common import HAS_CUDA, bench_ms, bench_parser, env_record, fmt_table, requires_cuda, run, tflops, write_json  # noqa: E402
+from _common import bench_ms, bench_parser, env_record, fmt_table, parse_gpu_args, requires_cuda, run, tflops, write_json  # noqa: E402
 
 SHAPES = {"d128_h32_kv8": (32, 8, 128), "d64_h9_kv3": (9, 3, 64)}
 SEQS = (4096, 8192, 16384, 32768, 65536, 131072)
@@ -225,9 +225,8 @@ def main(argv=None):
     ap.add_argument("--sweep", action="store_true", help="also time every config in SWEEP (recorded in the JSON)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compile time)")
     ap.add_argument("--seqs", type=str, default=None, help="comma-separated sequence lengths")
-    args = ap.parse_args(argv)
-    if not HAS_CUDA:
-        print("bench_flash_attn: no CUDA device, skipped")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     if args.quick:
         cases = [(sh, 32768, True) for sh in SHAPES]
@@ -268,7 +267,7 @@ def main(argv=None):
 @requires_cuda
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_bench_attention_32k(benchmark, shape, causal):
+def test_bench_flash_attn_32k(benchmark, shape, causal):
     rec = benchmark.pedantic(run_case, args=(shape, 32768, causal), rounds=1, iterations=1)
     benchmark.extra_info.update({
         "shape": shape, "S": 32768, "causal": causal,

@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import HAS_CUDA, bench_ms, bench_parser, env_record, hbm_copy_gbps, record_extra, run, write_json  # noqa: E402
+from _common import HAS_CUDA, bench_ms, bench_parser, env_record, hbm_copy_gbps, parse_gpu_args, record_extra, run, write_json  # noqa: E402
 
 N_TOKENS = 8192
 DEVICE = "cuda"  # a CPU dry run of the code paths sets "cpu" (with TRITON_INTERPRET=1)
@@ -206,9 +206,8 @@ def main(argv=None):
     ap = bench_parser(__doc__, "layer_ops", quick_help="Llama-3.1-8B and Qwen3-8B shapes only")
     ap.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
     ap.add_argument("--tokens", type=int, default=N_TOKENS)
-    args = ap.parse_args(argv)
-    if not HAS_CUDA:
-        print("bench_layer_ops: no CUDA GPU, skipped")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     hbm = hbm_copy_gbps()
     print(f"HBM copy bandwidth: {hbm:.0f} GB/s (read + write); N = {args.tokens} tokens, bf16")

@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import HAS_CUDA, bench_ms, bench_parser, env_record, hbm_copy_gbps, record_extra, run, write_json  # noqa: E402
+from _common import HAS_CUDA, bench_ms, bench_parser, env_record, hbm_copy_gbps, parse_gpu_args, record_extra, run, write_json  # noqa: E402
 
 # (name, N, B, S, H, D): prefill-chunk merges (Llama-3.1-8B / SmolLM2 heads) and decode merges
 SHAPES = [
@@ -83,9 +83,8 @@ def test_bench_merge(benchmark, shape):
 
 def main(argv=None):
     ap = bench_parser(__doc__, "merge")
-    args = ap.parse_args(argv)
-    if not HAS_CUDA:
-        print("bench_merge: no CUDA GPU, skipped")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     hbm = hbm_copy_gbps()
     print(f"HBM copy bandwidth: {hbm:.0f} GB/s (read + write)")

@@ -65,7 +65,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _common import HAS_CUDA, bench_ms, bench_parser, env_record, fmt_table, requires_cuda, time_ms, write_json  # noqa: E402
+from _common import HAS_CUDA, bench_parser, env_record, fmt_table, requires_cuda, time_ms, write_json  # noqa: E402
 from _common import run as run_script  # noqa: E402  (run() below is this benchmark)
 
 LAYERS = (3, 11, 19, 27)  # spread over depth (0 and 1 are dense under the LLM's default dense_layers)
@@ -488,7 +488,7 @@ def main(argv=None):
 
 # ------------------------------------------------------------------------------ pytest-benchmark
 @requires_cuda
-def test_bench_xattn_real_32k(benchmark):
+def test_bench_xattention_real_32k(benchmark):
     from xoffload.models import load_model
 
     try:

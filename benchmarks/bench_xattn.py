@@ -46,7 +46,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _common import HAS_CUDA, bench_ms, bench_parser, env_record, fmt_table, requires_cuda, run, tflops, time_ms, write_json  # noqa: E402
+from _common import bench_parser, env_record, fmt_table, parse_gpu_args, requires_cuda, run, tflops, time_ms, write_json  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 128
 DENSITIES = (0.05, 0.10, 0.20, 0.50, 1.00)
@@ -365,20 +365,16 @@ def _warm_variants():
 
 def _warm_one(v):
     """Compile one kernel variant on tiny inputs with the same specialisation as the real runs."""
-    import importlib
-
     try:
         kind = v[0]
         if kind == "stats":
             _, st, causal, cfg = v
-            mod = importlib.import_module("xoffload.kernels.xattn")
+            from xoffload.kernels import launch_override, xattn_chunk_stats
+
             q = torch.randn(1, 256, 8, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(1, 256, 2, D, device="cuda", dtype=torch.bfloat16)
-            mod._CFG_OVERRIDE.append(cfg)
-            try:
-                mod.xattn_chunk_stats(q, k, q_start=0, stride=st, causal=causal)
-            finally:
-                mod._CFG_OVERRIDE.pop()
+            with launch_override("xattn_stats", cfg):
+                xattn_chunk_stats(q, k, q_start=0, stride=st, causal=causal)
         elif kind == "blocksum":
             from xoffload.kernels import xattn_chunk_stats, xattn_block_scores
 
@@ -453,9 +449,8 @@ def main(argv=None):
     ap = bench_parser(__doc__, "xattn", quick_help="128K only; S=8,16; one end-to-end threshold")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compile time)")
     ap.add_argument("--warm-only", action="store_true", help="only compile the kernels (parallel processes)")
-    args = ap.parse_args(argv)
-    if not HAS_CUDA:
-        print("bench_xattn: no CUDA device, skipped")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     if args.warm_only:
         warm()

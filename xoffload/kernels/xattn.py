@@ -1,5 +1,8 @@
 """XAttention block-importance estimate: strided antidiagonal scoring in three stages.
 
+(Over 450 lines on purpose: the three stages of one estimate share the strided-row layout and
+workspace rules stated below; split, each file would need them restated.)
+
 XAttention (Xu et al. 2025, "XAttention: Block Sparse Attention with Antidiagonal Scoring") scores
 each ``B x B`` block of the attention matrix by sums along strided antidiagonals. With stride ``S``
 the strided query row ``i`` pairs query rows ``i*S + (S-1-t)`` with key rows ``j*S + t``
