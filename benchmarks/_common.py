@@ -4,8 +4,13 @@
 - :func:`bench_ms`: median GPU time in ms through ``triton.testing.do_bench`` (CUDA events).
 - :func:`hbm_copy_gbps`: device-to-device copy bandwidth (bytes read + written per second), the
   ceiling memory-bound kernels are compared against.
-- :func:`write_json`: result file ``benchmarks/results/<name>.json`` (and a copy under
-  ``$XOFFLOAD_BENCH_OUT`` when that is set, for runs on a remote machine).
+- :func:`bench_parser`: the one argparse base of every script (``--quick``, ``--out``, default
+  ``benchmarks/results/<name>.json``); :func:`parse_gpu_args` (None without a GPU); :func:`run`:
+  the ``__main__`` entry (``run(main)``).
+- :func:`write_json`: the one result writer: ``benchmarks/results/<name>.json`` or a path, with
+  the environment record (GPU, versions, commit, date) added under ``"env"`` when the payload has
+  none, and a copy under ``$XOFFLOAD_BENCH_OUT`` when that is set (runs on a remote machine).
+  Payloads carry the shapes, medians and ratios of their rows.
 - :data:`requires_cuda`: ``pytest.mark.skipif`` for machines without a GPU.
 - :func:`tflops`, :func:`fmt_table`: small formatting helpers.
 
@@ -14,6 +19,7 @@ benchmarks/bench_x.py`` finds the ``xoffload`` package without installing it.
 """
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import json
@@ -141,9 +147,15 @@ def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12 if ms and ms > 0 else float("nan")
 
 
-def save_json(path: str, payload: dict) -> str:
-    """Write ``payload`` as JSON to ``path`` (and a copy under ``$XOFFLOAD_BENCH_OUT`` if set, so a
-    run on the GPU machine returns it). Returns ``path``."""
+def write_json(name_or_path: str, payload: dict, out_dir: str | None = None) -> str:
+    """Write a benchmark result as JSON: to ``name_or_path`` if it ends in ``.json``, else to
+    ``<out_dir or benchmarks/results>/<name>.json``; ``env`` (:func:`env_record`) is added when
+    the payload has neither ``env`` nor ``commit``. Also copies it under ``$XOFFLOAD_BENCH_OUT``
+    when set. Returns the path written."""
+    path = name_or_path if name_or_path.endswith(".json") else os.path.join(out_dir or RESULTS_DIR,
+                                                                              f"{name_or_path}.json")
+    if "env" not in payload and "commit" not in payload:
+        payload = {**payload, "env": env_record()}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     text = json.dumps(payload, indent=2, default=str)
     with open(path, "w", encoding="utf-8") as f:
@@ -156,9 +168,30 @@ def save_json(path: str, payload: dict) -> str:
     return path
 
 
-def write_json(name: str, payload: dict, out_dir: str | None = None) -> str:
-    """:func:`save_json` to ``<out_dir or benchmarks/results>/<name>.json``."""
-    return save_json(os.path.join(out_dir or RESULTS_DIR, f"{name}.json"), payload)
+save_json = write_json  # the name bench scripts outside this room still use
+
+
+def bench_parser(doc: str, name: str, quick_help: str = "fewer shapes") -> argparse.ArgumentParser:
+    """The argparse base of every benchmark script: description from the module docstring's first
+    line, ``--quick`` and ``--out`` (default ``benchmarks/results/<name>.json``)."""
+    ap = argparse.ArgumentParser(description=(doc or name).split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help=quick_help)
+    ap.add_argument("--out", default=os.path.join(RESULTS_DIR, f"{name}.json"), help="result JSON path")
+    return ap
+
+
+def parse_gpu_args(ap: argparse.ArgumentParser, argv=None):
+    """``ap.parse_args(argv)``, or None (after saying so) when there is no CUDA GPU to run on."""
+    args = ap.parse_args(argv)
+    if not HAS_CUDA:
+        print(f"{ap.prog}: no CUDA GPU, skipped")
+        return None
+    return args
+
+
+def run(main) -> None:
+    """``if __name__ == "__main__": run(main)``: exit with ``main()``'s return code."""
+    sys.exit(main())
 
 
 def fmt_table(rows: list[dict], cols: list[str]) -> str:

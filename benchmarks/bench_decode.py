@@ -15,7 +15,6 @@ numbers in extra_info). Skips cleanly without CUDA.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
@@ -23,15 +22,12 @@ import warnings
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-HAS_CUDA = torch.cuda.is_available()
 HEADS = {"d128_32_8": (32, 8, 128), "d64_9_3": (9, 3, 64)}  # Llama-3.1-8B, SmolLM2 shapes
 
 
-from benchmarks._common import bench_graph_ms, bench_ms, env_record, hbm_copy_gbps, record_extra, save_json  # noqa: E402
+from _common import HAS_CUDA, bench_graph_ms, bench_ms, bench_parser, env_record, hbm_copy_gbps, parse_gpu_args, record_extra, run, write_json  # noqa: E402
 
 
 def _inputs(b, sk, hq, hkv, d, dtype=torch.bfloat16):
@@ -147,13 +143,10 @@ def test_bench_decode(benchmark, b, sk, heads):
 
 # ------------------------------------------------------------------------------------- script
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer lengths, short tile sweep")
+    ap = bench_parser(__doc__, "decode", quick_help="fewer lengths, short tile sweep")
     ap.add_argument("--flex", action="store_true", help="also FlexAttention (compiles; slow)")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "decode.json"))
-    args = ap.parse_args(argv)
-    if not HAS_CUDA:
-        print("bench_decode: no CUDA GPU, skipped")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     # SDPA explains at length why a backend refuses GQA inputs; the refusal is recorded in the JSON
     warnings.filterwarnings("ignore", message=r".*(not used because|runtime disabled|same num_heads).*")
@@ -189,9 +182,9 @@ def main(argv=None):
         print("  ", {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()}, flush=True)
     res = {"benchmark": "decode", **env_record(), "hbm_copy_GBps": hbm, "rows": rows, "sweep_128k": sw,
            "target": "Sk=128K: >= 0.75 of HBM copy bandwidth"}
-    print(f"wrote {save_json(args.out, res)}")
+    print(f"wrote {write_json(args.out, res)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -23,7 +23,6 @@ benchmarks/bench_layer_ops.py`` (pytest-benchmark). Skips cleanly without CUDA.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import os
 import sys
@@ -32,11 +31,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks._common import HAS_CUDA, bench_ms, env_record, hbm_copy_gbps, record_extra, save_json  # noqa: E402
+from _common import HAS_CUDA, bench_ms, bench_parser, env_record, hbm_copy_gbps, parse_gpu_args, record_extra, run, write_json  # noqa: E402
 
 N_TOKENS = 8192
 DEVICE = "cuda"  # a CPU dry run of the code paths sets "cpu" (with TRITON_INTERPRET=1)
@@ -206,14 +203,11 @@ def test_bench_layer_ops(benchmark, kernel, model):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="Llama-3.1-8B and Qwen3-8B shapes only")
+    ap = bench_parser(__doc__, "layer_ops", quick_help="Llama-3.1-8B and Qwen3-8B shapes only")
     ap.add_argument("--sweep", action="store_true", help="also time alternative launch configs")
     ap.add_argument("--tokens", type=int, default=N_TOKENS)
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "layer_ops.json"))
-    args = ap.parse_args(argv)
-    if not HAS_CUDA:
-        print("bench_layer_ops: no CUDA GPU, skipped")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     hbm = hbm_copy_gbps()
     print(f"HBM copy bandwidth: {hbm:.0f} GB/s (read + write); N = {args.tokens} tokens, bf16")
@@ -242,9 +236,9 @@ def main(argv=None):
               f"({s['speedup']:.2f}x, {s['saved_ms']:.3f} ms saved per layer per {s['N']} tokens)")
     res = {"benchmark": "layer_ops", **env_record(), "hbm_copy_GBps": hbm, "tokens": args.tokens, "rows": rows,
            "per_layer": summary, "target": "each op >= 0.70 of HBM copy bandwidth and faster than eager"}
-    print(f"wrote {save_json(args.out, res)}")
+    print(f"wrote {write_json(args.out, res)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

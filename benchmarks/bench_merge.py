@@ -11,18 +11,15 @@ Skips cleanly without CUDA.
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks._common import HAS_CUDA, bench_ms, env_record, hbm_copy_gbps, record_extra, save_json  # noqa: E402
+from _common import HAS_CUDA, bench_ms, bench_parser, env_record, hbm_copy_gbps, parse_gpu_args, record_extra, run, write_json  # noqa: E402
 
 # (name, N, B, S, H, D): prefill-chunk merges (Llama-3.1-8B / SmolLM2 heads) and decode merges
 SHAPES = [
@@ -85,12 +82,9 @@ def test_bench_merge(benchmark, shape):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "merge.json"))
-    args = ap.parse_args(argv)
-    if not HAS_CUDA:
-        print("bench_merge: no CUDA GPU, skipped")
+    ap = bench_parser(__doc__, "merge")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     hbm = hbm_copy_gbps()
     print(f"HBM copy bandwidth: {hbm:.0f} GB/s (read + write)")
@@ -107,9 +101,9 @@ def main(argv=None):
               f"{100 * r['frac_of_hbm_copy']:>5.1f}%  {ps}", flush=True)
     res = {"benchmark": "merge", **env_record(), "hbm_copy_GBps": hbm, "rows": rows,
            "target": ">= 0.70 of HBM copy bandwidth"}
-    print(f"wrote {save_json(args.out, res)}")
+    print(f"wrote {write_json(args.out, res)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

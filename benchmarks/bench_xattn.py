@@ -25,14 +25,7 @@ Times are medians over CUDA-event-timed calls after a warm-up (calls of 100+ ms 
 short ones through ``triton.testing.do_bench``). Every stage is guarded: a failure is recorded in
 the JSON and the next stage runs.
 
-``--sweep-bs``: only the block-sparse launch variants (``block_sparse.SWEEP_CONFIGS``: tiles,
-stages, index prefetch distance, program order, TMA loads, one loop, warp specialization) at 128K
-and 32K, densities 10% and 100%, each with a prebuilt BlockIndex, against our dense kernel and
-Flex on the same masks; each variant's output is compared with the default config's; the index
-builder (Triton) is timed against the PyTorch one it replaced and checked identical. Kernels are
-compiled first in parallel processes; a failing variant is recorded and the sweep goes on; timing
-stops after ``--budget-s`` (default 210 s). Writes benchmarks/results/xattn_bs_sweep.json
-(``--quick``: 128K only, 12 variants). ``--aot-check`` (no GPU): compile every variant for sm_90.
+The block-sparse launch-variant sweep is ``benchmarks/bench_block_sparse.py``.
 
 Run: ``python benchmarks/bench_xattn.py [--quick] [--no-flex]`` prints tables and writes
 benchmarks/results/xattn.json (``--quick``: 128K only, S=8 and 16 for the estimate, one end-to-end
@@ -41,7 +34,6 @@ Skips without CUDA.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -54,7 +46,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _common import HAS_CUDA, bench_ms, env_record, fmt_table, requires_cuda, tflops, time_ms, write_json  # noqa: E402
+from _common import bench_parser, env_record, fmt_table, parse_gpu_args, requires_cuda, run, tflops, time_ms, write_json  # noqa: E402
 
 HQ, HKV, D, BS = 32, 8, 128, 128
 DENSITIES = (0.05, 0.10, 0.20, 0.50, 1.00)
@@ -228,14 +220,6 @@ def _flex_call(q, k, v, bm):
         return lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True, return_aux=aux)
 
 
-def _default_needs_order():
-    """Whether the current default launch config (bf16, D=128) uses the "sorted" program order,
-    whose per-row order is then part of the prebuilt index."""
-    from xoffload.kernels.block_sparse import _gpu_config
-
-    return _gpu_config(D, torch.bfloat16).order == "sorted"
-
-
 def run_block_sparse(s, densities, with_flex=True, reps=3, flex_budget_s=90.0):
     """Block-sparse attention at fixed densities. Fields per density:
 
@@ -247,7 +231,7 @@ def run_block_sparse(s, densities, with_flex=True, reps=3, flex_budget_s=90.0):
         ours_over_dense, ours_tflops_effective, ours_with_index_build_over_flex.
     """
     from xoffload.kernels import block_sparse_attn_with_lse
-    from xoffload.kernels.block_sparse import block_mask_to_indices
+    from xoffload.kernels import block_mask_to_indices
 
     q, k, v = _rand_qkv(s, seed=1)
     res = {"S_tokens": s, "records": []}
@@ -256,7 +240,6 @@ def run_block_sparse(s, densities, with_flex=True, reps=3, flex_budget_s=90.0):
     except Exception as e:
         res["dense_ours_error"] = f"{type(e).__name__}: {e}"[:300]
     t_flex0 = None
-    with_order = _default_needs_order()
     for dens in densities:
         mask = fixed_density_mask(s, dens, seed=int(dens * 100))
         nb = mask.shape[-1]
@@ -264,10 +247,9 @@ def run_block_sparse(s, densities, with_flex=True, reps=3, flex_budget_s=90.0):
         rec = {"target_density": dens, "density": float(mask.sum()) / (HQ * n_vis)}
         try:
             rec["ours_ms"] = time_ms(lambda: block_sparse_attn_with_lse(q, k, v, mask), reps)
-            bi = block_mask_to_indices(mask, s, s, with_order=with_order)
+            bi = block_mask_to_indices(mask, s, s)
             rec["ours_kernel_only_ms"] = time_ms(lambda: block_sparse_attn_with_lse(q, k, v, bi), reps)
-            rec["mask_to_indices_ms"] = time_ms(lambda: block_mask_to_indices(mask, s, s, with_order=with_order),
-                                                reps)
+            rec["mask_to_indices_ms"] = time_ms(lambda: block_mask_to_indices(mask, s, s), reps)
             rec["ours_tflops_effective"] = tflops(dense_flops(s) * rec["density"], rec["ours_ms"])
             rec["ours_kernel_tflops_effective"] = tflops(dense_flops(s) * rec["density"], rec["ours_kernel_only_ms"])
             if "dense_ours_ms" in res:
@@ -305,285 +287,6 @@ def run_block_sparse(s, densities, with_flex=True, reps=3, flex_budget_s=90.0):
     del q, k, v
     torch.cuda.empty_cache()
     return res
-
-
-# ---------------------------------------------------------------------------------------------
-# 2b. launch-variant sweep of the block-sparse kernel (--sweep-bs)
-# ---------------------------------------------------------------------------------------------
-
-def _bs_cfg_list(quick):
-    from xoffload.kernels.block_sparse import SWEEP_CONFIGS, SWEEP_CONFIGS_QUICK
-
-    return list(SWEEP_CONFIGS_QUICK if quick else SWEEP_CONFIGS)
-
-
-def aot_compile_bs(cfg, arch=90, d=D, bs=BS, causal=True):
-    """Compile one block-sparse variant for sm_<arch> without a GPU (triton.compile on an
-    ASTSource with the specialisation of a bf16 run: 16-byte aligned pointers, strides that are
-    multiples of 16). Returns shared memory bytes and PTX counts (wgmma, cp.async, TMA loads)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from xoffload.kernels import block_sparse as bsm
-
-    cfg = bsm._as_config(cfg)
-    fn = bsm._bs_attn_fwd
-    cons = dict(D=d, BLOCK_D=d, BLOCK_M=min(cfg.block_m, bs), BLOCK_N=min(cfg.block_n, bs), BLOCK_SIZE=bs,
-                CAUSAL=causal, IS_FP32=False, MASK_BATCH=False, EVEN_K=True, ORDER=bsm._ORDERS[cfg.order],
-                PREFETCH=cfg.prefetch, USE_TMA=bool(cfg.tma), ONE_LOOP=bool(cfg.one_loop),
-                WARP_SPEC=bool(cfg.warp_spec))
-    nods = set(fn.do_not_specialize)
-    sig, attrs = {}, {}
-    for i, n in enumerate(fn.arg_names):
-        if n in cons:
-            sig[n] = "constexpr"
-            continue
-        if n in ("Q", "K", "V", "O"):
-            sig[n] = "*bf16"
-        elif n == "LSE":
-            sig[n] = "*fp32"
-        elif n in ("IDX", "NFULL", "NTOT", "ORD"):
-            sig[n] = "*i32"
-        elif n == "qk_scale":
-            sig[n] = "fp32"
-            continue
-        else:
-            sig[n] = "i32"
-        if n in nods or i in nods:
-            continue
-        attrs[(i,)] = [["tt.divisibility", 16]]
-    t = time.time()
-    kern = triton.compile(ASTSource(fn, sig, cons, attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
-    ptx = kern.asm["ptx"]
-    return {"config": cfg.name(), "seconds": round(time.time() - t, 1), "shared_bytes": kern.metadata.shared,
-            "wgmma": ptx.count("wgmma.mma_async"), "cp_async": ptx.count("cp.async.cg"),
-            "tma_loads": ptx.count("cp.async.bulk.tensor")}
-
-
-def aot_compile_index(arch=90, causal=True, block_k=1024):
-    """Compile the mask -> index-list kernel for sm_<arch> without a GPU."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    from xoffload.kernels import block_sparse as bsm
-
-    fn = bsm._mask_to_idx_kernel
-    cons = dict(BS=BS, CAUSAL=causal, BLOCK_K=block_k)
-    types = {"M": "*u8", "IDX": "*i32", "NF": "*i32", "NT": "*i32"}
-    sig = {n: "constexpr" if n in cons else types.get(n, "i32") for n in fn.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if n not in cons and n not in fn.do_not_specialize and n != "stride_mj"}
-    t = time.time()
-    kern = triton.compile(ASTSource(fn, sig, cons, attrs), target=GPUTarget("cuda", arch, 32),
-                          options=dict(num_warps=4, num_stages=1))
-    return {"config": f"mask_to_indices BLOCK_K={block_k}", "seconds": round(time.time() - t, 1),
-            "shared_bytes": kern.metadata.shared}
-
-
-def _aot_one(cfg):
-    try:
-        if cfg == "index":
-            return aot_compile_index()
-        return aot_compile_bs(cfg)
-    except Exception as e:
-        return {"config": str(cfg), "error": f"{type(e).__name__}: {e}"[:300]}
-
-
-def aot_check(quick=False, processes=2):
-    """AOT-compile every sweep variant for sm_90 (CPU only); prints one line per variant."""
-    import multiprocessing as mp
-
-    cfgs = ["index"] + _bs_cfg_list(quick)
-    with mp.get_context("spawn").Pool(min(processes, len(cfgs))) as pool:
-        res = pool.map(_aot_one, cfgs)
-    for r in res:
-        print(r, flush=True)
-    return res
-
-
-def _sweep_warm_one(item):
-    """Compile one block-sparse variant (or the index builder / dense kernel) on tiny CUDA inputs
-    with the specialisation of the sweep's runs."""
-    from xoffload.kernels import block_sparse as bsm
-
-    try:
-        s = 256
-        q = torch.randn(1, s, 8, D, device="cuda", dtype=torch.bfloat16)
-        k = torch.randn(1, s, 2, D, device="cuda", dtype=torch.bfloat16)
-        mask = torch.ones(1, 8, s // BS, s // BS, dtype=torch.bool, device="cuda")
-        if item == "dense":
-            from xoffload.kernels import flash_attn_with_lse
-
-            flash_attn_with_lse(q, k, k, causal=True)
-        else:
-            bi = bsm.block_mask_to_indices(mask, s, s, with_order=True)
-            if item != "index":
-                bsm._CFG_OVERRIDE.append(item)
-                try:
-                    bsm.block_sparse_attn_with_lse(q, k, k, bi)
-                finally:
-                    bsm._CFG_OVERRIDE.pop()
-        torch.cuda.synchronize()
-        return (str(item), "ok")
-    except Exception as e:
-        return (str(item), f"{type(e).__name__}: {e}"[:300])
-
-
-def _diff(a, b):
-    fin = torch.isfinite(b)
-    d = (a.float() - b.float()).abs()
-    bad = int((torch.isfinite(a) != fin).sum())
-    return (float(d[fin].max()) if bool(fin.any()) else 0.0), bad
-
-
-def run_bs_sweep(seqs, densities=(0.10, 1.00), quick=False, with_flex=True, budget_s=210.0, processes=16,
-                 configs=None):
-    """Time every block-sparse launch variant (SWEEP_CONFIGS) at each length and density on the
-    same masks, with our dense kernel and FlexAttention as peers.
-
-    Each variant is timed with a prebuilt BlockIndex (incl. the row order the "sorted" variants
-    use); its output and LSE are compared with the default config's (max abs diff, and the count
-    of entries finite in one and not the other). A variant that fails is recorded and the sweep
-    goes on; once ``budget_s`` has passed the remaining variants are recorded as skipped. Kernels
-    are first compiled in ``processes`` parallel processes (0: no warm-up).
-    """
-    import multiprocessing as mp
-
-    from xoffload.kernels import block_sparse as bsm
-    from xoffload.kernels.block_sparse import _mask_to_indices_torch, block_mask_to_indices
-
-    t0 = time.time()
-    default = bsm._gpu_config(D, torch.bfloat16)
-    cfgs = [default] + [c for c in (configs or _bs_cfg_list(quick)) if c != default]  # the reference first
-    items = ["dense", "index"] + cfgs
-    warm_res = []
-    if processes > 0:
-        with mp.get_context("spawn").Pool(min(processes, len(items))) as pool:
-            warm_res = pool.map(_sweep_warm_one, items)
-    out = {"configs": [c.name() for c in cfgs], "default": default.name(),
-           "warm": {"seconds": round(time.time() - t0, 1), "failures": [r for r in warm_res if r[1] != "ok"]},
-           "runs": []}
-    print(f"sweep: compiled {len(items)} kernels in {time.time() - t0:.1f} s; failures: {out['warm']['failures']}",
-          flush=True)
-    for s in seqs:
-        q, k, v = _rand_qkv(s, seed=1)
-        run = {"S_tokens": s, "records": []}
-        try:
-            run["dense_ours_ms"] = time_ms(_dense_ours(q, k, v))
-            run["dense_ours_tflops"] = tflops(dense_flops(s), run["dense_ours_ms"])
-        except Exception as e:
-            run["dense_ours_error"] = f"{type(e).__name__}: {e}"[:300]
-        for dens in densities:
-            mask = fixed_density_mask(s, dens, seed=int(dens * 100))
-            nb = mask.shape[-1]
-            rec = {"target_density": dens, "density": float(mask.sum()) / (HQ * nb * (nb + 1) // 2), "variants": []}
-            flops = dense_flops(s) * rec["density"]
-            # index build: the Triton builder, the PyTorch one it replaced, the row order
-            try:
-                bi = block_mask_to_indices(mask, s, s, block_size=BS)
-                old = _mask_to_indices_torch(mask, s, s, BS, True)
-                rec["index_identical_to_torch_builder"] = all(torch.equal(a, b) for a, b in
-                                                              zip((bi.indices, bi.n_full, bi.n_total), old))
-                del old
-                rec["index_build_ms"] = time_ms(lambda: block_mask_to_indices(mask, s, s, block_size=BS))
-                rec["index_build_torch_ms"] = time_ms(lambda: _mask_to_indices_torch(mask, s, s, BS, True))
-                rec["order_build_ms"] = time_ms(lambda: bsm._row_order(bi.n_total, nb))
-                bi = block_mask_to_indices(mask, s, s, block_size=BS, with_order=True)
-            except Exception as e:
-                traceback.print_exc()
-                rec["index_error"] = f"{type(e).__name__}: {e}"[:300]
-                run["records"].append(rec)
-                continue
-            ref = None
-            for cfg in cfgs:
-                vr = {"config": cfg.name()}
-                if time.time() - t0 > budget_s:
-                    vr["skipped"] = f"sweep time budget of {budget_s:.0f} s reached"
-                    rec["variants"].append(vr)
-                    continue
-                bsm._CFG_OVERRIDE.append(cfg)
-                try:
-                    o, l = bsm.block_sparse_attn_with_lse(q, k, v, bi, block_size=BS)
-                    vr["ms"] = time_ms(lambda: bsm.block_sparse_attn_with_lse(q, k, v, bi, block_size=BS))
-                    vr["tflops_effective"] = tflops(flops, vr["ms"])
-                    if "dense_ours_ms" in run:
-                        vr["over_dense"] = vr["ms"] / run["dense_ours_ms"]
-                    if ref is None and cfg == default:
-                        ref = (o, l)
-                    if ref is not None:
-                        vr["out_max_abs_diff_vs_default"], nf_o = _diff(o, ref[0])
-                        vr["lse_max_abs_diff_vs_default"], nf_l = _diff(l, ref[1])
-                        vr["finite_mismatch"] = nf_o + nf_l
-                        vr["matches_default"] = (vr["out_max_abs_diff_vs_default"] <= 1.6e-2
-                                                 and vr["lse_max_abs_diff_vs_default"] <= 1e-3 and nf_o + nf_l == 0)
-                    del o, l
-                except Exception as e:
-                    traceback.print_exc()
-                    vr["error"] = f"{type(e).__name__}: {e}"[:300]
-                finally:
-                    bsm._CFG_OVERRIDE.pop()
-                rec["variants"].append(vr)
-                print(f"  S={s} density={rec['density']:.3f} {cfg.name():28s} "
-                      f"{vr.get('ms', vr.get('error', vr.get('skipped')))}", flush=True)
-            if with_flex and time.time() - t0 < budget_s + 30:
-                try:
-                    fn = _flex_call(q, k, v, flex_block_mask(mask, s))
-                    rec["flex_ms"] = time_ms(fn)
-                    if ref is not None:
-                        fo = fn()
-                        fo = fo[0] if isinstance(fo, tuple) else fo
-                        rec["flex_out_max_abs_diff_vs_default"] = _diff(fo.transpose(1, 2), ref[0])[0]
-                        del fo
-                except Exception as e:
-                    traceback.print_exc()
-                    rec["flex_error"] = f"{type(e).__name__}: {e}"[:300]
-            elif with_flex:
-                rec["flex_error"] = "skipped: sweep time budget"
-            ok = [vr for vr in rec["variants"] if "ms" in vr and vr.get("matches_default", False)]
-            for vr in ok:
-                if "flex_ms" in rec:
-                    vr["over_flex"] = vr["ms"] / rec["flex_ms"]
-            if ok:
-                best = min(ok, key=lambda vr: vr["ms"])
-                base = next((vr for vr in ok if vr["config"] == default.name()), None)
-                rec["winner"] = {"config": best["config"], "ms": best["ms"],
-                                 "over_dense": best.get("over_dense"), "over_flex": best.get("over_flex"),
-                                 "speedup_over_default": (base["ms"] / best["ms"]) if base else None}
-            run["records"].append(rec)
-            del ref, bi, mask
-            torch.cuda.empty_cache()
-        out["runs"].append(run)
-        del q, k, v
-        torch.cuda.empty_cache()
-    out["seconds"] = round(time.time() - t0, 1)
-    return out
-
-
-def _print_sweep(res):
-    for run in res["runs"]:
-        print(f"block-sparse variants at {run['S_tokens']} tokens; dense ours {run.get('dense_ours_ms', '-')} ms")
-        recs = run["records"]
-        rows = {}
-        for rec in recs:
-            tag = f"{round(rec['target_density'] * 100)}%"
-            for vr in rec["variants"]:
-                r = rows.setdefault(vr["config"], {"config": vr["config"]})
-                r[f"{tag}_ms"] = vr.get("ms", "err" if "error" in vr else "skip")
-                r[f"{tag}/dense"] = vr.get("over_dense", "-")
-                r[f"{tag}/flex"] = vr.get("over_flex", "-")
-                r[f"{tag}_diff"] = vr.get("out_max_abs_diff_vs_default", "-")
-        if rows:
-            cols = list(next(iter(rows.values())).keys())
-            print(fmt_table(list(rows.values()), cols), flush=True)
-        for rec in recs:
-            print(f"  density {rec['density']:.3f}: flex {rec.get('flex_ms', rec.get('flex_error', '-'))} ms; "
-                  f"index build {rec.get('index_build_ms', '-')} ms (torch builder "
-                  f"{rec.get('index_build_torch_ms', '-')} ms, identical: "
-                  f"{rec.get('index_identical_to_torch_builder', '-')}), order {rec.get('order_build_ms', '-')} ms; "
-                  f"winner {rec.get('winner')}", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -662,20 +365,16 @@ def _warm_variants():
 
 def _warm_one(v):
     """Compile one kernel variant on tiny inputs with the same specialisation as the real runs."""
-    import importlib
-
     try:
         kind = v[0]
         if kind == "stats":
             _, st, causal, cfg = v
-            mod = importlib.import_module("xoffload.kernels.xattn")
+            from xoffload.kernels import launch_override, xattn_chunk_stats
+
             q = torch.randn(1, 256, 8, D, device="cuda", dtype=torch.bfloat16)
             k = torch.randn(1, 256, 2, D, device="cuda", dtype=torch.bfloat16)
-            mod._CFG_OVERRIDE.append(cfg)
-            try:
-                mod.xattn_chunk_stats(q, k, q_start=0, stride=st, causal=causal)
-            finally:
-                mod._CFG_OVERRIDE.pop()
+            with launch_override("xattn_stats", cfg):
+                xattn_chunk_stats(q, k, q_start=0, stride=st, causal=causal)
         elif kind == "blocksum":
             from xoffload.kernels import xattn_chunk_stats, xattn_block_scores
 
@@ -746,54 +445,16 @@ def _print_bs(res):
         print(fmt_table(rows, list(rows[0].keys())), flush=True)
 
 
-def sweep_main(args):
-    """--sweep-bs: the launch-variant sweep alone, JSON to benchmarks/results/xattn_bs_sweep.json."""
-    seqs = [131072] if args.quick else [131072, 32768]
-    payload = {"benchmark": "xattn_bs_sweep", "env": env_record(),
-               "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "batch": 1, "block_size": BS, "dtype": "bfloat16",
-                         "causal": True, "mask": "fixed_density_mask: sink + diagonal + random causal blocks per "
-                                                 "(query head, query block)"},
-               "timing": "median of CUDA-event-timed calls after a warm-up (do_bench for calls < 20 ms); ours with "
-                         "a prebuilt BlockIndex (and row order), Flex with a prebuilt BlockMask",
-               "quick": args.quick}
-    t0 = time.time()
-    try:
-        payload["sweep"] = run_bs_sweep(seqs, quick=args.quick, with_flex=not args.no_flex, budget_s=args.budget_s)
-    except Exception as e:
-        traceback.print_exc()
-        payload["sweep"] = {"error": f"{type(e).__name__}: {e}"[:500]}
-    payload["total_seconds"] = round(time.time() - t0, 1)
-    path = write_json("xattn_bs_sweep", payload)
-    if "runs" in payload["sweep"]:
-        _print_sweep(payload["sweep"])
-    print(f"wrote {path} ({payload['total_seconds']} s)")
-    return 0
-
-
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="128K only; S=8,16; one end-to-end threshold")
+    ap = bench_parser(__doc__, "xattn", quick_help="128K only; S=8,16; one end-to-end threshold")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compile time)")
-    ap.add_argument("--name", default="xattn")
     ap.add_argument("--warm-only", action="store_true", help="only compile the kernels (parallel processes)")
-    ap.add_argument("--sweep-bs", action="store_true",
-                    help="only the block-sparse launch-variant sweep (128K and 32K; --quick: 128K, fewer variants) "
-                         "-> benchmarks/results/xattn_bs_sweep.json")
-    ap.add_argument("--budget-s", type=float, default=210.0, help="--sweep-bs: stop timing variants after this")
-    ap.add_argument("--aot-check", action="store_true",
-                    help="no GPU needed: compile every sweep variant for sm_90 and print shared memory / PTX counts")
-    args = ap.parse_args(argv)
-    if args.aot_check:
-        res = aot_check(quick=args.quick)
-        return 1 if any("error" in r for r in res) else 0
-    if not HAS_CUDA:
-        print("bench_xattn: no CUDA device, skipped")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     if args.warm_only:
         warm()
         return 0
-    if args.sweep_bs:
-        return sweep_main(args)
     s_main = 131072
     payload = {"benchmark": "xattn", "env": env_record(), "shape": {"Hq": HQ, "Hkv": HKV, "D": D, "batch": 1,
                "block_size": BS, "dtype": "bfloat16", "causal": True},
@@ -821,7 +482,7 @@ def main(argv=None):
             traceback.print_exc()
             payload[name] = {"error": f"{type(e).__name__}: {e}"[:500]}
         payload.setdefault("stage_seconds", {})[name] = round(time.time() - t, 1)
-        write_json(args.name, payload)
+        write_json(args.out, payload)
         print(f"== {name} ({time.time() - t:.1f} s)", flush=True)
         if name == "estimate" and isinstance(payload[name], list):
             _print_estimate(payload[name])
@@ -831,7 +492,7 @@ def main(argv=None):
             print(payload[name], flush=True)
     payload["partial"] = False
     payload["total_seconds"] = round(time.time() - t0, 1)
-    path = write_json(args.name, payload)
+    path = write_json(args.out, payload)
     print(f"wrote {path}")
     return 0
 
@@ -860,4 +521,4 @@ def test_bench_xattn_end_to_end_32k(benchmark):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

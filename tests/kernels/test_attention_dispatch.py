@@ -4,11 +4,10 @@ against the fp32 reference, plus a few ulps)."""
 import pytest
 import torch
 
-from helpers import max_err, out_tol, sdpa_in_dtype
+from helpers import HAS_CUDA, max_err, out_tol, sdpa_in_dtype
 from xoffload.kernels import causal_attention, causal_attention_backend
 from xoffload.kernels.reference import attention_ref
 
-HAS_CUDA = torch.cuda.is_available()
 
 
 def _qkv(b, s, hq, hkv, d, dtype, device="cpu", sk=None, seed=0):

@@ -7,10 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_lse_match, max_err, out_tol
-from xoffload.kernels import block_sparse_attn_with_lse
-from xoffload.kernels import block_sparse as bsm
-from xoffload.kernels.block_sparse import BSConfig, block_mask_to_indices
+from helpers import assert_lse_match, max_err, out_tol, rand_block_mask as _rand_mask
+from xoffload.kernels import LaunchConfig, block_mask_to_indices, block_sparse_attn_with_lse, launch_override
 from xoffload.kernels.reference import attention_ref, block_sparse_attention_ref, causal_mask
 
 
@@ -20,12 +18,6 @@ def _data(b, sq, sk, hq, hkv, d, dtype, device, seed=0, scale=1.0):
     k = (torch.randn(b, sk, hkv, d, generator=g) * scale).to(dtype).to(device)
     v = torch.randn(b, sk, hkv, d, generator=g).to(dtype).to(device)
     return q, k, v
-
-
-def _rand_mask(b, h, sq, sk, bs, density, seed=0, device="cpu"):
-    g = torch.Generator().manual_seed(seed)
-    nqb, nkb = -(-sq // bs), -(-sk // bs)
-    return (torch.rand(b, h, nqb, nkb, generator=g) < density).to(device)
 
 
 def _allowed(mask, hq, sq, sk, bs, causal):
@@ -125,14 +117,6 @@ def test_fp32_and_strided_views(device):
     check(qv, k, v, mask, 16, True)
 
 
-def test_index_lists_order_full_first():
-    mask = torch.ones(1, 1, 2, 2, dtype=torch.bool)
-    bi = block_mask_to_indices(mask, 32, 32, block_size=16, causal=True)
-    # query block 0 sees only block 0 (diagonal, partial); block 1 sees 0 fully and 1 partially
-    assert bi.n_total.tolist() == [[[1, 2]]] and bi.n_full.tolist() == [[[0, 1]]]
-    assert bi.indices[0, 0, 1].tolist() == [0, 1]
-
-
 def test_bad_inputs(device):
     q, k, v = _data(1, 32, 32, 2, 1, 16, torch.float16, device)
     good = torch.ones(1, 2, 2, 2, dtype=torch.bool, device=device)
@@ -155,67 +139,21 @@ def test_bad_inputs(device):
 
 
 # ---------------------------------------------------------------------------------------------
-# index lists: the Triton builder equals the PyTorch one
-# ---------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize(
-    "bm,hm,sq,sk,bs,causal,density",
-    [
-        (1, 3, 100, 100, 16, True, 0.5),
-        (2, 2, 37, 150, 32, True, 0.4),     # Sq < Sk (chunk at an offset), ragged
-        (1, 2, 70, 40, 16, True, 0.7),      # Sq > Sk: leading blocks see nothing
-        (1, 2, 64, 90, 16, False, 0.6),     # non-causal, ragged key tail
-        (2, 1, 1, 70, 16, True, 1.0),       # one query row
-        (1, 1, 48, 48, 16, True, 0.0),      # empty mask
-        (1, 1, 16, 16 * 2100, 16, False, 0.3),  # nkb > 2048: two chunks per row
-    ],
-)
-def test_index_builder_triton_equals_torch(bm, hm, sq, sk, bs, causal, density):
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    mask = _rand_mask(bm, hm, sq, sk, bs, density, seed=sq + sk, device=dev)
-    want = bsm._mask_to_indices_torch(mask, sq, sk, bs, causal)
-    got = bsm._mask_to_indices_triton(mask, sq, sk, bs, causal)
-    for g, w in zip(got, want):
-        assert g.dtype == torch.int32 and g.shape == w.shape and torch.equal(g.cpu(), w.cpu())
-    # a strided (non-contiguous) mask view gives the same lists
-    big = torch.zeros(bm, hm, mask.shape[2], 2 * mask.shape[3], dtype=torch.bool, device=dev)
-    big[..., ::2] = mask
-    for g, w in zip(bsm._mask_to_indices_triton(big[..., ::2], sq, sk, bs, causal), want):
-        assert torch.equal(g.cpu(), w.cpu())
-
-
-def test_row_order_heaviest_first():
-    mask = _rand_mask(2, 3, 160, 160, 16, 0.5, seed=3)
-    bi = block_mask_to_indices(mask, 160, 160, block_size=16, causal=True, with_order=True)
-    order = bi.order.long()
-    assert sorted(order.tolist()) == list(range(2 * 3 * 10))
-    work = bi.n_total.reshape(-1)[order]
-    assert (work[:-1] >= work[1:]).all()
-
-
-# ---------------------------------------------------------------------------------------------
-# launch variants (BSConfig): each equals the reference; order / prefetch / TMA / one loop do
-# not change the arithmetic, so they equal the plain loop with the same tiles bit for bit
+# launch variants (LaunchConfig through launch_override): each equals the reference; TMA loads do
+# not change the arithmetic, so they equal the pointer loads with the same tiles bit for bit
 # ---------------------------------------------------------------------------------------------
 
 _VARIANTS = [
-    BSConfig(32, 16, 4, 1, prefetch=2),
-    BSConfig(32, 16, 4, 1, order="kv"),
-    BSConfig(32, 16, 4, 1, order="sorted"),
-    BSConfig(16, 16, 4, 1, order="sorted"),   # two query tiles per mask block
-    BSConfig(32, 16, 4, 1, tma=True),
-    BSConfig(32, 16, 4, 1, one_loop=True),
-    BSConfig(32, 16, 4, 1, order="kv", prefetch=2, tma=True, one_loop=True),
-    BSConfig(32, 32, 4, 1, warp_spec=True),   # BLOCK_N = block size (SUB = 1)
+    LaunchConfig(32, 16, 4, 1),
+    LaunchConfig(16, 16, 4, 1),   # two query tiles per mask block
+    LaunchConfig(32, 16, 4, 1, tma=True),
+    LaunchConfig(32, 32, 4, 1, tma=True),   # BLOCK_N = block size (SUB = 1)
 ]
 
 
 def _run_cfg(cfg, *args, **kw):
-    bsm._CFG_OVERRIDE.append(cfg)
-    try:
+    with launch_override("block_sparse", cfg):
         return block_sparse_attn_with_lse(*args, **kw)
-    finally:
-        bsm._CFG_OVERRIDE.pop()
 
 
 _VARIANT_CASES = {
@@ -239,7 +177,7 @@ def _variant_case(name, device, block_m, block_n):
         full = mask.expand(b, *mask.shape[1:])
         ref_o, ref_l = block_sparse_attention_ref(q, k, v, full, block_size=bs, causal=causal)
         tol = out_tol(ref_o, _baseline(q, k, v, _allowed(full, hq, sq, sk, bs, causal)), q.dtype)
-        base = _run_cfg(BSConfig(block_m, block_n, 4, 1), q, k, v, mask, block_size=bs, causal=causal)
+        base = _run_cfg(LaunchConfig(block_m, block_n, 4, 1), q, k, v, mask, block_size=bs, causal=causal)
         _CASE_CACHE[key] = (q, k, v, mask, bs, causal, ref_o, ref_l, tol, base)
     return _CASE_CACHE[key]
 
@@ -252,27 +190,29 @@ def test_variants_match_reference(device, cfg, case):
     err = max_err(o1, ref_o)
     assert err <= tol, f"{cfg.name()}: output error {err:.3g} > tol {tol:.3g}"
     assert_lse_match(l1, ref_l)
-    if not cfg.warp_spec:
-        assert torch.equal(o1, o0) and torch.equal(l1, l0), f"{cfg.name()} differs from the plain loop"
+    assert torch.equal(o1, o0) and torch.equal(l1, l0), f"{cfg.name()} differs from the plain loop"
 
 
-def test_sorted_order_with_prebuilt_order(device):
+def test_prebuilt_index_equals_mask(device):
     q, k, v = _data(1, 96, 96, 4, 1, 16, torch.float16, device, seed=11)
     mask = _rand_mask(1, 1, 96, 96, 16, 0.5, seed=5, device=device)
-    cfg = BSConfig(16, 16, 4, 1, order="sorted")
-    bi = block_mask_to_indices(mask, 96, 96, block_size=16, causal=True, with_order=True)
+    cfg = LaunchConfig(16, 16, 4, 1)
+    bi = block_mask_to_indices(mask, 96, 96, block_size=16, causal=True)
     o1, l1 = _run_cfg(cfg, q, k, v, bi, block_size=16, causal=True)
-    o2, l2 = _run_cfg(BSConfig(16, 16, 4, 1), q, k, v, mask, block_size=16, causal=True)
+    o2, l2 = _run_cfg(cfg, q, k, v, mask, block_size=16, causal=True)
     assert torch.equal(o1, o2) and torch.equal(l1, l2)
 
 
 def test_bad_config(device):
     q, k, v = _data(1, 32, 32, 2, 1, 16, torch.float16, device)
     mask = torch.ones(1, 2, 2, 2, dtype=torch.bool, device=device)
-    with pytest.raises(ValueError, match="order"):
-        _run_cfg(BSConfig(16, 16, 4, 1, order="zigzag"), q, k, v, mask, block_size=16)
-    with pytest.raises(ValueError, match="prefetch"):
-        _run_cfg(BSConfig(16, 16, 4, 1, prefetch=3), q, k, v, mask, block_size=16)
+    with pytest.raises(ValueError, match="unknown kernel"):
+        with launch_override("block_sparce", LaunchConfig(16, 16, 4, 1)):
+            pass
+    with pytest.raises(ValueError, match="bad config"):
+        _run_cfg((16, 16), q, k, v, mask, block_size=16)
+    with pytest.raises(ValueError, match="positive ints"):
+        _run_cfg(LaunchConfig(16, 0, 4, 1), q, k, v, mask, block_size=16)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,18 +250,14 @@ def test_gpu_fp16_d64_and_x10():
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("cfg", [
-    BSConfig(128, 128, 8, 3, tma=True),
-    BSConfig(128, 128, 8, 3, order="kv", prefetch=2),
-    BSConfig(128, 64, 8, 3, order="sorted"),
-    BSConfig(128, 128, 8, 3, one_loop=True),
-    BSConfig(128, 64, 8, 3, tma=True, warp_spec=True),
+    LaunchConfig(128, 128, 8, 3, tma=True),
+    LaunchConfig(128, 128, 8, 3),
+    LaunchConfig(128, 64, 8, 3),
+    LaunchConfig(128, 64, 8, 3, tma=True),
 ], ids=lambda c: c.name())
 def test_gpu_bf16_variants(cfg):
     # ragged lengths (masked loads / TMA zero fill), Sq < Sk, GQA 4, per-KV-head masks
     q, k, v = _data(1, 1000, 1300, 8, 2, 128, torch.bfloat16, "cuda", seed=9)
     mask = _rand_mask(1, 2, 1000, 1300, 128, 0.5, seed=4, device="cuda")
-    bsm._CFG_OVERRIDE.append(cfg)
-    try:
+    with launch_override("block_sparse", cfg):
         check(q, k, v, mask, 128, True)
-    finally:
-        bsm._CFG_OVERRIDE.pop()

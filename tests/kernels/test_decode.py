@@ -6,12 +6,11 @@ CPU: the Triton code under the interpreter (fp16/fp32). GPU (``-m cuda``): bf16/
 import pytest
 import torch
 
-from helpers import assert_lse_match, max_err, out_tol, sdpa_in_dtype
+from helpers import HAS_CUDA, assert_lse_match, max_err, out_tol, sdpa_in_dtype
 from xoffload.kernels import cpu_backend, decode_attn_with_lse
 from xoffload.kernels.decode import default_num_splits
 from xoffload.kernels.reference import decode_attention_ref
 
-HAS_CUDA = torch.cuda.is_available()
 
 
 def _make(b, s_max, hq, hkv, d, dtype, device, scale=1.0, seed=0):

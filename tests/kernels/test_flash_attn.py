@@ -10,12 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import assert_lse_match, max_err, out_tol, sdpa_in_dtype
-from xoffload.kernels import cpu_backend, flash_attn_varlen_with_lse, flash_attn_with_lse
-from xoffload.kernels import flash_attn as fa_mod
+from helpers import HAS_CUDA, assert_lse_match, max_err, out_tol, sdpa_in_dtype
+from xoffload.kernels import LaunchConfig, cpu_backend, flash_attn_varlen_with_lse, flash_attn_with_lse, launch_override
 from xoffload.kernels.reference import attention_ref, causal_mask, masked_attention_ref, varlen_attention_ref
-
-HAS_CUDA = torch.cuda.is_available()
 
 
 def _rand(shape, dtype, device, scale=1.0, gen=None):
@@ -129,19 +126,22 @@ def test_softmax_scale(device):
     check_dense(q, k, v, True, softmax_scale=0.37)
 
 
-@pytest.mark.parametrize("cfg", [(32, 64, 4, 1, False, False), (16, 16, 4, 1, False, False),
-                                 (64, 32, 4, 1, False, True)])
+@pytest.mark.parametrize("cfg", [(32, 64, 4, 1), (16, 16, 4, 1), (64, 64, 4, 1)])
 def test_other_block_shapes(device, cfg):
-    """BLOCK_M < BLOCK_N, tiny blocks and the TMA-descriptor loads (D=80 < BLOCK_D: zero-filled
-    columns): the causal diagonal split and the loads must not depend on the tiling."""
+    """BLOCK_M < BLOCK_N, tiny blocks and square ones (D=80 < BLOCK_D: masked columns): the causal
+    diagonal split and the loads must not depend on the tiling."""
     q = _rand((1, 100, 4, 80), torch.float16, device)
     k = _rand((1, 131, 2, 80), torch.float16, device)
     v = _rand((1, 131, 2, 80), torch.float16, device)
-    fa_mod._CFG_OVERRIDE.append(cfg)
-    try:
+    with launch_override("flash_attn", cfg):
         check_dense(q, k, v, True)
-    finally:
-        fa_mod._CFG_OVERRIDE.pop()
+
+
+def test_no_tma_variant(device):
+    q = _rand((1, 16, 2, 16), torch.float16, device)
+    with pytest.raises(ValueError, match="no TMA variant"):
+        with launch_override("flash_attn", LaunchConfig(32, 32, 4, 1, tma=True)):
+            flash_attn_with_lse(q, q, q)
 
 
 def test_split_k_merge_equals_whole(device):
@@ -418,19 +418,22 @@ def test_gpu_131072_tokens():
     _sampled_check(q, k, v, True, rows)
 
 
+_GPU_CONFIGS = {
+    64: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
+}
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("d,cfg", [(d, c) for d in (64, 128) for c in fa_mod.CANDIDATES[d]])
+@pytest.mark.parametrize("d,cfg", [(d, c) for d in (64, 128) for c in _GPU_CONFIGS[d]])
 def test_gpu_candidate_configs(d, cfg):
-    """Every launch configuration the tuner may pick (pointer or TMA loads, BLOCK_N 64/128):
-    varlen with empty sequences and Sq_b > Sk_b, and fused-QKV strided views."""
-    fa_mod._CFG_OVERRIDE.append(cfg)
-    try:
+    """Every launch configuration the benchmark sweeps (BLOCK_N 64/128, 2-4 stages): varlen with
+    empty sequences and Sq_b > Sk_b, and fused-QKV strided views."""
+    with launch_override("flash_attn", cfg):
         _check_varlen([1, 300, 0, 130, 77], [1, 280, 17, 0, 300], 8, 2, d, True, torch.bfloat16, "cuda")
         qkv = torch.randn(2, 333, 12, d, device="cuda", dtype=torch.bfloat16)
         check_dense(qkv[:, :, :8], qkv[:, :, 8:10], qkv[:, :, 10:], True)
         check_dense(qkv[:, :100, :8], qkv[:, :, 8:10], qkv[:, :, 10:], False)
-    finally:
-        fa_mod._CFG_OVERRIDE.pop()
 
 
 def test_varlen_strided_cu_seqlens_views(device):

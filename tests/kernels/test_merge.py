@@ -227,7 +227,7 @@ def test_merge_bad_inputs():
         merge_attention_states(oa, la, oa[:1], la[:1])
     with pytest.raises(ValueError, match="out has shape"):
         merge_attention_states(oa, la, oa, la, out=oa[:1])
-    with pytest.raises(TypeError, match="out_lse must be float32"):
+    with pytest.raises(TypeError, match="out_lse has dtype torch.float16, expected torch.float32"):
         merge_attention_states(oa, la, oa, la, out_lse=la.half())
     with pytest.raises(TypeError, match="o_a must be a torch.Tensor"):
         merge_attention_states(None, la, oa, la)

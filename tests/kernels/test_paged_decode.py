@@ -8,11 +8,11 @@ store on the GPU), and CUDA-graph capture with check=False.
 import pytest
 import torch
 
-from helpers import assert_lse_match, max_err, out_tol, sdpa_in_dtype
+from helpers import HAS_CUDA, assert_lse_match, max_err, out_tol, sdpa_in_dtype
 from xoffload.kernels import cpu_backend, decode_attn_with_lse, paged_decode_attn_with_lse
 from xoffload.kernels.reference import decode_attention_ref, paged_decode_attn_ref, paged_rows_ref
 
-HAS_CUDA = torch.cuda.is_available()
+
 
 
 def _store(r, hkv, d, dtype, device, scale=1.0, seed=0):

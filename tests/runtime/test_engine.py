@@ -1,5 +1,6 @@
-"""CPU tests of the offload runtime (issue 3 section 2 and 4): allocator, block tables, decode-buffer
-flushes at block boundaries, ring sizes, request isolation, random lifecycles, bad input.
+"""CPU tests of OffloadEngine (runtime/engine.py): pool exhaustion, decode-buffer flushes at block
+boundaries, ring sizes, request isolation, random lifecycles, bad input. The allocator, pool, ring
+and gather kernel have their own test files.
 
 Host mode (device="cpu") runs the same bookkeeping as the GPU path with synchronous copies.
 """
@@ -8,9 +9,7 @@ import random
 import pytest
 import torch
 
-from xoffload.kernels.checks import interpreter_on
-from xoffload.runtime import (BlockAllocator, CpuKVPool, LayerRing, OffloadEngine, PoolAllocationError,
-                              PoolExhaustedError, block_runs, gather_blocks)
+from xoffload.runtime import OffloadEngine, PoolExhaustedError
 
 H, D = 1, 2
 DT = torch.float32
@@ -81,59 +80,7 @@ def eng_(layers=2, bs=16, max_tokens=256, nb=None, nbuf=4, dtype=DT, h=H, d=D):
                          num_buffers=nbuf, num_blocks=nb)
 
 
-# ----------------------------------------------------------------------------- allocator
-def test_allocator_exhaustion_names_needed_and_free():
-    a = BlockAllocator(5, block_size=16)
-    a.add(0)
-    a.allocate(0, 4)
-    a.add(1)
-    before = a.snapshot()
-    with pytest.raises(PoolExhaustedError) as ei:
-        a.allocate(1, 3)
-    msg = str(ei.value)
-    assert "needs 3" in msg and "only 1 of 5" in msg and "48 tokens" in msg, msg
-    assert isinstance(ei.value, ValueError)
-    assert a.snapshot() == before  # nothing changed
-
-
-def test_allocator_free_returns_all_and_reuse():
-    a = BlockAllocator(8)
-    start = a.snapshot()
-    for s in range(3):
-        a.add(s)
-    a.allocate(0, 3)
-    a.allocate(1, 2)
-    a.allocate(0, 1)
-    a.allocate(2, 2)
-    assert a.num_free == 0
-    assert a.free(0) == 4 and a.num_free == 4
-    assert not a.has(0)
-    with pytest.raises(ValueError):
-        a.table(0)
-    a.add(3)
-    got = a.allocate(3, 4)  # reuses the freed blocks
-    assert sorted(got) == sorted([0, 1, 2, 5])
-    for s in (1, 2, 3):
-        a.free(s)
-    assert a.snapshot() == start and a.num_free == 8
-
-
-def test_block_tables_prefer_contiguous_runs():
-    a = BlockAllocator(16)
-    a.add(0)
-    a.add(1)
-    assert a.allocate(0, 2) == [0, 1]
-    assert a.allocate(1, 3) == [2, 3, 4]
-    assert a.allocate(0, 2) == [5, 6]  # cannot extend 0..1: takes the next run
-    assert a.allocate(0, 1) == [7]     # extends contiguously
-    assert a.table(0) == (0, 1, 5, 6, 7) and a.table(1) == (2, 3, 4)
-    assert a.owns(0, 6) and not a.owns(0, 2)
-    a.free(1)
-    a.add(2)
-    assert a.allocate(2, 4) == [8, 9, 10, 11]  # first run long enough (2..4 is too short)
-    assert block_runs(a.table(0), 0, 80, 16) == [(0, 0, 32), (80, 32, 48)]
-    assert block_runs(a.table(0), 20, 40, 16) == [(20, 20, 12), (80, 32, 8)]
-    assert block_runs(a.table(0), 3, 3, 16) == []
+# ---------------------------------------------------------------------------- exhaustion
 
 
 def test_engine_exhaustion_error_and_no_change():
@@ -145,35 +92,6 @@ def test_engine_exhaustion_error_and_no_change():
         e.offload_layer(s1, 0, r.rand(17), r.rand(17))
     assert e.layer_len(s1, 0) == 0 and e.num_seq_blocks(s1) == 0 and e.num_free_blocks == 1
     r.check_host(s0)
-
-
-# --------------------------------------------------------------------------- pool memory
-def test_pool_layout_and_size():
-    p = CpuKVPool(3, 5, 16, 2, 8, torch.float16, pin=False, slab_bytes=10_000)
-    assert p.nbytes == 3 * 2 * 5 * 16 * 2 * 8 * 2
-    assert p.allocated_bytes <= 1.05 * p.nbytes + 2 * 4096 * 3
-    assert len(p.k) == 3 and p.k[0].shape == (5, 16, 2, 8) and p.k[0].is_contiguous()
-    for l in range(3):  # K and V of all layers are distinct memory
-        p.k[l].fill_(l)
-        p.v[l].fill_(10 + l)
-    for l in range(3):
-        assert bool((p.k[l] == l).all()) and bool((p.v[l] == 10 + l).all())
-    assert p.k_rows(1).shape == (80, 2, 8)
-    big = CpuKVPool(2, 64, 1024, 2, 64, torch.float16, pin=False)  # 64 MiB, one slab
-    assert big.nbytes <= big.allocated_bytes <= 1.05 * big.nbytes
-    big.close()
-    p.close()
-
-
-def test_pool_failed_allocation_names_size_and_hint():
-    with pytest.raises(PoolAllocationError) as ei:
-        CpuKVPool(1, 2 ** 36, 1024, 8, 128, torch.bfloat16, pin=False)
-    msg = str(ei.value)
-    assert "GiB" in msg and str(2 ** 36 * 1024 * 8 * 128 * 2 * 2) in msg and "fewer blocks" in msg
-    assert "smaller block_size" in msg
-    assert isinstance(ei.value, MemoryError)
-    with pytest.raises(PoolAllocationError, match="fewer blocks"):
-        OffloadEngine(1, 8, 128, device="cpu", max_tokens=1024, num_blocks=2 ** 36)
 
 
 # ------------------------------------------------------------------------ decode flushes
@@ -239,39 +157,6 @@ def test_ring_sizes_over_30_layers(nbuf):
     r.check_host(s)
     ring = e._rings[0]
     assert len(e._rings) == 1 and ring.loads == 3 * 30  # every layer loaded once per step
-
-
-def test_layer_ring_refuses_overwrite_in_use():
-    ring = LayerRing(2, 8, 1, 2, dtype=torch.float32, device="cpu")
-    seen = []
-
-    def fill(layer):
-        def f(k, v):
-            k.fill_(layer)
-            v.fill_(-layer)
-            seen.append(layer)
-        return f
-
-    ring.load(0, fill(0))
-    ring.load(1, fill(1))
-    k0, v0 = ring.acquire(0)
-    assert bool((k0 == 0).all()) and bool((v0 == 0).all())
-    with pytest.raises(RuntimeError, match="in use"):
-        ring.load(2, fill(2))  # slot 0 still being read
-    with pytest.raises(RuntimeError, match="not loaded"):
-        ring.acquire(2)
-    ring.release(0)
-    ring.load(2, fill(2))
-    k1, _ = ring.acquire(1)
-    assert bool((k1 == 1).all())
-    ring.release(1)
-    k2, v2 = ring.acquire(2)
-    assert bool((k2 == 2).all()) and bool((v2 == -2).all())
-    with pytest.raises(RuntimeError):
-        ring.release(1)
-    assert seen == [0, 1, 2] and ring.in_use() == [2]
-    with pytest.raises(ValueError):
-        LayerRing(0, 8, 1, 2)
 
 
 # ----------------------------------------------------------------------- request isolation
@@ -448,24 +333,7 @@ def test_engine_arg_validation():
             OffloadEngine(1, 1, 2, device="cuda")
 
 
-# ---------------------------------------------------------------------------- gather kernel
-@pytest.mark.skipif(not (interpreter_on() or torch.cuda.is_available()), reason="needs Triton interpreter or GPU")
-@pytest.mark.parametrize("shape,dtype", [((6, 16, 2, 8), torch.float16), ((5, 3, 1, 5), torch.float32)])
-def test_gather_kernel_matches_index_select(shape, dtype):
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
-    g = torch.Generator().manual_seed(0)
-    src_k = torch.randn(shape, generator=g).to(dtype)
-    src_v = torch.randn(shape, generator=g).to(dtype)
-    ids = torch.tensor([4, 0, 4, 2], dtype=torch.int32, device=dev)
-    out_k = torch.empty((4,) + shape[1:], dtype=dtype, device=dev)
-    out_v = torch.empty_like(out_k)
-    sk, sv = (src_k.to(dev), src_v.to(dev))
-    gather_blocks(sk, sv, ids, out_k, out_v, backend="triton", block=64)
-    idx = ids.long().cpu()
-    assert torch.equal(out_k.cpu(), src_k[idx]) and torch.equal(out_v.cpu(), src_v[idx])
-    gather_blocks(src_k, src_v, idx, out_k.cpu(), out_v.cpu(), backend="torch")
-    with pytest.raises(ValueError):
-        gather_blocks(sk, sv, ids, out_k[:3], out_v[:3])
+# -------------------------------------------------------------------------- gather path
 
 
 @pytest.mark.parametrize("gather", [False, True])

@@ -1,4 +1,4 @@
-"""GPU tests of the offload runtime (issue 3 section 2): stream/event ordering against synchronous
+"""GPU tests of the offload runtime: stream/event ordering against synchronous
 references, 100 iterations each, plus pinned-memory residency and the UVA gather path.
 
 (a) slow writer then offload, (b) 2-buffer ring with slowed attention, (c) D2H source deleted and

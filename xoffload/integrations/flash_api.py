@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from xoffload.kernels.checks import check_tensor
+from xoffload.kernels.checks import check_bool, check_same, check_tensor
 
 from . import ops
 
@@ -51,19 +51,17 @@ def _unsupported(fn: str, *, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, a
             raise NotImplementedError(f"{fn}: {name} is not supported; pass None")
 
 
-def _causal(fn: str, causal) -> bool:
-    """``causal`` as a bool; TypeError for anything else (``bool("False")`` would be True)."""
-    if not isinstance(causal, bool):
-        raise TypeError(f"{fn}: causal must be a bool, got {causal!r}")
-    return causal
-
-
-def _no_grad_check(fn: str, *tensors) -> None:
+def _prologue(fn: str, causal, tensors, **options) -> bool:
+    """The checks every entry point starts with: unsupported options (NotImplementedError), inputs
+    requiring grad under grad mode (NotImplementedError), ``causal`` a bool (TypeError: ``bool("False")``
+    would be True). Returns ``causal``."""
+    _unsupported(fn, **options)
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tensors):
         raise NotImplementedError(
             f"{fn}: xoffload attention is forward-only (no backward); an input requires grad. "
             "Run under torch.no_grad() or torch.inference_mode(), or detach the inputs"
         )
+    return check_bool(f"{fn}: causal", causal)
 
 
 def flash_attn_func(
@@ -100,10 +98,9 @@ def flash_attn_func(
         NotImplementedError: an unsupported option, or inputs requiring grad under grad mode.
         TypeError / ValueError: bad dtypes, shapes, devices or ``softmax_scale`` (from the kernel).
     """
-    fn = "flash_attn_func"
-    _unsupported(fn, dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
-    _no_grad_check(fn, q, k, v)
-    out, lse = ops.flash_attn(q, k, v, _causal("flash_attn_func", causal), softmax_scale)
+    causal = _prologue("flash_attn_func", causal, (q, k, v), dropout_p=dropout_p, window_size=window_size,
+                       softcap=softcap, alibi_slopes=alibi_slopes)
+    out, lse = ops.flash_attn(q, k, v, causal, softmax_scale)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -143,15 +140,10 @@ def flash_attn_varlen_func(
         NotImplementedError: an unsupported option, or inputs requiring grad under grad mode.
         TypeError / ValueError: bad dtypes, shapes or cu_seqlens (from the kernel).
     """
-    fn = "flash_attn_varlen_func"
-    _unsupported(
-        fn, dropout_p=dropout_p, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
-        block_table=block_table,
-    )
-    _no_grad_check(fn, q, k, v)
-    out, lse = ops.flash_attn_varlen(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, _causal("flash_attn_varlen_func", causal), softmax_scale
-    )
+    causal = _prologue("flash_attn_varlen_func", causal, (q, k, v), dropout_p=dropout_p, window_size=window_size,
+                       softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table)
+    out, lse = ops.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
+                                     softmax_scale)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -171,11 +163,7 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
         )
     if dk != d:
         raise ValueError(f"k_cache head_dim {dk} (shape {tuple(k_cache.shape)}) differs from q's {d} (shape {tuple(q.shape)})")
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all must match")
-        if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+    check_same([("q", q), ("k_cache", k_cache), ("v_cache", v_cache)])
     if (k is None) != (v is None):
         raise ValueError("flash_attn_with_kvcache: pass both k and v (new keys/values) or neither")
     if k is not None:
@@ -187,11 +175,7 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
             )
         if tuple(v.shape[:3]) != tuple(k.shape[:3]) or v.shape[-1] != v_cache.shape[-1]:
             raise ValueError(f"v has shape {tuple(v.shape)}; expected {tuple(k.shape[:3]) + (v_cache.shape[-1],)}")
-        for name, t in (("k", k), ("v", v)):
-            if t.dtype != q.dtype:
-                raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; all must match")
-            if t.device != q.device:
-                raise ValueError(f"{name} is on {t.device} but q is on {q.device}")
+        check_same([("q", q), ("k", k), ("v", v)])
         if cache_seqlens is None:
             raise ValueError(
                 "flash_attn_with_kvcache: appending k/v needs cache_seqlens (where to write); got None"
@@ -279,13 +263,9 @@ def flash_attn_with_kvcache(
         NotImplementedError: an unsupported option, or inputs requiring grad under grad mode.
         TypeError / ValueError: bad dtypes, shapes, devices or cache lengths.
     """
-    fn = "flash_attn_with_kvcache"
-    _unsupported(
-        fn, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin, cache_leftpad=cache_leftpad, block_table=block_table,
-    )
-    causal = _causal(fn, causal)
-    _no_grad_check(fn, q, k_cache, v_cache, k, v)
+    causal = _prologue("flash_attn_with_kvcache", causal, (q, k_cache, v_cache, k, v), window_size=window_size,
+                       softcap=softcap, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                       cache_leftpad=cache_leftpad, block_table=block_table)
     seqlens = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx)
     b, sq = q.shape[:2]
     s_new = 0 if k is None else k.shape[1]

@@ -6,30 +6,36 @@ rows that see no key give output 0 and LSE -inf. CUDA tensors run the Triton ker
 run the reference (:mod:`xoffload.kernels.reference`), or the Triton code under ``TRITON_INTERPRET=1``.
 
 One op per module: ``flash_attn`` (dense prefill, padded and varlen), ``decode`` (split-KV decode),
-``merge`` (LSE merge), ``block_sparse`` (block-sparse prefill and its block index), ``xattn``
+``merge`` (LSE merge), ``block_sparse`` (block-sparse prefill), ``block_index`` (its mask ->
+index lists), ``xattn``
 (XAttention's strided estimate), ``norm`` / ``swiglu`` / ``rope`` (fused per-token layer ops),
+``paged_decode`` (decode over a page list per KV head, pages on the GPU or in pinned host memory),
 ``gather`` (block copy out of pinned host memory), ``attention_dispatch`` (picks cuDNN or ours for
-whole-prompt causal attention); ``checks`` holds the shared input checks and dispatch rules.
+whole-prompt causal attention); ``checks`` holds the shared input checks and dispatch rules,
+``launch`` the launch-config type and the one override hook (:func:`launch_override`).
 """
 from __future__ import annotations
 
 from .attention_dispatch import causal_attention, causal_attention_backend
-from .block_sparse import BlockIndex, block_mask_to_indices, block_sparse_attn_with_lse
+from .block_index import BlockIndex, block_mask_to_indices
+from .block_sparse import block_sparse_attn_with_lse
 from .checks import cpu_backend, interpreter_on
 from .decode import decode_attn_with_lse
 from .flash_attn import flash_attn_varlen_with_lse, flash_attn_with_lse
 from .gather import gather_blocks
-from .paged_decode import paged_decode_attn_with_lse
+from .launch import LaunchConfig, launch_override
 from .merge import merge_attention_states, merge_attention_states_, merge_attention_states_n
+from .paged_decode import paged_decode_attn_with_lse
 from .norm import rms_norm
 from .rope import qkv_rope
 from .swiglu import silu_mul
 from .xattn import XAttnChunkStats, xattn_block_scores, xattn_chunk_stats, xattn_estimate, xattn_merge_stats
 
 __all__ = [
-    "BlockIndex", "XAttnChunkStats", "block_mask_to_indices", "block_sparse_attn_with_lse", "causal_attention",
-    "causal_attention_backend", "cpu_backend", "decode_attn_with_lse", "flash_attn_varlen_with_lse",
-    "flash_attn_with_lse", "gather_blocks", "interpreter_on", "merge_attention_states", "merge_attention_states_",
-    "merge_attention_states_n", "paged_decode_attn_with_lse", "qkv_rope", "rms_norm", "silu_mul", "xattn_block_scores", "xattn_chunk_stats",
-    "xattn_estimate", "xattn_merge_stats",
+    "BlockIndex", "LaunchConfig", "XAttnChunkStats", "block_mask_to_indices", "block_sparse_attn_with_lse",
+    "causal_attention", "causal_attention_backend", "cpu_backend", "decode_attn_with_lse",
+    "flash_attn_varlen_with_lse", "flash_attn_with_lse", "gather_blocks", "interpreter_on", "launch_override",
+    "merge_attention_states", "merge_attention_states_", "merge_attention_states_n", "paged_decode_attn_with_lse",
+    "qkv_rope", "rms_norm", "silu_mul", "xattn_block_scores", "xattn_chunk_stats", "xattn_estimate",
+    "xattn_merge_stats",
 ]

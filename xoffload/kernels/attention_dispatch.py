@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from .checks import check_tensor, default_scale
+from .checks import check_out, check_qkv, default_scale, is_int
+from .flash_attn import flash_attn_with_lse
 
 __all__ = ["causal_attention", "causal_attention_backend"]
 
@@ -71,8 +72,6 @@ def _sdpa(q, k, v, scale, cudnn_only: bool):
 
 
 def _ours(q, k, v, scale):
-    from .flash_attn import flash_attn_with_lse
-
     return flash_attn_with_lse(q, k, v, causal=True, softmax_scale=scale)[0]
 
 
@@ -104,15 +103,11 @@ def causal_attention(q, k, v, *, softmax_scale=None, backend: str = "auto", out=
         RuntimeError: ``backend="cudnn"`` where PyTorch's cuDNN attention cannot run (CPU tensors,
             fp32, ``Sq != Sk``, an unsupported head_dim, or cuDNN refusing the call).
     """
-    from .flash_attn import _check_qkv
-
-    _check_qkv(q, k, v, 4, "[B, Sk, Hkv, D]")  # ranks, dtypes, devices, k/v shapes, head_dim, GQA
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    check_qkv(q, k, v, 4, "[B, Sk, Hkv, D]", same_batch=True)
     b, sq, hq, d = q.shape
-    sk, hkv = k.shape[1], k.shape[2]
+    sk = k.shape[1]
     scale = default_scale(d, softmax_scale)
-    if not isinstance(max_tmp_bytes, int) or isinstance(max_tmp_bytes, bool) or max_tmp_bytes < 1:
+    if not is_int(max_tmp_bytes) or max_tmp_bytes < 1:
         raise ValueError(f"max_tmp_bytes must be an int >= 1, got {max_tmp_bytes!r}")
     chosen = causal_attention_backend(q, k, backend)
     if chosen == "cudnn" and not _cudnn_possible(q, sq, sk, d):
@@ -125,14 +120,17 @@ def causal_attention(q, k, v, *, softmax_scale=None, backend: str = "auto", out=
     if out is None:
         out = torch.empty((b, sq, hq, d), dtype=q.dtype, device=q.device)
     else:
-        check_tensor("out", out, 4)
-        if out.dtype != q.dtype:
-            raise TypeError(f"out has dtype {out.dtype} but q has {q.dtype}; they must match")
-        if tuple(out.shape) != (b, sq, hq, d) or out.device != q.device:
-            raise ValueError(f"out must be [{b}, {sq}, {hq}, {d}] {q.dtype} on {q.device}, got "
-                             f"{tuple(out.shape)} {out.dtype} on {out.device}")
+        check_out("out", out, (b, sq, hq, d), q.dtype, q.device)
     if out.numel() == 0:
         return out
+    return _by_head_groups(q, k, v, out, scale, chosen, backend, max_tmp_bytes)
+
+
+def _by_head_groups(q, k, v, out, scale, chosen, backend, max_tmp_bytes):
+    """Run ``chosen`` over the fewest groups of KV heads (divisors of Hkv) whose temporary output
+    stays under ``max_tmp_bytes``, copying each group's output into ``out``."""
+    b, sq, hq, d = q.shape
+    hkv = k.shape[2]
     group = hq // hkv
     per_kv_head = b * sq * group * d * q.element_size()
     n_groups = hkv

@@ -3,7 +3,7 @@
 The check vocabulary (each raises a one-line ``TypeError`` / ``ValueError`` naming the argument and
 the offending value, shape or dtype): :func:`check_tensor`, :func:`check_same`, :func:`check_heads`,
 :func:`check_qkv` (q/k/v of an attention call), :func:`check_out` (a caller's output buffer),
-:func:`check_int`, :func:`check_bool`, :func:`check_cu_seqlens`. The runtime, the sparse policies
+:func:`check_int`, :func:`check_pow2`, :func:`is_int`, :func:`check_eps`, :func:`check_bool`, :func:`check_cu_seqlens`. The runtime, the sparse policies
 and the integrations use the same functions.
 
 Dispatch rule (DESIGN.md): a CUDA tensor runs the Triton kernel; a CPU tensor runs the PyTorch
@@ -189,37 +189,53 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device) -> None:
         raise ValueError(f"{name}[-1] = {int(c[-1])} must equal the packed length {total}")
 
 
-def check_qkv(q, k, v, ndim: int, layout: str = "") -> None:
+def check_qkv(q, k, v, ndim: int, layout: str = "", *, same_batch: bool = False,
+              names=("q", "k", "v")) -> None:
     """Check the q, k, v of an attention call: tensors of ``ndim`` dims, a supported dtype, contiguous
     last dim, one dtype and device, k and v of one shape, q's head_dim equal to k's and a valid GQA
-    ratio (heads are dim -2, head_dim dim -1). ``layout`` (e.g. ``"[B, S, H, D]"``) is named in the
-    errors. Raises TypeError / ValueError."""
-    check_tensor("q", q, ndim)
-    check_tensor("k", k, ndim)
-    check_tensor("v", v, ndim)
-    check_same([("q", q), ("k", k), ("v", v)])
+    ratio (heads are dim -2, head_dim dim -1); with ``same_batch`` also q's dim 0 equal to k's.
+    ``v`` may be None (a q/k-only call). ``layout`` (e.g. ``"[B, S, H, D]"``) and ``names`` (the
+    arguments' names) appear in the errors. Raises TypeError / ValueError."""
+    qn, kn, vn = names
+    named = [(qn, q), (kn, k)] + ([(vn, v)] if v is not None else [])
+    for name, t in named:
+        check_tensor(name, t, ndim)
+    check_same(named)
     where = f" ({layout})" if layout else ""
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape{where}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    if v is not None and tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"{kn} and {vn} must have the same shape{where}, got {kn} {tuple(k.shape)} and "
+                         f"{vn} {tuple(v.shape)}")
+    if same_batch and q.shape[0] != k.shape[0]:
+        raise ValueError(f"{qn} and {kn} must have the same batch size: {qn} {tuple(q.shape)}, {kn} {tuple(k.shape)}")
     if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head_dim: q {tuple(q.shape)}, k {tuple(k.shape)}{where}")
-    check_heads(q.shape[-2], k.shape[-2], q.shape[-1])
+        raise ValueError(f"{qn} and {kn} must have the same head_dim: {qn} {tuple(q.shape)}, "
+                         f"{kn} {tuple(k.shape)}{where}")
+    check_heads(q.shape[-2], k.shape[-2], q.shape[-1], qn, kn)
 
 
 def check_out(name: str, out, shape, dtype, device) -> None:
-    """Check a caller-provided output buffer: a tensor of exactly ``shape``, ``dtype`` and ``device``
-    with a contiguous last dim (other strides are honoured). Raises TypeError (not a tensor, wrong
-    dtype) or ValueError (shape, device, last-dim stride)."""
+    """Check a caller-provided output buffer: a tensor of exactly ``shape``, ``dtype`` (None: any
+    supported dtype) and ``device`` with a contiguous last dim (other strides are honoured).
+    Raises TypeError (not a tensor, wrong dtype) or ValueError (shape, device, last-dim stride)."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(out).__name__}")
-    if out.dtype != dtype:
+    if dtype is None:
+        check_tensor(name, out, dtypes=SUPPORTED_DTYPES)
+    elif out.dtype != dtype:
         raise TypeError(f"{name} has dtype {out.dtype}, expected {dtype}")
     if tuple(out.shape) != tuple(shape):
-        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+        raise ValueError(f"{name} has shape {tuple(out.shape)}, expected {tuple(shape)}")
     if out.device != torch.device(device):
         raise ValueError(f"{name} is on {out.device}, expected {device}")
     if out.dim() > 0 and out.shape[-1] > 1 and out.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {tuple(out.stride())}")
+
+
+def check_eps(eps) -> float:
+    """``eps`` checked to be a finite real >= 0 (not a bool). Raises ValueError otherwise."""
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    return eps
 
 
 def is_int(x) -> bool:
@@ -235,17 +251,29 @@ def is_int(x) -> bool:
     return isinstance(x, np.integer)
 
 
-def check_int(name: str, x, lo: int | None = None, hi: int | None = None) -> int:
+def check_int(name: str, x, lo: int | None = None, hi: int | None = None, *, type_error=TypeError) -> int:
     """``x`` as an int, checked to be an integer (not a bool) in ``[lo, hi]`` (either bound optional).
-    Raises TypeError for a non-integer, ValueError out of range."""
+    Raises ``type_error`` (TypeError unless the caller's contract says otherwise) for a
+    non-integer, ValueError out of range."""
     if not is_int(x):
-        raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
+        raise type_error(f"{name} must be an int, got {type(x).__name__} {x!r}")
     x = int(x)
     if (lo is not None and x < lo) or (hi is not None and x > hi):
-        lo_s = "-inf" if lo is None else lo
-        hi_s = "inf" if hi is None else hi
-        raise ValueError(f"{name} must be in [{lo_s}, {hi_s}], got {x}")
+        if hi is None:
+            raise ValueError(f"{name} must be >= {lo}, got {x}")
+        if lo is None:
+            raise ValueError(f"{name} must be <= {hi}, got {x}")
+        raise ValueError(f"{name} must be in [{lo}, {hi}], got {x}")
     return x
+
+
+def check_pow2(name: str, x, lo: int = 1) -> int:
+    """``x`` checked to be an int power of two >= ``lo``. Raises TypeError / ValueError."""
+    if not is_int(x):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__}")
+    if x < lo or x & (x - 1):
+        raise ValueError(f"{name} must be a power of two >= {lo}, got {x}")
+    return int(x)
 
 
 def check_bool(name: str, x) -> bool:

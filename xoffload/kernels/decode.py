@@ -13,29 +13,19 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .checks import check_heads, check_same, check_tensor, default_scale, next_pow2, use_triton
+from .checks import check_qkv, default_scale, next_pow2, use_triton
 
 __all__ = ["decode_attn_with_lse"]
 
 
 def _check_inputs(q, k_cache, v_cache, cache_seqlens, check: bool):
-    check_tensor("q", q, ndim=4)
-    check_tensor("k_cache", k_cache, ndim=4)
-    check_tensor("v_cache", v_cache, ndim=4)
-    check_same([("q", q), ("k_cache", k_cache), ("v_cache", v_cache)])
-    b, sq, hq, d = q.shape
+    check_qkv(q, k_cache, v_cache, 4, names=("q", "k_cache", "v_cache"))
+    b, sq = q.shape[0], q.shape[1]
     if sq != 1:
         raise ValueError(f"q must have shape [B, 1, Hq, D] (one query token), got {tuple(q.shape)}")
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same shape"
-        )
-    bk, s_max, hkv, dk = k_cache.shape
+    bk, s_max = k_cache.shape[0], k_cache.shape[1]
     if bk != b:
         raise ValueError(f"k_cache batch {bk} != q batch {b} (q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)})")
-    if dk != d:
-        raise ValueError(f"k_cache head_dim {dk} != q head_dim {d} (q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)})")
-    check_heads(hq, hkv, d, "q", "k_cache")
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens must be a torch.Tensor, got {type(cache_seqlens).__name__}")
     if cache_seqlens.dtype != torch.int32:

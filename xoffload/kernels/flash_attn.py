@@ -19,63 +19,19 @@ blocks with the most keys (the last ones, under causal) start first.
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .checks import (
-    check_cu_seqlens,
-    check_heads,
-    check_same,
-    check_tensor,
-    default_scale,
-    next_pow2,
-    use_triton,
-)
+from .checks import check_bool, check_cu_seqlens, check_int, check_qkv, default_scale, next_pow2, use_triton
+from .launch import LaunchConfig, override_for
 from .reference import attention_ref, varlen_attention_ref
 
 __all__ = ["flash_attn_with_lse", "flash_attn_varlen_with_lse"]
 
 
-# ----------------------------------------------------------------------------------------------
-# input validation
-# ----------------------------------------------------------------------------------------------
-
-def _check_causal(causal) -> bool:
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    return causal
-
-
-def _check_qkv(q, k, v, ndim: int, layout: str):
-    check_tensor("q", q, ndim)
-    check_tensor("k", k, ndim)
-    check_tensor("v", v, ndim)
-    check_same([("q", q), ("k", k), ("v", v)])
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape {layout}, got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(
-            f"q and k must have the same head_dim: q {tuple(q.shape)}, k {tuple(k.shape)} ({layout})"
-        )
-    check_heads(q.shape[-2], k.shape[-2], q.shape[-1])
-
-
 def _check_max_seqlen(name: str, value, cu: torch.Tensor, cu_name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            import numpy as np  # numpy ints are fine
-
-            if isinstance(value, np.integer):
-                value = int(value)
-        except ImportError:  # pragma: no cover
-            pass
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
+    value = check_int(name, value, 0)
     lens = cu.cpu().diff()
     longest = int(lens.max()) if lens.numel() else 0
     if value < longest:
@@ -117,17 +73,13 @@ def _online_softmax_step(qk, m_i, l_i, acc, start_n, offs_n, offs_m, seqlen_k, d
 
 
 @triton.jit
-def _attn_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_offs, v_offs, offs_m, offs_n,
+def _attn_inner(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, offs_m, offs_n,
                 d_ok, lo, hi, seqlen_k, diag_shift, qk_scale,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
-                IS_FP32: tl.constexpr, BLOCK_N: tl.constexpr, WARP_SPEC: tl.constexpr,
-                USE_TMA: tl.constexpr, stride_kn, stride_vn):
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPEC):
+                IS_FP32: tl.constexpr, BLOCK_N: tl.constexpr, stride_kn, stride_vn):
+    for start_n in tl.range(lo, hi, BLOCK_N):
         if MASKED:
             n_ok = (start_n + offs_n) < seqlen_k
-        if USE_TMA:  # rows past seqlen_k and columns past D arrive as zeros
-            k = k_desc.load([start_n, 0])
-        elif MASKED:
             k = tl.load(k_base + k_offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
             k = tl.load(k_base + k_offs)
@@ -139,9 +91,7 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_offs, v_offs
             qk = tl.dot(q, tl.trans(k))
         p, m_new, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, start_n, offs_n, offs_m, seqlen_k,
                                                   diag_shift, qk_scale, MASKED, CAUSAL)
-        if USE_TMA:
-            v = v_desc.load([start_n, 0])
-        elif MASKED:
+        if MASKED:
             v = tl.load(v_base + v_offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
             v = tl.load(v_base + v_offs)
@@ -152,9 +102,8 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_offs, v_offs
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
-        if not USE_TMA:
-            k_base += BLOCK_N * stride_kn
-            v_base += BLOCK_N * stride_vn
+        k_base += BLOCK_N * stride_kn
+        v_base += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
 @triton.jit(do_not_specialize=["Sq", "Sk"])
@@ -167,7 +116,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               Sq, Sk, n_bh, n_heads, group, num_m_blocks, qk_scale,
               D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
-              IS_FP32: tl.constexpr, WARP_SPEC: tl.constexpr, USE_TMA: tl.constexpr):
+              IS_FP32: tl.constexpr):
     # 1-D grid: the (batch, head) index varies fastest, so the first programs launched are
     # the last query block of every head (the longest rows under causal) and programs that
     # run together share K/V heads (GQA) in L2.
@@ -207,15 +156,6 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
         rows = tl.arange(0, BLOCK_M)
         q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :],
                     mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-        if USE_TMA:
-            # per-(batch, head) 2-D views [seqlen_k, D]; the host checked 16-byte alignment
-            k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(seqlen_k, 1), D], strides=[stride_kn, 1],
-                                               block_shape=[BLOCK_N, BLOCK_D])
-            v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(seqlen_k, 1), D], strides=[stride_vn, 1],
-                                               block_shape=[BLOCK_N, BLOCK_D])
-        else:
-            k_desc = k_base
-            v_desc = v_base
         k_offs = offs_n[:, None] * stride_kn + offs_d[None, :]
         v_offs = offs_n[:, None] * stride_vn + offs_d[None, :]
 
@@ -233,14 +173,14 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
             hi = seqlen_k
             full = (seqlen_k // BLOCK_N) * BLOCK_N
         acc, l_i, m_i = _attn_inner(
-            acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_offs, v_offs, offs_m, offs_n, d_ok,
+            acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, offs_m, offs_n, d_ok,
             0, full, seqlen_k, diag_shift, qk_scale,
-            False, CAUSAL, EVEN_D, IS_FP32, BLOCK_N, WARP_SPEC, USE_TMA, stride_kn, stride_vn)
+            False, CAUSAL, EVEN_D, IS_FP32, BLOCK_N, stride_kn, stride_vn)
         acc, l_i, m_i = _attn_inner(
             acc, l_i, m_i, q, k_base + full.to(tl.int64) * stride_kn,
-            v_base + full.to(tl.int64) * stride_vn, k_desc, v_desc, k_offs, v_offs, offs_m, offs_n,
+            v_base + full.to(tl.int64) * stride_vn, k_offs, v_offs, offs_m, offs_n,
             d_ok, full, hi, seqlen_k, diag_shift, qk_scale,
-            True, CAUSAL, EVEN_D, IS_FP32, BLOCK_N, False, USE_TMA, stride_kn, stride_vn)
+            True, CAUSAL, EVEN_D, IS_FP32, BLOCK_N, stride_kn, stride_vn)
 
         empty = l_i == 0.0
         l_div = tl.where(empty, 1.0, l_i)
@@ -256,106 +196,36 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
         tl.store(l_base + rows * stride_lm, lse, mask=m_ok)
 
 
-# Launch configurations: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize, use_tma).
-_INTERP_CFG = (64, 32, 4, 1, False, False)  # BLOCK_M != BLOCK_N, as on the GPU
+_INTERP_CFG = LaunchConfig(64, 32, 4, 1)  # BLOCK_M != BLOCK_N, as on the GPU
 
 
-def _gpu_config(block_d: int, causal: bool, dtype: torch.dtype):
-    """Heuristic launch configuration on a CUDA device (chosen from timings on an H200).
+def _gpu_config(block_d: int, dtype: torch.dtype) -> LaunchConfig:
+    """Launch configuration on a CUDA device (chosen from timings on an H200).
 
     fp32 runs the exact (non-tf32) product, which Hopper's tensor cores do not do: small tiles
     that keep register spills low; it is an accuracy path, not a fast one.
     """
     if dtype == torch.float32:
-        return (32, 16, 4, 2, False, False) if block_d <= 128 else (16, 16, 4, 1, False, False)
+        return LaunchConfig(32, 16, 4, 2) if block_d <= 128 else LaunchConfig(16, 16, 4, 1)
     # H200, bf16, causal, 32K (benchmarks/results/attention.json, sweep): D=64 9/3 heads:
     # 128x64 8 warps 486 TFLOP/s (128x128: 375-452, 64x64: 463); D=128 32/8 heads: 128x128
-    # 8 warps 3 stages 508 (TMA loads: the same; 128x64: 477-501; 2 stages: 445).
+    # 8 warps 3 stages 508 (TMA loads: the same, so the kernel has none; warp specialization:
+    # 479; 128x64: 477-501; 2 stages: 445).
     if block_d <= 64:
-        return (128, 64, 8, 3, False, False)
+        return LaunchConfig(128, 64, 8, 3)
     if block_d <= 128:
-        return (128, 128, 8, 3, False, False)
-    return (64, 32, 4, 2, False, False)
-
-
-_CFG_OVERRIDE: list = []  # testing/benchmark hook: a config tuple that replaces the heuristic
-
-# Candidates for the optional in-process autotuner (XOFFLOAD_ATTN_AUTOTUNE=1) and the benchmark's
-# sweep, keyed on BLOCK_D (16-bit inputs). At most 7 each: tuning costs device time.
-CANDIDATES = {
-    64: [(128, 64, 8, 3, False, False), (128, 64, 8, 3, False, True), (128, 64, 4, 3, False, True),
-         (128, 128, 8, 3, False, True), (128, 128, 4, 3, False, True), (64, 64, 4, 3, False, True),
-         (128, 64, 8, 4, False, True)],
-    128: [(128, 64, 8, 3, False, False), (128, 64, 8, 3, False, True), (128, 128, 8, 3, False, True),
-          (128, 64, 8, 4, False, True), (128, 128, 8, 2, False, True), (128, 64, 8, 3, True, True),
-          (128, 128, 8, 3, False, False)],
-}
-_TUNED: dict = {}
-
-
-def _autotuned_config(key, block_d, run):
-    """Time each candidate once per process and key (``run(cfg)`` launches the kernel); cache the
-    fastest. Uses triton.testing.do_bench (CUDA events)."""
-    if key not in _TUNED:
-        from triton.testing import do_bench
-
-        best, best_ms = None, float("inf")
-        for cfg in CANDIDATES.get(block_d, []):
-            try:
-                ms = do_bench(lambda: run(cfg), warmup=5, rep=20, return_mode="median")
-            except Exception:  # a config that does not compile or fit on this device
-                continue
-            if ms < best_ms:
-                best, best_ms = cfg, ms
-        _TUNED[key] = best
-    return _TUNED[key]
-
-
-def _tma_ok(*tensors) -> bool:
-    """TMA descriptors need 16-byte aligned base addresses and strides (last dim contiguous)."""
-    for t in tensors:
-        es = t.element_size()
-        if t.data_ptr() % 16:
-            return False
-        if any((st * es) % 16 for st in t.stride()[:-1]):
-            return False
-        if t.shape[-1] * es < 16:
-            return False
-    return True
-
-
-def _tma_alloc(size: int, alignment: int, stream):
-    return torch.empty(size, dtype=torch.int8, device="cuda")
+        return LaunchConfig(128, 128, 8, 3)
+    return LaunchConfig(64, 32, 4, 2)
 
 
 def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, causal, scale):
-    kernel = _attn_fwd
     hq, d = q.shape[-2], q.shape[-1]
     hkv = k.shape[-2]
     block_d = max(16, next_pow2(d))
-    if _CFG_OVERRIDE:
-        cfg = _CFG_OVERRIDE[-1]
-    elif q.is_cuda:
-        cfg = _gpu_config(block_d, causal, q.dtype)
-        if (os.environ.get("XOFFLOAD_ATTN_AUTOTUNE", "0") == "1" and q.dtype != torch.float32
-                and block_d in CANDIDATES and max_sq * max(sk, max_sq) >= (1 << 24)):
-            key = (q.device.index, block_d, causal, q.dtype, varlen, hq // hkv == 1)
-
-            def run(c):
-                _CFG_OVERRIDE.append(c)
-                try:
-                    _launch(q, k, v, out, lse, varlen=varlen, cu_q=cu_q, cu_k=cu_k, batch=batch,
-                            sq=sq, sk=sk, max_sq=max_sq, causal=causal, scale=scale)
-                finally:
-                    _CFG_OVERRIDE.pop()
-
-            cfg = _autotuned_config(key, block_d, run) or cfg
-    else:
-        cfg = _INTERP_CFG
-    block_m, block_n, num_warps, num_stages, ws, tma = cfg
-    tma = bool(tma) and _tma_ok(k, v)
-    if tma and q.is_cuda:
-        triton.set_allocator(_tma_alloc)  # scratch for the descriptors built inside the kernel
+    cfg = override_for("flash_attn") or (_gpu_config(block_d, q.dtype) if q.is_cuda else _INTERP_CFG)
+    if cfg.tma:
+        raise ValueError(f"flash_attn has no TMA variant (it lost the sweep), got {cfg!r}")
+    block_m, block_n = cfg.block_m, cfg.block_n
     num_m = triton.cdiv(max_sq, block_m)
     n_bh = batch * hq
     grid = (num_m * n_bh,)
@@ -375,13 +245,12 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
         sob, som, soh = out.stride(0), out.stride(1), out.stride(2)
         slb, slh, slm = lse.stride(0), lse.stride(1), lse.stride(2)
     dummy = cu_q if varlen else lse
-    kernel[grid](
+    _attn_fwd[grid](
         q, k, v, out, lse, cu_q if varlen else dummy, cu_k if varlen else dummy,
         sqb, sqm, sqh, skb, skn, skh, svb, svn, svh, sob, som, soh, slb, slh, slm,
         sq, sk, n_bh, hq, hq // hkv, num_m, scale * 1.4426950408889634,
         D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, VARLEN=varlen,
-        IS_FP32=q.dtype == torch.float32, WARP_SPEC=ws, USE_TMA=tma,
-        num_warps=num_warps, num_stages=num_stages,
+        IS_FP32=q.dtype == torch.float32, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -412,10 +281,8 @@ def flash_attn_with_lse(q, k, v, *, causal=False, softmax_scale=None):
         ValueError: wrong ranks, non-contiguous last dim, devices differ, k/v shapes disagree,
             batch sizes or head dims differ, ``Hq % Hkv != 0``, ``D > 256``, bad ``softmax_scale``.
     """
-    causal = _check_causal(causal)
-    _check_qkv(q, k, v, 4, "[B, Sk, Hkv, D]")
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size: q {tuple(q.shape)}, k {tuple(k.shape)}")
+    causal = check_bool("causal", causal)
+    check_qkv(q, k, v, 4, "[B, Sk, Hkv, D]", same_batch=True)
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     scale = default_scale(d, softmax_scale)
@@ -456,8 +323,8 @@ def flash_attn_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             at 0, decreasing, not ending at the packed length, on another device; a max_seqlen
             smaller than the longest sequence.
     """
-    causal = _check_causal(causal)
-    _check_qkv(q, k, v, 3, "[total_k, Hkv, D]")
+    causal = check_bool("causal", causal)
+    check_qkv(q, k, v, 3, "[total_k, Hkv, D]")
     check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
     check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, k.shape[0], q.device)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():

@@ -14,47 +14,38 @@ else a torch ``index_select`` fallback runs.
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from xoffload.kernels.checks import HostPtr, interpreter_on  # noqa: F401 (HostPtr re-exported)
+from .checks import HostPtr, interpreter_on, next_pow2  # noqa: F401 (HostPtr re-exported)
 
 DEFAULT_BLOCK = 8192  # elements per program per tensor (16 KiB of bf16)
 DEFAULT_WARPS = 8
 
-_kernel = None
 _MAX_GRID_Y = 65535
 _HOST_ARG = ["ptr"]  # how host sources are handed to Triton: HostPtr, or the tensor if that fails
 
 
-def _get_kernel():
-    global _kernel
-    if _kernel is not None:
-        return _kernel
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _gather_blocks_kernel(src_k, src_v, dst_k, dst_v, ids_ptr, block_elems,
-                              BLOCK: tl.constexpr, EVEN: tl.constexpr):
-        c = tl.program_id(0)  # chunk inside a block
-        i = tl.program_id(1)  # position in the id list
-        b = tl.load(ids_ptr + i).to(tl.int64)
-        offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        src = b * block_elems + offs
-        dst = i.to(tl.int64) * block_elems + offs
-        if EVEN:
-            kk = tl.load(src_k + src)
-            vv = tl.load(src_v + src)
-            tl.store(dst_k + dst, kk)
-            tl.store(dst_v + dst, vv)
-        else:
-            m = offs < block_elems
-            kk = tl.load(src_k + src, mask=m)
-            vv = tl.load(src_v + src, mask=m)
-            tl.store(dst_k + dst, kk, mask=m)
-            tl.store(dst_v + dst, vv, mask=m)
-
-    _kernel = _gather_blocks_kernel
-    return _kernel
+@triton.jit
+def _gather_blocks_kernel(src_k, src_v, dst_k, dst_v, ids_ptr, block_elems,
+                          BLOCK: tl.constexpr, EVEN: tl.constexpr):
+    c = tl.program_id(0)  # chunk inside a block
+    i = tl.program_id(1)  # position in the id list
+    b = tl.load(ids_ptr + i).to(tl.int64)
+    offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    src = b * block_elems + offs
+    dst = i.to(tl.int64) * block_elems + offs
+    if EVEN:
+        kk = tl.load(src_k + src)
+        vv = tl.load(src_v + src)
+        tl.store(dst_k + dst, kk)
+        tl.store(dst_v + dst, vv)
+    else:
+        m = offs < block_elems
+        kk = tl.load(src_k + src, mask=m)
+        vv = tl.load(src_v + src, mask=m)
+        tl.store(dst_k + dst, kk, mask=m)
+        tl.store(dst_v + dst, vv, mask=m)
 
 
 _RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -123,15 +114,15 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, block_ids: torch.Ten
     else:
         sk, sv = src_k.view(raw), src_v.view(raw)
     dk, dv = out_k.view(raw), out_v.view(raw)
-    blk = min(block, 1 << max(0, (block_elems - 1).bit_length()))
-    kern = _get_kernel()
+    blk = min(block, next_pow2(block_elems))
+    kern = _gather_blocks_kernel
     for i0 in range(0, n, _MAX_GRID_Y):  # grid dim 1 is limited to 65535
         i1 = min(n, i0 + _MAX_GRID_Y)
         if i0 == 0 and i1 == n:
             ids, ok, ov = block_ids, dk, dv
         else:
             ids, ok, ov = block_ids[i0:i1], dk[i0:i1], dv[i0:i1]
-        grid = (triton_cdiv(block_elems, blk), i1 - i0)
+        grid = (triton.cdiv(block_elems, blk), i1 - i0)
         try:
             kern[grid](sk, sv, ok, ov, ids, block_elems, BLOCK=blk, EVEN=(block_elems % blk == 0),
                        num_warps=num_warps)
@@ -145,6 +136,3 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, block_ids: torch.Ten
             kern[grid](sk, sv, ok, ov, ids, block_elems, BLOCK=blk, EVEN=(block_elems % blk == 0),
                        num_warps=num_warps)
 
-
-def triton_cdiv(a: int, b: int) -> int:
-    return (a + b - 1) // b

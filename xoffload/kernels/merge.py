@@ -28,7 +28,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .checks import check_same, check_tensor, next_pow2, use_triton
+from .checks import check_out, check_same, check_tensor, next_pow2, use_triton
 
 __all__ = ["merge_attention_states", "merge_attention_states_n", "merge_attention_states_"]
 
@@ -63,21 +63,9 @@ def _check_state(o_name, o, lse_name, lse, min_dim=3):
 
 def _check_out(out, out_lse, o_shape, device):
     if out is not None:
-        check_tensor("out", out)
-        if tuple(out.shape) != tuple(o_shape):
-            raise ValueError(f"out has shape {tuple(out.shape)}, expected {tuple(o_shape)}")
-        if out.device != device:
-            raise ValueError(f"out is on {out.device} but the inputs are on {device}")
+        check_out("out", out, o_shape, None, device)
     if out_lse is not None:
-        if not isinstance(out_lse, torch.Tensor):
-            raise TypeError(f"out_lse must be a torch.Tensor, got {type(out_lse).__name__}")
-        if out_lse.dtype != torch.float32:
-            raise TypeError(f"out_lse must be float32, got {out_lse.dtype}")
-        want = _lse_shape(o_shape)
-        if tuple(out_lse.shape) != want:
-            raise ValueError(f"out_lse has shape {tuple(out_lse.shape)}, expected {want}")
-        if out_lse.device != device:
-            raise ValueError(f"out_lse is on {out_lse.device} but the inputs are on {device}")
+        check_out("out_lse", out_lse, _lse_shape(o_shape), torch.float32, device)
 
 
 def _as4(name, o):

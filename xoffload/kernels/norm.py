@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import check_tensor, next_pow2, use_triton
+from .checks import check_eps, check_out, check_tensor, next_pow2, use_triton
 
 __all__ = ["rms_norm", "rms_norm_ref"]
 
@@ -126,18 +126,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, out: t
         raise ValueError(f"weight has shape {tuple(weight.shape)} but x {tuple(x.shape)} needs [H] = ({h},)")
     if weight.device != x.device:
         raise ValueError(f"weight is on {weight.device} but x is on {x.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+    check_eps(eps)
     if out is None:
         out = torch.empty((n, h), dtype=x.dtype, device=x.device)
     else:
-        check_tensor("out", out, ndim=2)
-        if out.dtype != x.dtype:
-            raise TypeError(f"out has dtype {out.dtype} but x has {x.dtype}; they must match")
-        if tuple(out.shape) != (n, h):
-            raise ValueError(f"out has shape {tuple(out.shape)}, expected {(n, h)}")
-        if out.device != x.device:
-            raise ValueError(f"out is on {out.device} but x is on {x.device}")
+        check_out("out", out, (n, h), x.dtype, x.device)
     if n == 0 or h == 0:
         return out
     if use_triton(x):

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .checks import MAX_HEAD_DIM, check_tensor, next_pow2, use_triton
+from .checks import MAX_HEAD_DIM, check_eps, check_int, check_out, check_tensor, next_pow2, use_triton
 
 __all__ = ["qkv_rope", "qkv_rope_ref"]
 
@@ -188,21 +188,39 @@ def _check_table(name, t, d, device):
         raise ValueError(f"{name} is on {t.device} but qkv is on {device}")
 
 
-def _check_out(name, t, shape, qkv):
-    check_tensor(name, t, ndim=3)
-    if t.dtype != qkv.dtype:
-        raise TypeError(f"{name} has dtype {t.dtype} but qkv has {qkv.dtype}; they must match")
-    if tuple(t.shape) != shape:
-        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected [N, heads, D] = {shape}")
-    if t.device != qkv.device:
-        raise ValueError(f"{name} is on {t.device} but qkv is on {qkv.device}")
-
-
-def _check_int(name, v, lo):
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    if v < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {v}")
+def _check_rope_args(qkv, cos, sin, positions_start, num_heads, num_kv_heads, head_dim):
+    """Validate :func:`qkv_rope`'s input, tables and position; returns ``(N, Hq, Hkv, D)``."""
+    check_tensor("qkv", qkv, ndim=2)
+    hq = check_int("num_heads", num_heads, 1)
+    hkv = check_int("num_kv_heads", num_kv_heads, 1)
+    d = check_int("head_dim", head_dim, 1)
+    if hq % hkv != 0:
+        raise ValueError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hkv}) (GQA)")
+    if d % 2 != 0 or d > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be even and <= {MAX_HEAD_DIM} (rotate-half RoPE), got {d}")
+    n, width = qkv.shape
+    if width != (hq + 2 * hkv) * d:
+        raise ValueError(
+            f"qkv has shape {tuple(qkv.shape)} but num_heads={hq}, num_kv_heads={hkv}, head_dim={d} "
+            f"need [N, (Hq + 2*Hkv) * D] = [N, {(hq + 2 * hkv) * d}]"
+        )
+    _check_table("cos", cos, d, qkv.device)
+    _check_table("sin", sin, d, qkv.device)
+    if cos.shape[0] != sin.shape[0]:
+        raise ValueError(f"cos has shape {tuple(cos.shape)} but sin has {tuple(sin.shape)}; they must match")
+    if isinstance(positions_start, torch.Tensor):
+        if positions_start.dtype.is_floating_point or positions_start.dtype.is_complex or positions_start.dtype == torch.bool:
+            raise TypeError(f"positions_start tensor must have an integer dtype, got {positions_start.dtype}")
+        if positions_start.numel() != 1:
+            raise ValueError(f"positions_start tensor must have one element, got shape {tuple(positions_start.shape)}")
+        if positions_start.device != qkv.device:
+            raise ValueError(f"positions_start is on {positions_start.device} but qkv is on {qkv.device}")
+    elif check_int("positions_start", positions_start, 0) + n > cos.shape[0]:
+        raise ValueError(
+            f"positions {positions_start}..{positions_start + n - 1} run past the RoPE tables "
+            f"(cos/sin have {cos.shape[0]} positions, shape {tuple(cos.shape)})"
+        )
+    return n, hq, hkv, d
 
 
 def qkv_rope(qkv, cos, sin, positions_start, num_heads, num_kv_heads, head_dim, q_out, k_out, v_out,
@@ -240,52 +258,14 @@ def qkv_rope(qkv, cos, sin, positions_start, num_heads, num_kv_heads, head_dim, 
             ``Hq % Hkv != 0``, positions past the end of the tables, a negative position, tensors
             on different devices, a non-contiguous last dim.
     """
-    check_tensor("qkv", qkv, ndim=2)
-    _check_int("num_heads", num_heads, 1)
-    _check_int("num_kv_heads", num_kv_heads, 1)
-    _check_int("head_dim", head_dim, 1)
-    hq, hkv, d = num_heads, num_kv_heads, head_dim
-    if hq % hkv != 0:
-        raise ValueError(f"num_heads ({hq}) must be a multiple of num_kv_heads ({hkv}) (GQA)")
-    if d % 2 != 0 or d > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim must be even and <= {MAX_HEAD_DIM} (rotate-half RoPE), got {d}")
-    n, width = qkv.shape
-    if width != (hq + 2 * hkv) * d:
-        raise ValueError(
-            f"qkv has shape {tuple(qkv.shape)} but num_heads={hq}, num_kv_heads={hkv}, head_dim={d} "
-            f"need [N, (Hq + 2*Hkv) * D] = [N, {(hq + 2 * hkv) * d}]"
-        )
-    _check_table("cos", cos, d, qkv.device)
-    _check_table("sin", sin, d, qkv.device)
-    if cos.shape[0] != sin.shape[0]:
-        raise ValueError(f"cos has shape {tuple(cos.shape)} but sin has {tuple(sin.shape)}; they must match")
-    if isinstance(positions_start, torch.Tensor):
-        if positions_start.dtype.is_floating_point or positions_start.dtype.is_complex or positions_start.dtype == torch.bool:
-            raise TypeError(f"positions_start tensor must have an integer dtype, got {positions_start.dtype}")
-        if positions_start.numel() != 1:
-            raise ValueError(f"positions_start tensor must have one element, got shape {tuple(positions_start.shape)}")
-        if positions_start.device != qkv.device:
-            raise ValueError(f"positions_start is on {positions_start.device} but qkv is on {qkv.device}")
-    else:
-        _check_int("positions_start", positions_start, 0)
-        if positions_start + n > cos.shape[0]:
-            raise ValueError(
-                f"positions {positions_start}..{positions_start + n - 1} run past the RoPE tables "
-                f"(cos/sin have {cos.shape[0]} positions, shape {tuple(cos.shape)})"
-            )
-    _check_out("q_out", q_out, (n, hq, d), qkv)
-    _check_out("k_out", k_out, (n, hkv, d), qkv)
-    _check_out("v_out", v_out, (n, hkv, d), qkv)
+    n, hq, hkv, d = _check_rope_args(qkv, cos, sin, positions_start, num_heads, num_kv_heads, head_dim)
+    for name, t, heads in (("q_out", q_out, hq), ("k_out", k_out, hkv), ("v_out", v_out, hkv)):
+        check_out(name, t, (n, heads, d), qkv.dtype, qkv.device)
     for name, w in (("q_norm", q_norm), ("k_norm", k_norm)):
-        if w is None:
-            continue
-        check_tensor(name, w, ndim=1)
-        if tuple(w.shape) != (d,):
-            raise ValueError(f"{name} has shape {tuple(w.shape)}, expected [D] = ({d},)")
-        if w.device != qkv.device:
-            raise ValueError(f"{name} is on {w.device} but qkv is on {qkv.device}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
-        raise ValueError(f"eps must be a finite float >= 0, got {eps!r}")
+        if w is not None:
+            check_tensor(name, w, ndim=1)
+            check_out(name, w, (d,), w.dtype, qkv.device)
+    check_eps(eps)
     if n == 0:
         return q_out, k_out, v_out
     if use_triton(qkv):

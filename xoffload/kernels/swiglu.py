@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .checks import check_tensor, next_pow2, use_triton
+from .checks import check_int, check_out, check_tensor, next_pow2, use_triton
 
 __all__ = ["silu_mul", "silu_mul_ref"]
 
@@ -80,10 +80,7 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int, *, out: torch.Tensor | No
             ``[N, I]`` or on another device, a non-contiguous last dim.
     """
     check_tensor("gate_up", gate_up, ndim=2)
-    if isinstance(intermediate, bool) or not isinstance(intermediate, int):
-        raise TypeError(f"intermediate must be an int, got {type(intermediate).__name__}")
-    if intermediate <= 0:
-        raise ValueError(f"intermediate must be positive, got {intermediate}")
+    intermediate = check_int("intermediate", intermediate, 1)
     n, w = gate_up.shape
     if w != 2 * intermediate:
         raise ValueError(
@@ -93,13 +90,7 @@ def silu_mul(gate_up: torch.Tensor, intermediate: int, *, out: torch.Tensor | No
     if out is None:
         out = torch.empty((n, intermediate), dtype=gate_up.dtype, device=gate_up.device)
     else:
-        check_tensor("out", out, ndim=2)
-        if out.dtype != gate_up.dtype:
-            raise TypeError(f"out has dtype {out.dtype} but gate_up has {gate_up.dtype}; they must match")
-        if tuple(out.shape) != (n, intermediate):
-            raise ValueError(f"out has shape {tuple(out.shape)}, expected {(n, intermediate)}")
-        if out.device != gate_up.device:
-            raise ValueError(f"out is on {out.device} but gate_up is on {gate_up.device}")
+        check_out("out", out, (n, intermediate), gate_up.dtype, gate_up.device)
     if n == 0:
         return out
     if use_triton(gate_up):

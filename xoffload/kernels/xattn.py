@@ -1,5 +1,8 @@
 """XAttention block-importance estimate: strided antidiagonal scoring in three stages.
 
+(Over 450 lines on purpose: the three stages of one estimate share the strided-row layout and
+workspace rules stated below; split, each file would need them restated.)
+
 XAttention (Xu et al. 2025, "XAttention: Block Sparse Attention with Antidiagonal Scoring") scores
 each ``B x B`` block of the attention matrix by sums along strided antidiagonals. With stride ``S``
 the strided query row ``i`` pairs query rows ``i*S + (S-1-t)`` with key rows ``j*S + t``
@@ -54,7 +57,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .checks import check_heads, check_same, check_tensor, default_scale, next_pow2, use_triton
+from .checks import check_bool, check_out, check_pow2, check_qkv, default_scale, is_int, next_pow2, use_triton
+from .launch import LaunchConfig, override_for
 
 __all__ = [
     "XAttnChunkStats",
@@ -90,40 +94,16 @@ class XAttnChunkStats(NamedTuple):
 # validation
 # ----------------------------------------------------------------------------------------------
 
-def _is_int(x) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
 def check_geometry(stride, block_size) -> None:
     """Raise ValueError/TypeError unless ``block_size`` is a power of two >= 16 and ``stride`` a
     positive power of two dividing it."""
-    if not _is_int(block_size):
-        raise TypeError(f"block_size must be an int, got {type(block_size).__name__}")
-    if not _is_int(stride):
+    check_pow2("block_size", block_size, 16)
+    if not is_int(stride):
         raise TypeError(f"stride must be an int, got {type(stride).__name__}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16, got {block_size}")
     if stride < 1 or block_size % stride or stride & (stride - 1):
         raise ValueError(
             f"stride must be a power of two that divides block_size={block_size} (e.g. 4, 8, 16), got {stride}"
         )
-
-
-def _check_qk(q, k):
-    check_tensor("q", q, 4)
-    check_tensor("k", k, 4)
-    check_same([("q", q), ("k", k)])
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k must have the same batch size: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must have the same head_dim: q {tuple(q.shape)}, k {tuple(k.shape)}")
-    check_heads(q.shape[2], k.shape[2], q.shape[3])
-
-
-def _check_causal(causal) -> bool:
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
-    return causal
 
 
 # ----------------------------------------------------------------------------------------------
@@ -264,10 +244,10 @@ def _xattn_stats_kernel(Q, K, BL, RM, RS,
 # (BM strided rows, BN strided columns, num_warps, num_stages). On the GPU, long inputs pick among
 # these by timing (triton.autotune, keyed on stride, head_dim, causal and the length bucket);
 # short inputs and the interpreter use the first / the small one.
-_GPU_STATS_CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2)]
-_INTERP_STATS_CONFIG = (32, 32, 1, 1)
+# launch_override("xattn_stats", cfg) fixes the config (block_n is raised to the block width).
+_GPU_STATS_CONFIGS = [LaunchConfig(128, 64, 8, 3), LaunchConfig(128, 128, 8, 3), LaunchConfig(128, 128, 8, 2)]
+_INTERP_STATS_CONFIG = LaunchConfig(32, 32, 1, 1)
 _AUTOTUNE_MIN_ROWS = 2048  # strided rows (16K tokens at S=8)
-_CFG_OVERRIDE: list = []  # benchmark hook: a (BM, BN, num_warps, num_stages) tuple
 
 
 def _stats_grid(n_rows, n_bh):
@@ -276,25 +256,22 @@ def _stats_grid(n_rows, n_bh):
 
 _xattn_stats_tuned = triton.autotune(
     configs=[triton.Config({"BM": bm, "BN": bn, "NUM_STAGES": st}, num_warps=w, num_stages=st)
-             for bm, bn, w, st in _GPU_STATS_CONFIGS],
+             for bm, bn, w, st, _ in _GPU_STATS_CONFIGS],
     key=["S", "D", "CAUSAL", "LEN_BUCKET"],
 )(_xattn_stats_kernel)
 
 
 def _stats_config(q: torch.Tensor, cb: int, n_rows: int):
     """A fixed (BM, BN, num_warps, num_stages), or None to autotune."""
-    if _CFG_OVERRIDE:
-        bm, bn, w, st = _CFG_OVERRIDE[-1]
-        return bm, max(bn, cb), w, st
-    if not q.is_cuda:
-        bm, bn, w, st = _INTERP_STATS_CONFIG
-        return bm, max(bn, cb), w, st
-    if q.dtype == torch.float32:
-        return 64, max(64, cb), 4, 2
-    if n_rows >= _AUTOTUNE_MIN_ROWS and cb <= 64:
+    cfg = override_for("xattn_stats")
+    if cfg is None and not q.is_cuda:
+        cfg = _INTERP_STATS_CONFIG
+    if cfg is None and q.dtype == torch.float32:
+        cfg = LaunchConfig(64, 64, 4, 2)
+    if cfg is None and n_rows >= _AUTOTUNE_MIN_ROWS and cb <= 64:
         return None
-    bm, bn, w, st = _GPU_STATS_CONFIGS[0]
-    return bm, max(bn, cb), w, st
+    cfg = cfg or _GPU_STATS_CONFIGS[0]
+    return cfg.block_m, max(cfg.block_n, cb), cfg.num_warps, cfg.num_stages
 
 
 def _launch_stats(q, k, block_lse, row_max, row_sum, *, stride, block_size, q_start, k_offset,
@@ -349,12 +326,12 @@ def xattn_chunk_stats(q, k, *, q_start, k_offset=0, stride=8, block_size=128, ca
         TypeError / ValueError: bad tensors, dtypes, shapes, GQA ratio, stride/block geometry,
             ``k_offset`` not a non-negative multiple of ``block_size``.
     """
-    _check_qk(q, k)
+    check_qkv(q, k, None, 4, same_batch=True)
     check_geometry(stride, block_size)
-    causal = _check_causal(causal)
-    if not _is_int(q_start):
+    causal = check_bool("causal", causal)
+    if not is_int(q_start):
         raise TypeError(f"q_start must be an int, got {type(q_start).__name__}")
-    if not _is_int(k_offset) or k_offset < 0 or k_offset % block_size:
+    if not is_int(k_offset) or k_offset < 0 or k_offset % block_size:
         raise ValueError(f"k_offset must be a non-negative multiple of block_size={block_size}, got {k_offset!r}")
     b, sq, hq, d = q.shape
     skc = k.shape[1]
@@ -492,11 +469,7 @@ def xattn_block_scores(block_lse, row_max, row_sum, *, stride=8, block_size=128,
         raise ValueError(f"block_lse has {r} strided rows, not a multiple of block_size/stride = {cb}")
     nqb = r // cb
     if out is not None:
-        if not isinstance(out, torch.Tensor) or out.dtype != torch.float32:
-            raise TypeError("out must be a float32 torch.Tensor")
-        if tuple(out.shape) != (b, h, nqb, nkb) or (nkb > 1 and out.stride(-1) != 1):
-            raise ValueError(f"out must have shape {(b, h, nqb, nkb)} with a contiguous last dim, got "
-                             f"{tuple(out.shape)}")
+        check_out("out", out, (b, h, nqb, nkb), torch.float32, block_lse.device)
     if not use_triton(block_lse):
         res = reference.xattn_block_scores_ref(block_lse, row_max, row_sum, rows_per_block=cb)
         if out is not None:
@@ -575,18 +548,18 @@ def xattn_estimate(q, k, *, stride=8, block_size=128, chunk_size=None, q_start=N
             stride not dividing block_size, block_size not a power of two >= 16, chunk_size not a
             positive multiple of block_size, non-int q_start.
     """
-    _check_qk(q, k)
+    check_qkv(q, k, None, 4, same_batch=True)
     check_geometry(stride, block_size)
-    causal = _check_causal(causal)
+    causal = check_bool("causal", causal)
     if chunk_size is not None:
-        if not _is_int(chunk_size) or chunk_size <= 0 or chunk_size % block_size:
+        if not is_int(chunk_size) or chunk_size <= 0 or chunk_size % block_size:
             raise ValueError(f"chunk_size must be None or a positive multiple of block_size={block_size}, "
                              f"got {chunk_size!r}")
     b, sq, hq, d = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     if q_start is None:
         q_start = sk - sq
-    elif not _is_int(q_start):
+    elif not is_int(q_start):
         raise TypeError(f"q_start must be an int, got {type(q_start).__name__}")
     scale = default_scale(d, softmax_scale)
     nqb, nkb = -(-sq // block_size), -(-sk // block_size)

@@ -1,17 +1,18 @@
-"""Offload runtime: pinned CPU KV pool, GPU layer ring, and the stream-and-event engine (issue 3).
+"""Offload runtime: pinned CPU KV pool, GPU layer ring, and the stream-and-event engine.
 
 The runtime moves and tracks ``[tokens, kv_heads, head_dim]`` K/V tensors per layer; it knows
 nothing of models. Public pieces:
 
-* :class:`OffloadEngine` - the API of ``/tmp/runtime_contract.md``: ``add_sequence``, ``seq_len``,
+* :class:`OffloadEngine` - the runtime's contract: ``add_sequence``, ``seq_len``,
   ``offload_layer`` (prefill, async D2H), ``begin_step`` / ``layer_kv`` / ``end_layer`` /
   ``end_step`` (decode through the ring), ``fetch_blocks`` (sparse), ``free``, ``reset``.
 * :class:`CpuKVPool` - layer-major host K/V, pinned with ``cudaHostRegister`` in slabs.
 * :class:`BlockAllocator` - blocks and per-sequence block tables (contiguous runs preferred).
 * :class:`LayerRing` - N device layer buffers with load/compute events.
+* ``sequence`` - the engine's per-sequence / per-step records.
 * :func:`gather_blocks` - Triton kernel copying listed blocks out of pinned host memory (UVA).
 
-Contract notes (additions only; nothing in the contract changed):
+Contract notes (what a caller of the engine may rely on beyond the method list above):
 
 * ``fetch_blocks(seq, layer, block_ids)``: ``block_ids`` are LOGICAL block indices of the sequence
   (block i = its tokens ``[i*block_size, (i+1)*block_size)``), not physical pool ids; "not owned"
@@ -20,7 +21,7 @@ Contract notes (additions only; nothing in the contract changed):
   read on the host (a wait on the current stream); pass a list to avoid it.
 * ``layer_kv`` requires layers in order 0..L-1, each ended before the next; it accepts
   ``k_new`` of shape ``[1, Hkv, D]`` or ``[Hkv, D]``.
-* Added: ``begin_step(seq, prefetch=False)`` + ``append_kv(seq, layer, k_new, v_new)`` for sparse
+* Also: ``begin_step(seq, prefetch=False)`` + ``append_kv(seq, layer, k_new, v_new)`` for sparse
   decode without whole-layer loads; ``layer_len``, ``block_table``, ``num_seq_blocks``,
   ``num_free_blocks``, ``sequences``, ``host_kv`` (debug/test read-back), ``close``; constructor
   keyword ``gather=`` (use the Triton gather kernel; default on for a pinned CUDA pool).

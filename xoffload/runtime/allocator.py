@@ -7,6 +7,8 @@ that a whole layer of a sequence is usually one large copy.
 """
 from __future__ import annotations
 
+from ..kernels.checks import check_int
+
 
 class PoolExhaustedError(ValueError):
     """The pool has fewer free blocks than a request needs. A ValueError subclass."""
@@ -24,8 +26,7 @@ class BlockAllocator:
     """
 
     def __init__(self, num_blocks: int, block_size: int | None = None):
-        if not isinstance(num_blocks, int) or num_blocks < 0:
-            raise ValueError(f"num_blocks must be an int >= 0, got {num_blocks!r}")
+        check_int("num_blocks", num_blocks, 0, type_error=ValueError)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._free = bytearray(b"\x01") * num_blocks  # 1 = free
@@ -64,8 +65,7 @@ class BlockAllocator:
     # ---------------------------------------------------------------- mutations
     def add(self, seq: int) -> None:
         """Create an empty table for ``seq``; ValueError if it already has one."""
-        if not isinstance(seq, int) or isinstance(seq, bool):
-            raise TypeError(f"sequence id must be an int, got {type(seq).__name__}")
+        check_int("sequence id", seq)
         if seq in self._tables:
             raise ValueError(f"sequence {seq} already has a block table")
         self._tables[seq] = []
@@ -81,8 +81,7 @@ class BlockAllocator:
             ValueError: ``n < 0`` or unknown sequence.
         """
         table = self._get(seq)
-        if not isinstance(n, int) or n < 0:
-            raise ValueError(f"number of blocks must be an int >= 0, got {n!r}")
+        check_int("number of blocks", n, 0, type_error=ValueError)
         if n > self._num_free:
             toks = f" ({n * self.block_size} tokens)" if self.block_size else ""
             raise PoolExhaustedError(

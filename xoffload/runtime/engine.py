@@ -1,6 +1,9 @@
 """OffloadEngine: a sequence's KV lives in the host pool; layers stream through a GPU ring.
 
-Lifecycle of one sequence (see ``/tmp/runtime_contract.md`` and DESIGN.md, Runtime)::
+(Over 450 lines on purpose: one class whose methods share one set of stream/event ordering rules,
+stated below and per method; splitting it would scatter them.)
+
+Lifecycle of one sequence (DESIGN.md, Runtime; the contract notes are in :mod:`xoffload.runtime`)::
 
     seq = eng.add_sequence()
     for each prefill chunk, for each layer l:  eng.offload_layer(seq, l, k, v)     # async D2H
@@ -37,42 +40,13 @@ import torch
 
 from .streams import Pending, Sync
 from .allocator import BlockAllocator, block_runs
+from ..kernels.checks import check_int
 from ..kernels.gather import gather_blocks
 from .pool import CpuKVPool
 from .ring import LayerRing
+from .sequence import SeqState, StepState
 
 _MIN_COPY_BYTES = 1 << 20  # below this per run, a whole-layer load uses the gather kernel
-
-
-class _Step:
-    __slots__ = ("start_len", "ring", "next_layer", "open")
-
-    def __init__(self, start_len, ring):
-        self.start_len = start_len
-        self.ring = ring
-        self.next_layer = 0
-        self.open = None  # layer whose new token was appended and not yet ended
-
-
-class _Seq:
-    __slots__ = ("id", "layer_len", "pool_len", "dec_len", "write_ev", "flush_ev", "dec_k", "dec_v",
-                 "step")
-
-    def __init__(self, sid, num_layers):
-        self.id = sid
-        self.layer_len = [0] * num_layers  # tokens stored per layer (pool + decode buffer)
-        self.pool_len = [0] * num_layers   # of which in the host pool
-        self.dec_len = [0] * num_layers    # of which in the GPU decode buffer
-        self.write_ev = [None] * num_layers  # last pool write (prefill D2H or flush) per layer
-        self.flush_ev = [None] * num_layers  # last flush read of the decode buffer per layer
-        self.dec_k = None  # [num_layers, block_size, Hkv, D] on the device, allocated lazily
-        self.dec_v = None
-        self.step = None
-
-
-def _check_int(name, val, lo):
-    if not isinstance(val, int) or isinstance(val, bool) or val < lo:
-        raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
 
 
 class OffloadEngine:
@@ -104,15 +78,12 @@ class OffloadEngine:
                  dtype: torch.dtype = torch.bfloat16, device="cuda", max_tokens: int = 131072,
                  block_size: int = 1024, num_buffers: int = 4, num_blocks: int | None = None,
                  pin: bool = True, gather: bool | None = None):
-        _check_int("num_layers", num_layers, 1)
-        _check_int("num_kv_heads", num_kv_heads, 1)
-        _check_int("head_dim", head_dim, 1)
-        _check_int("max_tokens", max_tokens, 1)
-        _check_int("block_size", block_size, 1)
-        _check_int("num_buffers", num_buffers, 1)
+        for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                          ("max_tokens", max_tokens), ("block_size", block_size), ("num_buffers", num_buffers)):
+            check_int(name, val, 1, type_error=ValueError)
         if num_blocks is None:
             num_blocks = math.ceil(max_tokens / block_size)
-        _check_int("num_blocks", num_blocks, 0)
+        check_int("num_blocks", num_blocks, 0, type_error=ValueError)
         if not isinstance(dtype, torch.dtype):
             raise TypeError(f"dtype must be a torch.dtype, got {dtype!r}")
         dev = torch.device(device)
@@ -143,7 +114,7 @@ class OffloadEngine:
         self._pending = Pending()
         self._rings: list[LayerRing] = []
         self._free_rings: list[LayerRing] = []
-        self._seqs: dict[int, _Seq] = {}
+        self._seqs: dict[int, SeqState] = {}
         self._next_id = 0
         self._closed = False
 
@@ -154,7 +125,7 @@ class OffloadEngine:
         sid = self._next_id
         self._next_id += 1
         self.allocator.add(sid)
-        self._seqs[sid] = _Seq(sid, self.num_layers)
+        self._seqs[sid] = SeqState(sid, self.num_layers)
         return sid
 
     def sequences(self) -> list[int]:
@@ -271,7 +242,7 @@ class OffloadEngine:
             s.dec_v = torch.empty(shape, dtype=self.dtype, device=self.device)
         self._pending.prune()
         ring = self._take_ring() if prefetch else None
-        s.step = _Step(n, ring)
+        s.step = StepState(n, ring)
         if ring is not None:
             try:
                 for l in range(min(self.num_buffers, self.num_layers)):
@@ -523,10 +494,9 @@ class OffloadEngine:
         if self._closed:
             raise ValueError("the OffloadEngine is closed")
 
-    def _get(self, seq) -> _Seq:
+    def _get(self, seq) -> SeqState:
         self._check_open()
-        if not isinstance(seq, int) or isinstance(seq, bool):
-            raise TypeError(f"sequence id must be an int from add_sequence(), got {type(seq).__name__}")
+        check_int("sequence id (from add_sequence())", seq)
         s = self._seqs.get(seq)
         if s is None:
             if 0 <= seq < self._next_id:
@@ -535,9 +505,7 @@ class OffloadEngine:
         return s
 
     def _layer(self, layer) -> int:
-        if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < self.num_layers:
-            raise ValueError(f"layer must be an int in [0, {self.num_layers}), got {layer!r}")
-        return layer
+        return check_int("layer", layer, 0, self.num_layers - 1, type_error=ValueError)
 
     def _check_kv(self, kn, k, vn, v, tokens):
         for name, t in ((kn, k), (vn, v)):
@@ -670,7 +638,4 @@ class OffloadEngine:
             ids = list(block_ids)
         except TypeError:
             raise TypeError(f"block_ids must be a list of ints or a 1-D integer tensor, got {type(block_ids).__name__}") from None
-        for x in ids:
-            if not isinstance(x, int) or isinstance(x, bool):
-                raise TypeError(f"block_ids must be ints, got {type(x).__name__} ({x!r})")
-        return ids
+        return [check_int("block_ids entry", x) for x in ids]

@@ -15,6 +15,8 @@ import os
 
 import torch
 
+from ..kernels.checks import check_int
+
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 DEFAULT_SLAB_BYTES = 1 << 30
 
@@ -75,8 +77,7 @@ class CpuKVPool:
         for name, val, lo in (("num_layers", num_layers, 1), ("num_blocks", num_blocks, 0),
                               ("block_size", block_size, 1), ("num_kv_heads", num_kv_heads, 1),
                               ("head_dim", head_dim, 1)):
-            if not isinstance(val, int) or isinstance(val, bool) or val < lo:
-                raise ValueError(f"{name} must be an int >= {lo}, got {val!r}")
+            check_int(name, val, lo, type_error=ValueError)
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
             raise TypeError(f"dtype must be a floating-point torch.dtype (KV values), got {dtype!r}")
         self.num_layers = num_layers

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.checks import check_int
 from .streams import Sync
 
 
@@ -41,10 +42,8 @@ class LayerRing:
 
     def __init__(self, num_buffers: int, buffer_tokens: int, num_kv_heads: int, head_dim: int, *,
                  dtype=torch.bfloat16, device="cpu"):
-        if not isinstance(num_buffers, int) or isinstance(num_buffers, bool) or num_buffers < 1:
-            raise ValueError(f"num_buffers must be an int >= 1, got {num_buffers!r}")
-        if not isinstance(buffer_tokens, int) or buffer_tokens < 1:
-            raise ValueError(f"buffer_tokens must be an int >= 1, got {buffer_tokens!r}")
+        check_int("num_buffers", num_buffers, 1, type_error=ValueError)
+        check_int("buffer_tokens", buffer_tokens, 1, type_error=ValueError)
         self.num_buffers = num_buffers
         self.buffer_tokens = buffer_tokens
         self.shape = (buffer_tokens, num_kv_heads, head_dim)

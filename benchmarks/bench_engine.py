@@ -10,13 +10,12 @@ Measured (CUDA events / triton.testing.do_bench, never wall clock):
   one ``copy_`` per block and the ceiling; plus a sweep of the gather kernel's tile/warps.
 * overlap: a bf16 GEMM loop runs while layers are offloaded and prefetched; slowdown of each.
 
-GB/s counts K and V bytes moved. Run: ``python benchmarks/bench_transfer.py [--quick] [--out PATH]``
+GB/s counts K and V bytes moved. Run: ``python benchmarks/bench_engine.py [--quick] [--out PATH]``
 (table + JSON into benchmarks/results/transfer.json) or under pytest with pytest-benchmark.
 Skips cleanly without CUDA.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import random
@@ -24,13 +23,10 @@ import sys
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from benchmarks._common import env_record, save_json  # noqa: E402
+from _common import HAS_CUDA, bench_parser, env_record, parse_gpu_args, run, write_json  # noqa: E402
 
-HAS_CUDA = torch.cuda.is_available()
 BF = torch.bfloat16
 SHAPES = {"llama8b_8x128": (8, 128), "smollm2_3x64": (3, 64)}
 BLOCK_SIZES = (256, 1024, 4096)
@@ -297,7 +293,7 @@ try:
     import pytest
 
     @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-    def test_bench_transfer(benchmark):
+    def test_bench_engine(benchmark):
         res = benchmark.pedantic(lambda: run_all(quick=True), rounds=1, iterations=1)
         benchmark.extra_info.update({"ceiling": res["ceiling"], "block_fetch": res["block_fetch"],
                                      "whole_layer": res["whole_layer"], "overlap": res["overlap"]})
@@ -306,18 +302,15 @@ except ImportError:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results", "transfer.json"))
-    args = ap.parse_args(argv)
-    if not HAS_CUDA:
-        print("bench_transfer: no CUDA device, skipping")
+    ap = bench_parser(__doc__, "transfer")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     res = run_all(quick=args.quick)
     print_table(res)
-    print(f"wrote {save_json(args.out, res)}")
+    print(f"wrote {write_json(args.out, res)}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)

@@ -41,15 +41,14 @@ heads plus a copy of the first one (32 query heads, GQA 4), head_dim zero-padded
 the kernels do the work of a Llama-3.1-8B-shaped layer (32/8 heads, D=128). Duplicated heads repeat
 their original's density and error.
 
-Run: ``python benchmarks/bench_xattn_real.py [--quick]`` (GPU; ~2 min on an H200, bounded by
+Run: ``python benchmarks/bench_xattention_real.py [--quick]`` (GPU; ~2 min on an H200, bounded by
 ``--budget-s``) writes benchmarks/results/xattn_real.json (+ copy under ``$XOFFLOAD_BENCH_OUT``).
 ``--cpu-check``: a small CPU run (2K tokens, reference kernels, no timing) that exercises every step.
-Under pytest: ``pytest benchmarks/bench_xattn_real.py`` (32K tokens, 2 layers; skips without CUDA or
+Under pytest: ``pytest benchmarks/bench_xattention_real.py`` (32K tokens, 2 layers; skips without CUDA or
 without the model).
 """
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import math
@@ -66,7 +65,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _common import HAS_CUDA, bench_ms, env_record, fmt_table, requires_cuda, time_ms, write_json  # noqa: E402
+from _common import HAS_CUDA, bench_parser, env_record, fmt_table, requires_cuda, time_ms, write_json  # noqa: E402
+from _common import run as run_script  # noqa: E402  (run() below is this benchmark)
 
 LAYERS = (3, 11, 19, 27)  # spread over depth (0 and 1 are dense under the LLM's default dense_layers)
 TRAIN_LEN = 8192
@@ -440,11 +440,9 @@ def run(n_tokens=131072, layers=LAYERS, constructions=("extrapolated", "tiled"),
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = bench_parser(__doc__, "xattn_real", quick_help="2 layers, S=8 only, no lifted shape")
     ap.add_argument("--tokens", type=int, default=131072)
-    ap.add_argument("--quick", action="store_true", help="2 layers, S=8 only, no lifted shape")
     ap.add_argument("--budget-s", type=float, default=120.0, help="seconds of measuring before skipping the rest")
-    ap.add_argument("--name", default="xattn_real")
     ap.add_argument("--cpu-check", action="store_true", help="CPU run: 2K tokens (tiled from 512), no timing, no JSON")
     args = ap.parse_args(argv)
     if args.cpu_check:
@@ -471,7 +469,7 @@ def main(argv=None):
         print("errors:", bad)
         return 1 if bad else 0
     if not HAS_CUDA:
-        print("bench_xattn_real: no CUDA device, skipped")
+        print("bench_xattention_real: no CUDA device, skipped")
         return 0
     t0 = time.perf_counter()
     kw = dict(n_tokens=args.tokens, budget_s=args.budget_s, log=lambda s: print(s, flush=True))
@@ -483,14 +481,14 @@ def main(argv=None):
     if rows:
         print(fmt_table(rows, list(rows[0].keys())))
     print("summary (mean over layers):", payload["summary_mean_over_layers"])
-    path = write_json(args.name, payload)
+    path = write_json(args.out, payload)
     print(f"wrote {path}")
     return 0
 
 
 # ------------------------------------------------------------------------------ pytest-benchmark
 @requires_cuda
-def test_bench_xattn_real_32k(benchmark):
+def test_bench_xattention_real_32k(benchmark):
     from xoffload.models import load_model
 
     try:
@@ -508,4 +506,4 @@ def test_bench_xattn_real_32k(benchmark):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_script(main)

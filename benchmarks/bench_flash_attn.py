@@ -13,15 +13,14 @@ sequence lengths 4K..128K (Sq = Sk), causal and not. Peers in the same run:
 FLOPs: ``4 * B * Hq * Sq * Sk * D``, halved when causal. Times: median of
 ``triton.testing.do_bench`` (CUDA events). Ratios are ours / peer in TFLOP/s (> 1: we are faster).
 
-Run: ``python benchmarks/bench_attention.py [--quick] [--sweep] [--no-flex]`` prints a table and
+Run: ``python benchmarks/bench_flash_attn.py [--quick] [--sweep] [--no-flex]`` prints a table and
 writes benchmarks/results/attention.json; ``--quick`` runs only 32K causal for both shapes;
-``--sweep`` also times each launch configuration in ``flash_attn.CANDIDATES`` (recorded in the
-JSON; the "ours" row is always the library's default configuration). Under pytest (pytest-benchmark): ``pytest benchmarks/bench_attention.py``
+``--sweep`` also times each launch configuration in :data:`SWEEP` (recorded in the
+JSON; the "ours" row is always the library's default configuration). Under pytest (pytest-benchmark): ``pytest benchmarks/bench_flash_attn.py``
 runs the 32K cases and puts the numbers into ``benchmark.extra_info``. Skips without CUDA.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -33,10 +32,20 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from _common import HAS_CUDA, bench_ms, env_record, fmt_table, requires_cuda, tflops, write_json  # noqa: E402
+from _common import bench_ms, bench_parser, env_record, fmt_table, parse_gpu_args, requires_cuda, run, tflops, write_json  # noqa: E402
 
 SHAPES = {"d128_h32_kv8": (32, 8, 128), "d64_h9_kv3": (9, 3, 64)}
 SEQS = (4096, 8192, 16384, 32768, 65536, 131072)
+
+
+# Launch configs the --sweep times, keyed on BLOCK_D (16-bit inputs): (block_m, block_n, warps,
+# stages). The TMA and warp-specialized variants lost the recorded H200 sweep (attention.json:
+# D=128 TMA 128x128 507.8-508.5 TFLOP/s, the same as pointer loads; warp specialization 479)
+# and were deleted from the kernel.
+SWEEP = {
+    64: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
+}
 
 
 def attn_flops(b, hq, sq, sk, d, causal):
@@ -145,6 +154,7 @@ def peers(q, k, v, causal):
 def run_case(shape, s, causal, *, sweep=False, with_flex=True, peers_on=True):
     """Time ours and the peers on one case; returns a dict with per-impl ms / TFLOP/s / ratios."""
     from xoffload.kernels import flash_attn as fa
+    from xoffload.kernels import launch_override
 
     hq, hkv, d = SHAPES[shape]
     q, k, v = _make(s, hq, hkv, d)
@@ -158,16 +168,14 @@ def run_case(shape, s, causal, *, sweep=False, with_flex=True, peers_on=True):
     if sweep:  # timed for information; the "ours" row is always the library's default choice
         block_d = max(16, 1 << (d - 1).bit_length())
         tried = []
-        for cfg in fa.CANDIDATES.get(block_d, []):
-            fa._CFG_OVERRIDE.append(cfg)
+        for cfg in SWEEP.get(block_d, []):
             try:
-                ours()
-                ms = bench_ms(ours, warmup=10, rep=40)
+                with launch_override("flash_attn", cfg):
+                    ours()
+                    ms = bench_ms(ours, warmup=10, rep=40)
                 tried.append({"cfg": list(cfg), "ms": ms, "tflops": tflops(fl, ms)})
             except Exception as e:
                 tried.append({"cfg": list(cfg), "error": f"{type(e).__name__}: {str(e)[:300]}"})
-            finally:
-                fa._CFG_OVERRIDE.pop()
         rec["sweep"] = tried
     o, lse = ours()
     ms = bench_ms(ours)
@@ -213,15 +221,12 @@ def _rows(records):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true", help="only 32K causal, both shapes")
-    ap.add_argument("--sweep", action="store_true", help="also time every config in flash_attn.CANDIDATES (recorded in the JSON)")
+    ap = bench_parser(__doc__, "attention", quick_help="only 32K causal, both shapes")
+    ap.add_argument("--sweep", action="store_true", help="also time every config in SWEEP (recorded in the JSON)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compile time)")
     ap.add_argument("--seqs", type=str, default=None, help="comma-separated sequence lengths")
-    ap.add_argument("--name", default="attention", help="results/<name>.json")
-    args = ap.parse_args(argv)
-    if not HAS_CUDA:
-        print("bench_attention: no CUDA device, skipped")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
         return 0
     if args.quick:
         cases = [(sh, 32768, True) for sh in SHAPES]
@@ -237,7 +242,7 @@ def main(argv=None):
             rec = {"shape": sh, "S": s, "causal": c, "error": f"{type(e).__name__}: {e}"[:500],
                    "impl": {}, "ratios": {}}
         records.append(rec)
-        write_json(args.name, {"benchmark": "attention", "env": env_record(), "partial": True,
+        write_json(args.out, {"benchmark": "attention", "env": env_record(), "partial": True,
                                "flops_rule": "4*B*Hq*Sq*Sk*D, halved when causal", "batch": 1,
                                "records": records})
         print(fmt_table(_rows([rec]), list(_rows([rec])[0].keys())), flush=True)
@@ -246,7 +251,7 @@ def main(argv=None):
                 print("   sweep", t, flush=True)
     payload = {"benchmark": "attention", "env": env_record(),
                "flops_rule": "4*B*Hq*Sq*Sk*D, halved when causal", "batch": 1, "records": records}
-    path = write_json(args.name, payload)
+    path = write_json(args.out, payload)
     rows = _rows([r for r in records if "error" not in r])
     if rows:
         cols = []
@@ -262,7 +267,7 @@ def main(argv=None):
 @requires_cuda
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("shape", list(SHAPES))
-def test_bench_attention_32k(benchmark, shape, causal):
+def test_bench_flash_attn_32k(benchmark, shape, causal):
     rec = benchmark.pedantic(run_case, args=(shape, 32768, causal), rounds=1, iterations=1)
     benchmark.extra_info.update({
         "shape": shape, "S": 32768, "causal": causal,
@@ -274,4 +279,4 @@ def test_bench_attention_32k(benchmark, shape, causal):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run(main)
