@@ -262,6 +262,11 @@ class OffloadKV(KVStore):
         if layer == self.cfg.num_layers - 1:  # prefill over: the engine keeps them until copied
             self._stage, self._stage_ev = [None, None], [None, None]
 
+    @property
+    def h2d_bytes_per_step(self) -> int:
+        """Bytes a decode step loads from the pool: every layer's K/V of the tokens in it."""
+        return self.eng.seq_len(self.seq) * self.cfg.kv_bytes_per_token(self.dtype)
+
     def begin_step(self, pos: int):
         self.eng.begin_step(self.seq)
         self.lens.fill_(pos + 1)

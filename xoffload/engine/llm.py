@@ -178,11 +178,14 @@ class LLM:
             densities = None if self.policy.dense else []
             tok = self._prefill(ids_t, kv, req, densities, clock, marks)
             all_ids = self._decode_loop(tok, kv, req, clock, marks)
+            h2d = getattr(kv, "h2d_bytes_per_step", None)
         finally:
             kv.close()
             del kv
         out_ids, reason = req.finish(all_ids)
         timings = request_timings(clock, marks, len(ids), len(all_ids) - 1, densities)
+        if h2d is not None:
+            timings["h2d_bytes_per_token"] = int(h2d)
         peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else None
         return RequestOutput(prompt_token_ids=list(ids), token_ids=out_ids, text=self.decode(out_ids),
                              finish_reason=reason, timings=timings, peak_gpu_memory_bytes=peak)

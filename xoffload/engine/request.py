@@ -26,7 +26,8 @@ class RequestOutput:
     ``ttft_ms`` (prefill + first token), ``decode_ms_per_token`` (None if no decode step; ``decode_first_steps_ms`` and
     ``decode_steady_ms_per_token`` split off the first two steps, warm-up and graph capture),
     ``decode_steps``, ``total_ms``, ``prompt_tokens``, and with sparse prefill ``density`` (per layer,
-    None for dense layers) and ``mean_density``; ``peak_gpu_memory_bytes``: peak allocated during the
+    None for dense layers) and ``mean_density``, with an offloading store ``h2d_bytes_per_token``
+    (bytes each decode step reads from host memory); ``peak_gpu_memory_bytes``: peak allocated during the
     request (None on the CPU).
     """
 
