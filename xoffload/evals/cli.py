@@ -228,3 +228,18 @@ def _cmd_eval(a) -> int:
     if a.require_identical and any(v["token_identical"] != v["total"] for v in res.agreement.values()):
         ok = False
     return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    """``python -m xoffload.evals.cli [eval] ARGS``: the same command without ``xoffload/cli.py``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["eval"]:
+        argv = ["eval", *argv]
+    p = argparse.ArgumentParser(prog="xoffload")
+    add_eval_parser(p.add_subparsers(dest="cmd", required=True))
+    a = p.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
