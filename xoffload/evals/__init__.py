@@ -1,1 +1,23 @@
-"""Evaluations: the needle-in-a-haystack test and RULER-style long-context tasks."""
+"""Long-context evaluations: the needle-in-a-haystack test and RULER-style tasks (Hsieh et al.,
+2024) generated locally.
+
+* :mod:`.needle` — needle prompts and scoring (``xoffload needle``).
+* :mod:`.haystack` — RULER's repeated-noise haystack and a generated, seeded essay haystack.
+* :mod:`.tasks` — the 11 synthetic tasks: ``build(task, tokenizer, length, sample_index, seed) -> Sample``.
+* :mod:`.scoring` — RULER's ``string_match_all`` / ``string_match_part``.
+* :mod:`.ruler_data` — RULER's own ``.jsonl`` files (incl. qa_1/qa_2) as samples.
+* :mod:`.runner` — ``run_eval(...)``: every prompt once, under each LLM mode; tables, JSON, PNG.
+* :mod:`.cli` — ``xoffload eval`` (``add_eval_parser``, ``cmd_eval``).
+"""
+from __future__ import annotations
+
+from .cli import add_eval_parser, cmd_eval
+from .haystack import NOISE, Essay
+from .ruler_data import load_ruler_data, load_ruler_jsonl
+from .runner import EvalResult, run_eval
+from .scoring import score, string_match_all, string_match_part, task_score
+from .tasks import TASKS, Sample, build, build_samples, chat_ids, depth_for_index, parse_tasks
+
+__all__ = ["EvalResult", "Essay", "NOISE", "Sample", "TASKS", "add_eval_parser", "build", "build_samples", "chat_ids",
+           "cmd_eval", "depth_for_index", "load_ruler_data", "load_ruler_jsonl", "parse_tasks", "run_eval", "score",
+           "string_match_all", "string_match_part", "task_score"]

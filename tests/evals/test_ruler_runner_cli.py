@@ -1,0 +1,167 @@
+"""run_eval with stand-in LLMs (tables, agreement, JSON written atomically and only after every run,
+PNG), and ``xoffload eval``'s argument errors: exit 2, one line, no JSON, model not loaded first."""
+import argparse
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+
+from xoffload.evals.cli import add_eval_parser, cmd_eval
+from xoffload.evals.runner import JSON_NAME, PNG_NAME, run_eval
+from xoffload.evals.tasks import build_samples
+
+
+class FakeLLM:
+    """Answers every prompt with its references (``wrong``: sample numbers answered with "no idea")."""
+
+    def __init__(self, answers, wrong=(), fail_at=None):
+        self.answers, self.wrong, self.fail_at, self.n, self.closed = answers, set(wrong), fail_at, 0, False
+
+    def generate(self, ids, sp):
+        k = self.n
+        self.n += 1
+        if k == self.fail_at:
+            raise RuntimeError("boom")
+        assert sp.temperature == 0.0 and sp.max_tokens >= 1
+        text = "no idea" if k in self.wrong else " " + ", ".join(self.answers[tuple(ids)])
+        return [SimpleNamespace(token_ids=[len(text), 2], text=text, finish_reason="stop",
+                                timings={"prefill_tok_per_s": 1.0}, peak_gpu_memory_bytes=None)]
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.fixture(scope="module")
+def small_samples(tok):
+    return build_samples(tok, ["niah_single_1", "vt", "fwe"], [768, 1024], 1, seed=0)
+
+
+def test_run_eval_tables_agreement_json_png(tmp_path, tok, small_samples):
+    answers = {tuple(s.token_ids): s.outputs for s in small_samples}
+    made = {}
+
+    def factory(mode):
+        made[mode] = FakeLLM(answers, wrong={1} if mode == "offload" else ())
+        return made[mode]
+
+    res = run_eval(factory, tok, tasks=["niah_single_1", "vt", "fwe"], lengths=[1024, 768], samples=1,
+                   modes=["gpu", "offload"], seed=0, out_dir=str(tmp_path), progress=False,
+                   meta={"model": "fake", "device": "cpu", "dtype": "torch.float32"})
+    assert all(m.closed for m in made.values()), "LLMs made by the factory are closed"
+    assert res.modes == ["gpu", "offload"] and res.lengths == [768, 1024] and res.tasks == ["niah_single_1", "vt", "fwe"]
+    assert res.table["gpu"] == {t: {"768": 100.0, "1024": 100.0} for t in res.tasks}
+    assert res.table["offload"]["niah_single_1"] == {"768": 100.0, "1024": 0.0}  # sample 1 answered wrong
+    assert res.average["gpu"] == 100.0 and res.average["offload"] == pytest.approx(500 / 6)
+    assert res.average_by_length["offload"]["1024"] == pytest.approx(200 / 3)
+    a = res.agreement["offload"]
+    assert (a["token_identical"], a["same_score"], a["total"]) == (5, 5, 6) and "gpu" not in res.agreement
+    rec = [r for r in res.records if r["mode"] == "offload"]
+    assert [r["same_tokens"] for r in rec] == [True, False, True, True, True, True]
+    # the prompts were built by run_eval itself (same seed -> same prompts as small_samples)
+    assert [r["prompt_tokens"] for r in rec] == [len(s.token_ids) for s in
+                                                sorted(small_samples, key=lambda s: (["niah_single_1", "vt", "fwe"].index(s.task), s.length))]
+    data = json.loads((tmp_path / JSON_NAME).read_text())
+    assert set(data) >= {"meta", "table", "average", "agreement", "records"} and len(data["records"]) == 12
+    assert data["meta"]["seed"] == 0 and data["meta"]["date"] and data["meta"]["wall_s_by_mode"].keys() == {"gpu", "offload"}
+    assert (tmp_path / PNG_NAME).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == [JSON_NAME, PNG_NAME], "no temporary files left"
+    text = res.format_table()
+    assert "mode=offload" in text and "token-identical answers 5/6" in text and "niah_single_1" in text
+    assert "fake" in res.title() and "float32" in res.title()
+
+
+def test_run_eval_failure_writes_no_json(tmp_path, tok, small_samples):
+    answers = {tuple(s.token_ids): s.outputs for s in small_samples}
+    llms = {"gpu": FakeLLM(answers), "offload": FakeLLM(answers, fail_at=2)}  # a dict: used, not closed
+    with pytest.raises(RuntimeError, match="boom"):
+        run_eval(llms, tok, tasks=None, data=small_samples, out_dir=str(tmp_path), progress=False)
+    assert not llms["gpu"].closed
+    assert os.listdir(tmp_path) == []
+    with pytest.raises(ValueError, match="no LLM given"):
+        run_eval(llms, tok, tasks=["vt"], lengths=[768], modes=["gpu", "resident"], progress=False)
+    with pytest.raises(ValueError, match="nothing to run"):
+        run_eval(llms, tok, tasks=None, progress=False)
+
+
+def _parser():
+    p = argparse.ArgumentParser(prog="xoffload")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    add_eval_parser(sub)
+    return p
+
+
+def _run(argv, capsys):
+    a = _parser().parse_args(["eval", *argv])
+    rc = a.func(a)
+    return rc, capsys.readouterr()
+
+
+def test_every_option_has_help():
+    p = _parser()
+    sub = next(a for a in p._actions if isinstance(a, argparse._SubParsersAction)).choices["eval"]
+    opts = [a for a in sub._actions if a.option_strings and "-h" not in a.option_strings]
+    assert len(opts) >= 18 and all(a.help for a in opts), [a.dest for a in opts if not a.help]
+    assert sub.get_default("func") is cmd_eval
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    import xoffload.models as models
+
+    def boom(*a, **k):
+        raise AssertionError("the model must not be loaded before the arguments are checked")
+
+    monkeypatch.setattr(models, "load_model", boom, raising=False)
+
+
+@pytest.mark.parametrize("argv,what", [
+    (["--tasks", "niah_single_1,bogus"], "unknown task 'bogus'; known tasks: all, niah, niah_single_1"),
+    (["--samples", "0"], "--samples must be >= 1"),
+    (["--mode", "gpu,turbo"], "unknown --mode 'turbo'"),
+    (["--lengths", "4k,lots"], "--lengths: bad length 'lots'"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+])
+def test_bad_arguments_exit_2_before_loading(tmp_path, capsys, no_model, argv, what):
+    out = tmp_path / "o"
+    rc, cap = _run([*argv, "--device", "cpu", "--out", str(out)], capsys)
+    assert rc == 2, cap
+    lines = cap.err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("xoffload eval: error: ") and what in lines[0], cap.err
+    assert not out.exists()
+
+
+def test_malformed_data_exit_2_before_loading(tmp_path, capsys, no_model):
+    f = tmp_path / "qa_1.jsonl"
+    f.write_text(json.dumps({"input": "q", "outputs": ["a"], "length": 9}) + "\n{oops\n")
+    rc, cap = _run(["--data", str(f), "--device", "cpu", "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and cap.err.count("\n") == 1 and f"{f}:2: not valid JSON" in cap.err
+    rc, cap = _run(["--data", str(tmp_path / "nope.jsonl"), "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "not found" in cap.err and not (tmp_path / "o").exists()
+
+
+@pytest.fixture
+def shared_model(monkeypatch, smol):
+    """Serve the already loaded SmolLM2 to ``xoffload eval`` (loading is tested elsewhere)."""
+    import xoffload.models as models
+
+    def fake_load(model=None, **kw):
+        assert model in (None, "smollm2")
+        return smol
+
+    monkeypatch.setattr(models, "load_model", fake_load, raising=False)
+    return smol
+
+
+def test_length_above_max_model_len_exit_2(tmp_path, capsys, shared_model):
+    rc, cap = _run(["--lengths", "4k,16k", "--device", "cpu", "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "length 16384 is above max_model_len 8192" in cap.err and cap.err.count("\n") == 1
+    rc, cap = _run(["--lengths", "1024", "--max-model-len", "512", "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and "above max_model_len 512" in cap.err
+    rc, cap = _run(["--tasks", "vt", "--lengths", "100", "--out", str(tmp_path / "o")], capsys)  # too short
+    assert rc == 2 and "vt at length 100" in cap.err and cap.err.count("\n") == 1
+    f = tmp_path / "vt.jsonl"
+    f.write_text(json.dumps({"input": "word " * 600, "outputs": ["a"], "length": 9}) + "\n")
+    rc, cap = _run(["--data", str(f), "--max-model-len", "300", "--out", str(tmp_path / "o")], capsys)
+    assert rc == 2 and f"{f}:1: prompt of" in cap.err
+    assert not (tmp_path / "o").exists()

@@ -1,0 +1,269 @@
+"""``xoffload eval``: RULER-style long-context evaluation on a real model, per KV mode.
+
+Register it in ``xoffload/cli.py``'s ``build_parser`` with::
+
+    from .evals.cli import add_eval_parser
+    add_eval_parser(sub)
+
+Every argument is checked before the model is loaded (tasks, ``--samples``, lengths, modes, the
+``--data`` files line by line); the lengths against the model's context once its config is known.
+A bad argument prints one line ``xoffload eval: error: ...`` to stderr and returns 2, with no JSON
+written. The JSON (``ruler.json``) is written atomically after every run has finished.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+GPU_LENGTHS = "4096,8192"
+CPU_LENGTHS = "1024"
+BOTH = ("resident", "offload")
+
+
+class _ArgError(ValueError):
+    pass
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    """Add the ``eval`` sub-command to ``subparsers`` (from ``ArgumentParser.add_subparsers``) and
+    return its parser; ``args.func`` is :func:`cmd_eval`."""
+    from .tasks import TASKS
+
+    p = subparsers.add_parser(
+        "eval", help="RULER-style long-context evaluation: 11 synthetic tasks generated locally, or RULER's .jsonl data",
+        description="RULER-style evaluation (Hsieh et al., 2024): needle retrieval (8 NIAH variants), variable "
+                    "tracking, common and frequent words extraction, generated locally with the model's own "
+                    "tokenizer and chat template; or RULER's own .jsonl data (incl. qa_1/qa_2) with --data. "
+                    "Each prompt runs under each --mode (KV on the GPU, offloaded); prints a task x length "
+                    "table, writes ruler.json and ruler.png to --out. Tasks: " + ", ".join(TASKS) + ".")
+    p.add_argument("--tasks", default=None,
+                   help="'all' (default without --data), 'niah' (the 8 NIAH tasks) or a comma-separated list "
+                        "of task names; with --data and no --tasks only the data runs")
+    p.add_argument("--lengths", default=None,
+                   help=f"target context lengths in tokens (prompt + answer), comma-separated, e.g. 4096,8192 "
+                        f"or 4k,8k (default {GPU_LENGTHS} on a GPU, {CPU_LENGTHS} on a CPU)")
+    p.add_argument("--samples", type=int, default=1, help="samples per task and length (>= 1; default 1)")
+    p.add_argument("--mode", default="both",
+                   help="engine configuration(s), comma-separated: resident (alias gpu), offload, offload-ring, "
+                        "offload+quest, resident+quest, ... (xoffload.engine.modes), a decode policy's budget as "
+                        "@N (offload+quest@512), or both (= resident,offload; default); the first is the "
+                        "reference for answer agreement")
+    p.add_argument("--sparse", default=None, choices=["xattn", "none"],
+                   help="XAttention sparse prefill (default: dense)")
+    p.add_argument("--sparse-threshold", type=float, default=0.9, help="XAttention tau (with --sparse xattn)")
+    p.add_argument("--model", default=None,
+                   help="smollm2 (default), a .gguf file, or a HF model directory (needs a tokenizer)")
+    p.add_argument("--dtype", default=None, help="bf16 | fp16 | fp32 (default bf16 on a GPU, fp32 on a CPU)")
+    p.add_argument("--device", default=None, help="cuda | cpu (default cuda when available)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence the LLM serves (default: the model's context length); every "
+                        "length must fit in it")
+    p.add_argument("--num-kv-buffers", type=int, default=4, help="GPU layer buffers of the offload ring")
+    p.add_argument("--kv-block-size", type=int, default=1024, help="tokens per CPU pool block (offload)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help="cap on the answer length of every sample (default: RULER's per task: niah 128, "
+                        "vt 30, cwe 120, fwe 50, qa 32)")
+    p.add_argument("--data", default=None,
+                   help="RULER .jsonl file(s), comma-separated (fields input, outputs, length; optional "
+                        "index, answer_prefix, task); task name from a 'task' field, the file stem or, for "
+                        "<task>/validation.jsonl, the folder")
+    p.add_argument("--seed", type=int, default=0, help="seed of every generated prompt (default 0)")
+    p.add_argument("--out", default="xoffload_eval", help="output folder for ruler.json and ruler.png")
+    p.add_argument("--min-score", type=float, default=None,
+                   help="exit 1 when a mode's overall average (0-100) is below this")
+    p.add_argument("--require-identical", action="store_true",
+                   help="exit 1 unless every mode's answers are token-identical to the first mode's")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_eval)
+    return p
+
+
+def _has_cuda(device) -> bool:
+    import torch
+
+    if device is not None:
+        return str(device).startswith("cuda")
+    return torch.cuda.is_available()
+
+
+def mode_options(name: str) -> dict:
+    """LLM keyword arguments of a mode name: a configuration of
+    :func:`xoffload.engine.modes.configurations` (``resident``, ``offload``, ``offload+quest``, ...;
+    ``gpu`` = ``resident``), with ``@N`` after a decode-policy configuration setting its token
+    budget (``offload+quest@512``). Raises ValueError naming the known names."""
+    from xoffload.engine.modes import configurations
+
+    confs = configurations()
+    base, _, budget = name.partition("@")
+    base = "resident" if base == "gpu" else base.replace("gpu+", "resident+")
+    if base not in confs:
+        raise _ArgError(f"unknown --mode {name!r}; known: both, gpu, {', '.join(confs)} (decode policies take @BUDGET)")
+    kw = dict(confs[base])
+    if budget:
+        if "sparse_decode" not in kw or not budget.isdigit() or int(budget) < 1:
+            raise _ArgError(f"--mode {name!r}: @BUDGET needs a decode-policy mode and a positive integer")
+        kw["token_budget"] = int(budget)
+    return kw
+
+
+def _parse_modes(spec: str) -> list:
+    items = [x.strip() for x in str(spec).split(",") if x.strip()]
+    out = []
+    for it in items:
+        for m in (BOTH if it == "both" else (it,)):
+            mode_options(m)  # raises for an unknown name
+            m = "resident" if m == "gpu" else m
+            if m not in out:
+                out.append(m)
+    if not out:
+        raise _ArgError("--mode is empty")
+    return out
+
+
+def _parse_lengths(spec: str) -> list:
+    from .needle import parse_length
+
+    out = []
+    for x in str(spec).split(","):
+        if not x.strip():
+            continue
+        try:
+            L = parse_length(x)
+        except ValueError as e:
+            raise _ArgError(f"--lengths: {e}") from None
+        if L < 1:
+            raise _ArgError(f"--lengths must be positive, got {x.strip()!r}")
+        out.append(L)
+    if not out:
+        raise _ArgError("--lengths is empty")
+    return sorted(set(out))
+
+
+def _check_args(a):
+    """Everything that needs no model: returns (tasks, lengths, modes, data samples)."""
+    from .ruler_data import load_ruler_data
+    from .tasks import parse_tasks
+
+    if a.samples < 1:
+        raise _ArgError(f"--samples must be >= 1, got {a.samples}")
+    if a.max_new_tokens is not None and a.max_new_tokens < 1:
+        raise _ArgError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    if a.max_model_len is not None and a.max_model_len < 1:
+        raise _ArgError(f"--max-model-len must be >= 1, got {a.max_model_len}")
+    if a.num_kv_buffers < 1 or a.kv_block_size < 1:
+        raise _ArgError("--num-kv-buffers and --kv-block-size must be >= 1")
+    if not 0.0 <= a.sparse_threshold <= 1.0:
+        raise _ArgError(f"--sparse-threshold must be in [0, 1], got {a.sparse_threshold}")
+    if a.tasks is None and a.data:
+        tasks = []
+    else:
+        try:
+            tasks = parse_tasks(a.tasks if a.tasks is not None else "all")
+        except ValueError as e:
+            raise _ArgError(f"--tasks: {e}") from None
+    lengths = []
+    if tasks:
+        lengths = _parse_lengths(a.lengths or (GPU_LENGTHS if _has_cuda(a.device) else CPU_LENGTHS))
+    modes = _parse_modes(a.mode)
+    data = load_ruler_data(a.data) if a.data else []  # ValueError "<file>:<line>: ..." on a bad line
+    return tasks, lengths, modes, data
+
+
+def _one_line(e) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def cmd_eval(a) -> int:
+    """Run ``xoffload eval`` with parsed arguments ``a`` (see :func:`add_eval_parser`).
+
+    Returns 0 on success, 1 when ``--min-score`` / ``--require-identical`` fail, 2 on bad arguments
+    or a failure before any result (one line ``xoffload eval: error: ...`` on stderr; no JSON).
+    """
+    try:
+        return _cmd_eval(a)
+    except (ValueError, TypeError, FileNotFoundError, ImportError, MemoryError) as e:
+        print(f"xoffload eval: error: {_one_line(e)}", file=sys.stderr)
+        return 2
+
+
+def _cmd_eval(a) -> int:
+    tasks, lengths, modes, data = _check_args(a)
+
+    from xoffload import models
+
+    t_load = time.perf_counter()
+    model = models.load_model(a.model, dtype=a.dtype, device=a.device, seed=a.seed)
+    if model.tokenizer is None:
+        raise _ArgError(f"model {model.source} has no tokenizer: eval needs one (use a GGUF or HF directory)")
+    max_len = a.max_model_len or model.cfg.max_position_embeddings
+    if lengths and max(lengths) > max_len:
+        raise _ArgError(f"length {max(lengths)} is above max_model_len {max_len} of {os.path.basename(str(model.source))}"
+                        f"{'' if a.max_model_len else ' (its context length)'}")
+    if data:
+        from .ruler_data import tokenize_samples
+
+        tokenize_samples(data, model.tokenizer)
+        for s in data:
+            if len(s.token_ids) + s.max_new_tokens > max_len:
+                raise _ArgError(f"{s.meta['source']}:{s.meta['line']}: prompt of {len(s.token_ids)} tokens + "
+                                f"{s.max_new_tokens} new tokens is above max_model_len {max_len}")
+    t_load = time.perf_counter() - t_load
+    # build every prompt now, so that a length too short for a template fails before any generation
+    from .tasks import build_samples
+
+    t_b = time.perf_counter()
+    prompts = build_samples(model.tokenizer, tasks, lengths, a.samples, a.seed) if tasks else []
+    t_b = time.perf_counter() - t_b
+    print(f"model {model.source} ({model.cfg.arch}, {model.cfg.num_layers} layers, {model.dtype}, {model.device}) "
+          f"loaded in {t_load:.1f} s; {len(prompts) + len(data)} prompts built in {t_b:.2f} s; modes {modes}; "
+          f"lengths {lengths}; samples {a.samples}; seed {a.seed}", flush=True)
+
+    from xoffload.engine.llm import LLM
+    from xoffload.sparse import XAttentionPrefill
+
+    from .runner import run_eval
+
+    sparse = None if a.sparse in (None, "none") else a.sparse
+    policy = XAttentionPrefill(threshold=a.sparse_threshold) if sparse else None
+
+    def factory(mode):
+        kw = {"sparse": policy, **mode_options(mode)}
+        return LLM(model, num_kv_buffers=a.num_kv_buffers, kv_block_size=a.kv_block_size, max_model_len=max_len, **kw)
+
+    meta = {"model": str(model.source), "arch": model.cfg.arch, "dtype": str(model.dtype),
+            "device": str(model.device), "load_s": t_load, "sparse": sparse,
+            "sparse_threshold": a.sparse_threshold if sparse else None, "num_kv_buffers": a.num_kv_buffers,
+            "kv_block_size": a.kv_block_size, "max_model_len": max_len, "command": " ".join(sys.argv)}
+    if model.device.type == "cuda":
+        import torch
+
+        meta["gpu"] = torch.cuda.get_device_name(model.device)
+    # the prompts are built above (to fail early); run_eval gets them as ready samples
+    res = run_eval(factory, model.tokenizer, tasks=None, lengths=lengths, samples=a.samples, modes=modes,
+                   seed=a.seed, data=[*prompts, *data], max_new_tokens=a.max_new_tokens, out_dir=a.out, meta=meta,
+                   progress=not a.no_progress)
+    print(res.format_table())
+    print(f"wrote {os.path.join(a.out, 'ruler.json')} and ruler.png")
+    ok = True
+    if a.min_score is not None:
+        ok = all(res.average[m] >= a.min_score for m in res.modes)
+    if a.require_identical and any(v["token_identical"] != v["total"] for v in res.agreement.values()):
+        ok = False
+    return 0 if ok else 1
+
+
+def main(argv=None) -> int:
+    """``python -m xoffload.evals.cli [eval] ARGS``: the same command without ``xoffload/cli.py``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] != ["eval"]:
+        argv = ["eval", *argv]
+    p = argparse.ArgumentParser(prog="xoffload")
+    add_eval_parser(p.add_subparsers(dest="cmd", required=True))
+    a = p.parse_args(argv)
+    return a.func(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,350 @@
+"""Run RULER-style samples under one or more LLM modes and collect scores, tables and agreement.
+
+Every prompt is built once (:func:`~.tasks.build_samples`, plus any loaded RULER data) and then
+generated greedily under each mode, so modes see token-identical prompts. The result holds per-sample
+predictions and scores, a task x length table per mode (RULER's task score: mean x 100), averages,
+and each mode's agreement with the first mode: the same generated token ids, and the same score.
+"""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .scoring import score as _score
+from .tasks import build_samples, parse_tasks
+
+JSON_NAME = "ruler.json"
+PNG_NAME = "ruler.png"
+
+
+def _len_label(L) -> str:
+    L = int(L)
+    return f"{L // 1024}K" if L % 1024 == 0 else str(L)
+
+
+@dataclass
+class EvalResult:
+    """What :func:`run_eval` returns.
+
+    Attributes:
+        modes: mode labels in run order (the first is the agreement reference).
+        tasks: task names (synthetic tasks in the order asked, then data tasks as first seen).
+        lengths: target lengths (tokens), sorted.
+        records: one dict per (mode, sample): ``mode, task, index, length, prompt_tokens, depth,
+            metric, outputs, prediction, score`` (0-100), ``generated_ids``, ``finish_reason``,
+            ``timings``, ``peak_gpu_memory_bytes`` and, after the first mode, ``same_tokens`` /
+            ``same_score`` (against the first mode's record of the same sample).
+        table: ``{mode: {task: {length(str): score 0-100}}}`` (cells without samples are absent).
+        average: ``{mode: mean of the table's cells}``.
+        average_by_length: ``{mode: {length(str): mean over tasks}}``.
+        agreement: ``{mode: {"token_identical", "same_score", "total", "token_identical_frac",
+            "same_score_frac"}}`` for every mode after the first.
+        meta: model, device, dtype, date, seed, settings, wall times.
+    """
+
+    modes: list
+    tasks: list
+    lengths: list
+    records: list
+    table: dict
+    average: dict
+    average_by_length: dict
+    agreement: dict
+    meta: dict = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        """JSON-ready dict: ``meta, modes, tasks, lengths, table, average, average_by_length,
+        agreement, records``."""
+        return {"meta": self.meta, "modes": self.modes, "tasks": self.tasks, "lengths": self.lengths,
+                "table": self.table, "average": self.average, "average_by_length": self.average_by_length,
+                "agreement": self.agreement, "records": self.records}
+
+    def write_json(self, path: str) -> str:
+        """Write :meth:`to_dict` to ``path`` atomically (a temporary file in the same folder, then
+        ``os.replace``): no partial file is ever visible under ``path``. Returns ``path``."""
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".ruler-", suffix=".json.tmp", dir=d)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(self.to_dict(), f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        return path
+
+    def title(self) -> str:
+        """Figure title: model, device (GPU name), dtype and date."""
+        m = self.meta
+        dev = m.get("gpu") or m.get("device") or "?"
+        return (f"RULER-style eval: {os.path.basename(str(m.get('model', '?')))} on {dev}, "
+                f"{str(m.get('dtype', '?')).replace('torch.', '')}, {m.get('date', '')[:10]}")
+
+    def write_png(self, path: str, title: str | None = None) -> str:
+        """Heatmap of the task x length table, one row-panel per mode, each cell annotated with its
+        score (0-100) and an ``average`` row; written atomically. Needs matplotlib (ImportError)."""
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        rows = list(self.tasks) + ["average"]
+        cols = [str(L) for L in self.lengths]
+        nm = len(self.modes)
+        fig, axes = plt.subplots(nm, 1, figsize=(2.6 + 1.0 * len(cols), 0.9 + (0.32 * len(rows) + 0.6) * nm),
+                                 squeeze=False)
+        im = None
+        for ax, mode in zip(axes[:, 0], self.modes):
+            grid = []
+            for t in rows:
+                src = self.average_by_length[mode] if t == "average" else self.table[mode].get(t, {})
+                grid.append([src.get(c, float("nan")) for c in cols])
+            im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=100, aspect="auto")
+            ax.set_xticks(range(len(cols)), [_len_label(c) for c in cols])
+            ax.set_yticks(range(len(rows)), rows, fontsize=8)
+            ax.set_title(f"mode={mode}  (average {self.average[mode]:.1f})", fontsize=9)
+            for i, row in enumerate(grid):
+                for j, v in enumerate(row):
+                    if v == v:  # not NaN
+                        ax.text(j, i, f"{v:.0f}", ha="center", va="center", fontsize=7)
+        axes[-1, 0].set_xlabel("context length (tokens)")
+        fig.colorbar(im, ax=list(axes[:, 0]), fraction=0.04, label="score (0-100)")
+        fig.suptitle(title or self.title(), fontsize=9)
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".ruler-", suffix=".png", dir=d)
+        os.close(fd)
+        try:
+            fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
+            os.replace(tmp, path)
+        finally:
+            plt.close(fig)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        return path
+
+    def format_table(self) -> str:
+        """The tables as text: per mode, tasks x lengths (scores 0-100), the average row, then the
+        agreement lines."""
+        cols = [str(L) for L in self.lengths]
+        w = max([len(t) for t in self.tasks] + [8]) + 2
+        lines = []
+        for mode in self.modes:
+            lines.append(f"mode={mode}: RULER score (0-100) per task and length")
+            lines.append("task".ljust(w) + "".join(_len_label(c).rjust(8) for c in cols))
+            for t in self.tasks:
+                cells = self.table[mode].get(t, {})
+                lines.append(t.ljust(w) + "".join((f"{cells[c]:.1f}" if c in cells else "-").rjust(8) for c in cols))
+            avg = self.average_by_length[mode]
+            lines.append("average".ljust(w) + "".join((f"{avg[c]:.1f}" if c in avg else "-").rjust(8) for c in cols)
+                         + f"   overall {self.average[mode]:.1f}")
+            lines.append("")
+        ref = self.modes[0] if self.modes else None
+        for mode, a in self.agreement.items():
+            lines.append(f"{mode} vs {ref}: token-identical answers {a['token_identical']}/{a['total']}, "
+                         f"same score {a['same_score']}/{a['total']}")
+        return "\n".join(lines).rstrip()
+
+
+def _mean(xs):
+    xs = list(xs)
+    return sum(xs) / len(xs) if xs else None
+
+
+def summarize(records: list, modes: list, tasks: list, lengths: list) -> tuple:
+    """``(table, average, average_by_length, agreement)`` from per-sample records (see
+    :class:`EvalResult`); also sets ``same_tokens`` / ``same_score`` on the records of later modes."""
+    table, average, by_len, agreement = {}, {}, {}, {}
+    for m in modes:
+        rs = [r for r in records if r["mode"] == m]
+        tab = {}
+        for t in tasks:
+            row = {}
+            for L in lengths:
+                v = _mean(r["score"] for r in rs if r["task"] == t and r["length"] == L)
+                if v is not None:
+                    row[str(L)] = v
+            if row:
+                tab[t] = row
+        table[m] = tab
+        by_len[m] = {}
+        for L in lengths:
+            v = _mean(tab[t][str(L)] for t in tab if str(L) in tab[t])
+            if v is not None:
+                by_len[m][str(L)] = v
+        cells = [v for row in tab.values() for v in row.values()]
+        average[m] = _mean(cells) if cells else 0.0
+    if modes:
+        ref = {(r["task"], r["length"], r["index"], r["sample"]): r for r in records if r["mode"] == modes[0]}
+        for m in modes[1:]:
+            n = same_t = same_s = 0
+            for r in records:
+                if r["mode"] != m:
+                    continue
+                a = ref.get((r["task"], r["length"], r["index"], r["sample"]))
+                if a is None:
+                    continue
+                r["same_tokens"] = r["generated_ids"] == a["generated_ids"]
+                r["same_score"] = r["score"] == a["score"]
+                n += 1
+                same_t += r["same_tokens"]
+                same_s += r["same_score"]
+            agreement[m] = {"token_identical": same_t, "same_score": same_s, "total": n,
+                            "token_identical_frac": same_t / n if n else None,
+                            "same_score_frac": same_s / n if n else None}
+    return table, average, by_len, agreement
+
+
+def _model_meta(llm) -> dict:
+    m = {}
+    try:
+        import torch
+
+        mdl = llm.model
+        m.update(model=str(mdl.source), arch=mdl.cfg.arch, dtype=str(mdl.dtype), device=str(mdl.device))
+        if mdl.device.type == "cuda":
+            m["gpu"] = torch.cuda.get_device_name(mdl.device)
+        m["torch"] = torch.__version__
+    except Exception:  # a stand-in LLM without these attributes
+        pass
+    return m
+
+
+def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int = 1, modes=None, seed: int = 0, *,
+             data=(), max_new_tokens: int | None = None, out_dir: str | None = None, meta: dict | None = None,
+             progress: bool = True) -> EvalResult:
+    """Build the prompts once and generate every one of them under each mode, greedily.
+
+    Args:
+        llm_factory: ``callable(mode) -> LLM`` (called once per mode; the LLM is closed after that
+            mode's runs), or a mapping ``{mode: LLM}`` (used as given, not closed). An LLM needs
+            ``generate(token_ids, SamplingParams) -> [RequestOutput]``.
+        tokenizer: the model's tokenizer (prompts are sized and chat-templated with it).
+        tasks: ``"all"``, a comma-separated string or a list of task names (:data:`~.tasks.TASKS`);
+            empty (``()``/``None`` with ``data``) for data only.
+        lengths: target context lengths in tokens (prompt + generation), for the synthetic tasks.
+        samples: samples per (task, length), >= 1.
+        modes: mode labels, passed to ``llm_factory`` (e.g. ``["gpu", "offload"]``); default the
+            mapping's keys, else ``["gpu"]``. The first is the agreement reference.
+        seed: int; seeds every prompt.
+        data: extra :class:`~.tasks.Sample` s, e.g. from :func:`~.ruler_data.load_ruler_data`
+            (their ``token_ids`` are filled with ``tokenizer`` when empty).
+        max_new_tokens: optional cap on every sample's generation length (default: RULER's per task).
+        out_dir: when given, ``ruler.json`` and ``ruler.png`` are written there after all runs
+            finished (JSON atomically; no JSON at all when a run fails).
+        meta: extra metadata for the JSON (model name etc.; filled from the first LLM otherwise).
+        progress: show a tqdm bar (stderr).
+    Returns:
+        :class:`EvalResult`.
+    Raises:
+        ValueError: bad tasks / samples / lengths / modes, a length too short for a task's template.
+    """
+    from xoffload.models.llm import SamplingParams
+
+    if modes is None:
+        modes = list(llm_factory) if isinstance(llm_factory, Mapping) else ["gpu"]
+    modes = list(modes)
+    labels = [str(m) for m in modes]
+    if not modes or len(set(labels)) != len(modes):
+        raise ValueError(f"modes must be a non-empty list of distinct labels, got {modes!r}")
+    if isinstance(llm_factory, Mapping):
+        missing = [m for m in modes if m not in llm_factory]
+        if missing:
+            raise ValueError(f"no LLM given for mode(s) {missing}")
+    elif not callable(llm_factory):
+        raise TypeError("llm_factory must be callable(mode) -> LLM or a mapping {mode: LLM}")
+    if max_new_tokens is not None and int(max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
+    task_list = parse_tasks(tasks) if tasks else []
+    lengths = sorted(set(int(L) for L in lengths)) if task_list else []
+    if any(L < 1 for L in lengths):
+        raise ValueError(f"lengths must be positive, got {lengths}")
+    t0 = time.perf_counter()
+    prompts = build_samples(tokenizer, task_list, lengths, samples, seed) if task_list else []
+    data = list(data or ())
+    if data:
+        from .ruler_data import tokenize_samples
+
+        tokenize_samples([s for s in data if not s.token_ids], tokenizer)
+    prompts += data
+    if not prompts:
+        raise ValueError("nothing to run: no tasks and no data")
+    build_s = time.perf_counter() - t0
+    all_tasks = list(task_list) + [t for t in dict.fromkeys(s.task for s in data) if t not in task_list]
+    all_lengths = sorted(set(s.length for s in prompts))
+
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=len(prompts) * len(modes), desc="eval", unit="prompt", file=sys.stderr)
+    records, wall, info = [], {}, dict(meta or {})
+    try:
+        for mode, label in zip(modes, labels):
+            owned = not isinstance(llm_factory, Mapping)
+            llm = llm_factory(mode) if owned else llm_factory[mode]
+            if not info.get("model"):
+                info.update({k: v for k, v in _model_meta(llm).items() if k not in info})
+            tm = time.perf_counter()
+            try:
+                dev = getattr(getattr(llm, "model", None), "device", None)
+                if dev is not None and dev.type == "cuda":  # compile kernels outside the measured runs
+                    llm.generate(prompts[0].token_ids[:256], SamplingParams(max_tokens=2))
+                for k, s in enumerate(prompts):
+                    if bar is not None:
+                        bar.set_postfix(mode=label, task=s.task, length=s.length)
+                    mt = s.max_new_tokens if max_new_tokens is None else min(s.max_new_tokens, int(max_new_tokens))
+                    o = llm.generate(s.token_ids, SamplingParams(max_tokens=mt, temperature=0.0))[0]
+                    pred = o.text if o.text is not None else (tokenizer.decode(o.token_ids, skip_special_tokens=True))
+                    t = o.timings or {}
+                    records.append({
+                        "mode": label, "task": s.task, "index": s.index, "sample": k, "length": s.length,
+                        "prompt_tokens": len(s.token_ids), "depth": s.depth, "metric": s.metric,
+                        "max_new_tokens": mt, "outputs": list(s.outputs), "prediction": pred,
+                        "score": 100.0 * _score(pred, s.outputs, s.metric),
+                        "generated_ids": list(o.token_ids), "finish_reason": o.finish_reason,
+                        "timings": {key: t.get(key) for key in ("prefill_tok_per_s", "ttft_ms", "decode_ms_per_token",
+                                                                "decode_steps", "total_ms", "mean_density")},
+                        "peak_gpu_memory_bytes": o.peak_gpu_memory_bytes,
+                    })
+                    if bar is not None:
+                        bar.update(1)
+            finally:
+                if owned and hasattr(llm, "close"):
+                    llm.close()
+            wall[label] = time.perf_counter() - tm
+    finally:
+        if bar is not None:
+            bar.close()
+    table, average, by_len, agreement = summarize(records, labels, all_tasks, all_lengths)
+    info.update({
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "seed": int(seed),
+        "samples": int(samples), "tasks": all_tasks, "lengths": all_lengths, "modes": labels,
+        "max_new_tokens_cap": max_new_tokens, "num_prompts": len(prompts), "build_s": build_s,
+        "wall_s_by_mode": wall, "data_files": sorted(set(s.meta["source"] for s in data if s.meta.get("source"))),
+    })
+    try:
+        from xoffload import __version__ as xv
+
+        info.setdefault("xoffload", xv)
+    except ImportError:  # pragma: no cover
+        pass
+    res = EvalResult(modes=labels, tasks=all_tasks, lengths=all_lengths, records=records,
+                     table=table, average=average, average_by_length=by_len, agreement=agreement, meta=info)
+    if out_dir is not None:
+        res.write_json(os.path.join(out_dir, JSON_NAME))
+        try:
+            res.write_png(os.path.join(out_dir, PNG_NAME))
+        except ImportError:
+            print("matplotlib not installed: no heatmap (pip install matplotlib)", file=sys.stderr)
+    return res
