@@ -1,4 +1,5 @@
-"""Benchmark: needle-in-a-haystack accuracy of XAttention sparse prefill variants on SmolLM2.
+"""Benchmark: needle-in-a-haystack accuracy of XAttention sparse prefill and Quest sparse decode
+variants on SmolLM2.
 
 Loads SmolLM2-135M-Instruct once and runs the needle grid (the prompts of ``xoffload needle``:
 lengths 1K-8K x 10 depths, same seed, so the numbers match the CLI's) for dense prefill and for
@@ -15,6 +16,10 @@ default became the first four layers after this benchmark's H200 run; ``t0.9_s8_
 - ``t0.9_s8_dlq256``, ``t0.9_s16_dlq128``, ``t0.8_s8_dlq128``: more rows, coarser stride, lower tau.
 - ``t0.9_s8_keep2``: tau 0.9, S 8, no dense rows but the 2 key blocks before each diagonal kept.
 - ``t0.95_s8_plain``: a higher tau, no dense rows.
+- ``quest_b256`` / ``quest_b512`` / ``quest_b1024``: dense prefill, Quest sparse decode over the
+  offloaded KV at that token budget (page 32, layers 0-1 dense: the defaults); ``quest_b512_p16``,
+  ``_dl4``, ``_p16_dl4``, ``_dl0``: 16-token pages, four or no dense layers (the measurement behind
+  the defaults).
 
 Records, per variant: found rate, found count per length, mean density per length (mean over the
 sparse layers of each prompt's per-layer density, then over the prompts of that length; prompts of
@@ -58,6 +63,14 @@ VARIANTS = {
     "t0.9_s8_dl4": dict(threshold=0.9, stride=8, kwargs={"dense_last_q": 128}, dense_layers=(0, 1, 2, 3)),
     "t0.9_s8_dl0": dict(threshold=0.9, stride=8, kwargs={"dense_last_q": 128}, dense_layers=()),
     "t0.9_s4_dlq128": dict(threshold=0.9, stride=4, kwargs={"dense_last_q": 128}),
+    # sparse decode (Quest) over offloaded KV, dense prefill: budget, page size, dense layers
+    "quest_b256": dict(decode=dict(token_budget=256)),
+    "quest_b512": dict(decode=dict(token_budget=512)),
+    "quest_b1024": dict(decode=dict(token_budget=1024)),
+    "quest_b512_p16": dict(decode=dict(token_budget=512, page_size=16)),
+    "quest_b512_dl4": dict(decode=dict(token_budget=512, dense_layers=(0, 1, 2, 3))),
+    "quest_b512_p16_dl4": dict(decode=dict(token_budget=512, page_size=16, dense_layers=(0, 1, 2, 3))),
+    "quest_b512_dl0": dict(decode=dict(token_budget=512, dense_layers=())),
 }
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 DEFAULT_DEPTHS = 10
@@ -84,6 +97,10 @@ def _llm_for(model, spec, max_len, extra_kwargs):
 
     if spec is None:
         return LLM(model, mode="resident", max_model_len=max_len)
+    if "decode" in spec:
+        from xoffload.sparse import QuestDecode
+
+        return LLM(model, mode="offload", max_model_len=max_len, sparse_decode=QuestDecode(**spec["decode"]))
     kw = dict(spec.get("kwargs", {}))
     kw.update(extra_kwargs)
     policy = XAttentionPrefill(threshold=spec["threshold"], stride=spec["stride"],
@@ -113,7 +130,8 @@ def run_grid(model, prompts, variants, *, max_tokens=16, budget_s=None, extra_kw
             log(f"{name}: skipped (budget)")
             continue
         t0 = time.perf_counter()
-        rec = {"options": None if spec is None else {"sparse_threshold": spec["threshold"],
+        rec = {"options": None if spec is None else {"sparse_decode": spec["decode"]} if "decode" in spec else {
+                   "sparse_threshold": spec["threshold"],
                                                      "sparse_stride": spec["stride"],
                                                      "sparse_kwargs": {**spec.get("kwargs", {}), **extra_kwargs},
                                                      "dense_layers": list(spec.get("dense_layers", (0, 1)))},

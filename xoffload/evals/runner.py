@@ -249,7 +249,7 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
     Raises:
         ValueError: bad tasks / samples / lengths / modes, a length too short for a task's template.
     """
-    from xoffload.models.llm import SamplingParams
+    from xoffload.engine.sampling import SamplingParams
 
     if modes is None:
         modes = list(llm_factory) if isinstance(llm_factory, Mapping) else ["gpu"]
