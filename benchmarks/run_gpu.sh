@@ -30,6 +30,7 @@ if [[ $what == bench || $what == all ]]; then
   fi
 fi
 if [[ $what == model || $what == all ]]; then
-  python3 benchmarks/bench_model.py $quick --out "$out" 2>&1 | tail -n 40 || rc=1
+  python3 benchmarks/bench_llm.py $quick --out "$out" 2>&1 | tail -n 40 || rc=1
+  (cd benchmarks && python3 bench_e2e.py $quick --out "$out/e2e.json" 2>&1 | tail -n 40) || rc=1
 fi
 exit $rc
