@@ -22,46 +22,18 @@ with the bounds, peak memory, each against length).
 """
 from __future__ import annotations
 
-import gc
 import os
 import random
 import time
-import traceback
 
 from _common import HAS_CUDA, bench_parser, fmt_table, hbm_copy_gbps, parse_gpu_args, requires_cuda, run, write_json
 
 import torch
 
-from bench_llm import h2d_bandwidth_gbps, hf_from_ours, run_hf
+from bench_llm import _free, _prompt, _section, h2d_bandwidth_gbps, hf_from_ours, run_hf
 
 CAP_BYTES = 24 * 2**30
 N_NEW = 24  # tokens per point: 1 from prefill, 2 warm-up/capture steps, 21 steady steps
-
-
-def _free():
-    gc.collect()
-    if HAS_CUDA:
-        torch.cuda.empty_cache()
-
-
-def _prompt(n, vocab, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, vocab, (n,), generator=g).tolist()
-
-
-def _section(res, name, fn):
-    t = time.perf_counter()
-    try:
-        out = fn()
-        res["results"][name] = out
-        print(f"[{name}] {time.perf_counter() - t:.1f} s", flush=True)
-        return out
-    except Exception as e:  # a failed section is recorded, the others still run
-        res["errors"][name] = f"{type(e).__name__}: {e}"[:500]
-        res["tracebacks"][name] = traceback.format_exc()[-3000:]
-        print(f"[{name}] FAILED {type(e).__name__}: {e}", flush=True)
-        _free()
-        return None
 
 
 def point(llm, n_ctx, n_new=N_NEW, seed=0) -> dict:

@@ -12,7 +12,6 @@ CUDA tensors run the Triton kernel; CPU tensors run :func:`rms_norm_ref`, or the
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton

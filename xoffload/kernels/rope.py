@@ -20,7 +20,6 @@ CUDA tensors run the Triton kernel; CPU tensors run :func:`qkv_rope_ref`, or the
 """
 from __future__ import annotations
 
-import math
 
 import torch
 import triton

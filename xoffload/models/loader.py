@@ -19,8 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .config import (PRESETS, SUPPORTED_ARCHS, ModelConfig, config_from_gguf, config_from_hf, get_preset,
-                     gguf_field)
+from .config import PRESETS, ModelConfig, config_from_gguf, config_from_hf, get_preset
 from .llama import LayerWeights, LlamaModel, Weights
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
