@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from .scoring import score as _score
 from .tasks import build_samples, parse_tasks
+from .. import __version__
 
 JSON_NAME = "ruler.json"
 PNG_NAME = "ruler.png"
@@ -220,6 +221,55 @@ def _model_meta(llm) -> dict:
     return m
 
 
+def _check_modes(llm_factory, modes, max_new_tokens):
+    """``(modes, labels)`` of a run; ValueError / TypeError naming what is wrong."""
+    if modes is None:
+        modes = list(llm_factory) if isinstance(llm_factory, Mapping) else ["gpu"]
+    modes = list(modes)
+    labels = [str(m) for m in modes]
+    if not modes or len(set(labels)) != len(modes):
+        raise ValueError(f"modes must be a non-empty list of distinct labels, got {modes!r}")
+    if isinstance(llm_factory, Mapping):
+        missing = [m for m in modes if m not in llm_factory]
+        if missing:
+            raise ValueError(f"no LLM given for mode(s) {missing}")
+    elif not callable(llm_factory):
+        raise TypeError("llm_factory must be callable(mode) -> LLM or a mapping {mode: LLM}")
+    if max_new_tokens is not None and int(max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
+    return modes, labels
+
+
+def _run_mode(llm, label, prompts, tokenizer, max_new_tokens, bar) -> list:
+    """Every prompt through one LLM, greedily; one record per prompt."""
+    from xoffload.engine.sampling import SamplingParams
+
+    dev = getattr(getattr(llm, "model", None), "device", None)
+    if dev is not None and dev.type == "cuda":  # compile kernels outside the measured runs
+        llm.generate(prompts[0].token_ids[:256], SamplingParams(max_tokens=2))
+    out = []
+    for k, s in enumerate(prompts):
+        if bar is not None:
+            bar.set_postfix(mode=label, task=s.task, length=s.length)
+        mt = s.max_new_tokens if max_new_tokens is None else min(s.max_new_tokens, int(max_new_tokens))
+        o = llm.generate(s.token_ids, SamplingParams(max_tokens=mt, temperature=0.0))[0]
+        pred = o.text if o.text is not None else (tokenizer.decode(o.token_ids, skip_special_tokens=True))
+        t = o.timings or {}
+        out.append({
+            "mode": label, "task": s.task, "index": s.index, "sample": k, "length": s.length,
+            "prompt_tokens": len(s.token_ids), "depth": s.depth, "metric": s.metric,
+            "max_new_tokens": mt, "outputs": list(s.outputs), "prediction": pred,
+            "score": 100.0 * _score(pred, s.outputs, s.metric),
+            "generated_ids": list(o.token_ids), "finish_reason": o.finish_reason,
+            "timings": {key: t.get(key) for key in ("prefill_tok_per_s", "ttft_ms", "decode_ms_per_token",
+                                                    "decode_steps", "total_ms", "mean_density")},
+            "peak_gpu_memory_bytes": o.peak_gpu_memory_bytes,
+        })
+        if bar is not None:
+            bar.update(1)
+    return out
+
+
 def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int = 1, modes=None, seed: int = 0, *,
              data=(), max_new_tokens: int | None = None, out_dir: str | None = None, meta: dict | None = None,
              progress: bool = True) -> EvalResult:
@@ -249,22 +299,7 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
     Raises:
         ValueError: bad tasks / samples / lengths / modes, a length too short for a task's template.
     """
-    from xoffload.engine.sampling import SamplingParams
-
-    if modes is None:
-        modes = list(llm_factory) if isinstance(llm_factory, Mapping) else ["gpu"]
-    modes = list(modes)
-    labels = [str(m) for m in modes]
-    if not modes or len(set(labels)) != len(modes):
-        raise ValueError(f"modes must be a non-empty list of distinct labels, got {modes!r}")
-    if isinstance(llm_factory, Mapping):
-        missing = [m for m in modes if m not in llm_factory]
-        if missing:
-            raise ValueError(f"no LLM given for mode(s) {missing}")
-    elif not callable(llm_factory):
-        raise TypeError("llm_factory must be callable(mode) -> LLM or a mapping {mode: LLM}")
-    if max_new_tokens is not None and int(max_new_tokens) < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}")
+    modes, labels = _check_modes(llm_factory, modes, max_new_tokens)
     task_list = parse_tasks(tasks) if tasks else []
     lengths = sorted(set(int(L) for L in lengths)) if task_list else []
     if any(L < 1 for L in lengths):
@@ -297,28 +332,7 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
                 info.update({k: v for k, v in _model_meta(llm).items() if k not in info})
             tm = time.perf_counter()
             try:
-                dev = getattr(getattr(llm, "model", None), "device", None)
-                if dev is not None and dev.type == "cuda":  # compile kernels outside the measured runs
-                    llm.generate(prompts[0].token_ids[:256], SamplingParams(max_tokens=2))
-                for k, s in enumerate(prompts):
-                    if bar is not None:
-                        bar.set_postfix(mode=label, task=s.task, length=s.length)
-                    mt = s.max_new_tokens if max_new_tokens is None else min(s.max_new_tokens, int(max_new_tokens))
-                    o = llm.generate(s.token_ids, SamplingParams(max_tokens=mt, temperature=0.0))[0]
-                    pred = o.text if o.text is not None else (tokenizer.decode(o.token_ids, skip_special_tokens=True))
-                    t = o.timings or {}
-                    records.append({
-                        "mode": label, "task": s.task, "index": s.index, "sample": k, "length": s.length,
-                        "prompt_tokens": len(s.token_ids), "depth": s.depth, "metric": s.metric,
-                        "max_new_tokens": mt, "outputs": list(s.outputs), "prediction": pred,
-                        "score": 100.0 * _score(pred, s.outputs, s.metric),
-                        "generated_ids": list(o.token_ids), "finish_reason": o.finish_reason,
-                        "timings": {key: t.get(key) for key in ("prefill_tok_per_s", "ttft_ms", "decode_ms_per_token",
-                                                                "decode_steps", "total_ms", "mean_density")},
-                        "peak_gpu_memory_bytes": o.peak_gpu_memory_bytes,
-                    })
-                    if bar is not None:
-                        bar.update(1)
+                records += _run_mode(llm, label, prompts, tokenizer, max_new_tokens, bar)
             finally:
                 if owned and hasattr(llm, "close"):
                     llm.close()
@@ -333,12 +347,7 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
         "max_new_tokens_cap": max_new_tokens, "num_prompts": len(prompts), "build_s": build_s,
         "wall_s_by_mode": wall, "data_files": sorted(set(s.meta["source"] for s in data if s.meta.get("source"))),
     })
-    try:
-        from xoffload import __version__ as xv
-
-        info.setdefault("xoffload", xv)
-    except ImportError:  # pragma: no cover
-        pass
+    info.setdefault("xoffload", __version__)
     res = EvalResult(modes=labels, tasks=all_tasks, lengths=all_lengths, records=records,
                      table=table, average=average, average_by_length=by_len, agreement=agreement, meta=info)
     if out_dir is not None:
