@@ -121,6 +121,9 @@ def no_model(monkeypatch):
     (["--mode", "gpu,turbo"], "unknown --mode 'turbo'"),
     (["--lengths", "4k,lots"], "--lengths: bad length 'lots'"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--mode", "offload+quest@"], "@BUDGET needs a decode-policy mode and a positive integer"),
+    (["--mode", "offload@"], "@BUDGET needs a decode-policy mode and a positive integer"),
+    (["--mode", "offload+quest@\u00b2"], "@BUDGET needs a decode-policy mode and a positive integer"),
 ])
 def test_bad_arguments_exit_2_before_loading(tmp_path, capsys, no_model, argv, what):
     out = tmp_path / "o"

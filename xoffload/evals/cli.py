@@ -96,13 +96,13 @@ def mode_options(name: str) -> dict:
     from xoffload.engine.modes import configurations
 
     confs = configurations()
-    base, _, budget = name.partition("@")
+    base, at, budget = name.partition("@")
     base = "resident" if base == "gpu" else base.replace("gpu+", "resident+")
     if base not in confs:
         raise _ArgError(f"unknown --mode {name!r}; known: both, gpu, {', '.join(confs)} (decode policies take @BUDGET)")
     kw = dict(confs[base])
-    if budget:
-        if "sparse_decode" not in kw or not budget.isdigit() or int(budget) < 1:
+    if at:
+        if "sparse_decode" not in kw or not budget.isdecimal() or int(budget) < 1:
             raise _ArgError(f"--mode {name!r}: @BUDGET needs a decode-policy mode and a positive integer")
         kw["token_budget"] = int(budget)
     return kw
