@@ -134,6 +134,14 @@ def test_bad_arguments_exit_2_before_loading(tmp_path, capsys, no_model, argv, w
     assert not out.exists()
 
 
+def test_out_is_a_file_exit_2_before_loading(tmp_path, capsys, no_model):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    rc, cap = _run(["--device", "cpu", "--out", str(f)], capsys)
+    assert rc == 2 and cap.err.count("\n") == 1 and "--out" in cap.err and "not a folder" in cap.err, cap.err
+    assert f.read_text() == "x"
+
+
 def test_malformed_data_exit_2_before_loading(tmp_path, capsys, no_model):
     f = tmp_path / "qa_1.jsonl"
     f.write_text(json.dumps({"input": "q", "outputs": ["a"], "length": 9}) + "\n{oops\n")

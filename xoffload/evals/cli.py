@@ -156,6 +156,8 @@ def _check_args(a):
         raise _ArgError("--num-kv-buffers and --kv-block-size must be >= 1")
     if not 0.0 <= a.sparse_threshold <= 1.0:
         raise _ArgError(f"--sparse-threshold must be in [0, 1], got {a.sparse_threshold}")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise _ArgError(f"--out {a.out!r} exists and is not a folder")
     if a.tasks is None and a.data:
         tasks = []
     else:
