@@ -109,6 +109,8 @@ def _run_error(argv, capsys):
     (["--num-depths", "0"], "num-depths"), (["--max-tokens", "0"], "max-tokens"), (["--dtype", "bogus"], "dtype"),
     (["--device", "tpu"], "device"), (["--mode", "bogus"], "mode"), (["--min-accuracy", "2"], "min-accuracy"),
     (["--lengths", "4k", "--max-model-len", "2048"], "max-model-len"),
+    (["--mode", "offload", "--sparse-decode", "quest", "--offload-decode", "ring"], "offload_decode='ring'"),
+    (["--mode", "offload", "--kv-block-size", "48"], "power of two"),
 ])
 def test_needle_argument_errors_before_model_load(no_model_load, tmp_path, capsys, args, words):
     out = tmp_path / "res"

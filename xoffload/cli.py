@@ -229,6 +229,11 @@ def _needle_plan(a):
     modes = ["resident", "offload"] if a.mode == "both" else [a.mode]
     if a.max_model_len is not None and max(lengths) > a.max_model_len:
         raise UsageError(f"length {max(lengths)} > --max-model-len {a.max_model_len}")
+    from .engine.config import EngineConfig
+
+    for m in modes:  # option clashes (ring + sparse decode, block size) before the model loads
+        EngineConfig.from_kwargs(mode=m, num_kv_buffers=a.num_kv_buffers, kv_block_size=a.kv_block_size,
+                                 **_sparse_options(a))
     return lengths, depths, modes
 
 

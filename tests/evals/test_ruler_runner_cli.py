@@ -121,6 +121,9 @@ def no_model(monkeypatch):
     (["--mode", "gpu,turbo"], "unknown --mode 'turbo'"),
     (["--lengths", "4k,lots"], "--lengths: bad length 'lots'"),
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--mode", "offload+quest@"], "@BUDGET needs a decode-policy mode and a positive integer"),
+    (["--mode", "offload@"], "@BUDGET needs a decode-policy mode and a positive integer"),
+    (["--mode", "offload+quest@\u00b2"], "@BUDGET needs a decode-policy mode and a positive integer"),
 ])
 def test_bad_arguments_exit_2_before_loading(tmp_path, capsys, no_model, argv, what):
     out = tmp_path / "o"
@@ -129,6 +132,14 @@ def test_bad_arguments_exit_2_before_loading(tmp_path, capsys, no_model, argv, w
     lines = cap.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("xoffload eval: error: ") and what in lines[0], cap.err
     assert not out.exists()
+
+
+def test_out_is_a_file_exit_2_before_loading(tmp_path, capsys, no_model):
+    f = tmp_path / "afile"
+    f.write_text("x")
+    rc, cap = _run(["--device", "cpu", "--out", str(f)], capsys)
+    assert rc == 2 and cap.err.count("\n") == 1 and "--out" in cap.err and "not a folder" in cap.err, cap.err
+    assert f.read_text() == "x"
 
 
 def test_malformed_data_exit_2_before_loading(tmp_path, capsys, no_model):

@@ -221,6 +221,18 @@ def test_batch_zero(device):
     assert out.shape == (0, 1, 4, 64) and lse.shape == (0, 4, 1)
 
 
+def test_store_smaller_than_one_page_raises(device):
+    """No entry keeps a page inside a store of fewer than page_size rows: check=False's clamp to
+    [0, R - page_size] cannot hold, so the shapes are refused whatever ``check`` says."""
+    q = torch.zeros(1, 1, 4, 64, dtype=torch.float16, device=device)
+    kp = torch.zeros(8, 2, 64, dtype=torch.float16, device=device)
+    t = torch.zeros(1, 2, 1, dtype=torch.int32, device=device)
+    lens = torch.tensor([5], dtype=torch.int32, device=device)
+    for check in (True, False):
+        with pytest.raises(ValueError, match=r"k_pages has 8 rows, fewer than one page \(page_size 16\)"):
+            paged_decode_attn_with_lse(q, kp, kp, t, lens, page_size=16, check=check)
+
+
 def test_reference_backend_cpu():
     kp, vp = _store(300, 2, 64, torch.float32, "cpu", seed=18)
     q = _query(2, 6, 64, torch.float32, "cpu", seed=19)

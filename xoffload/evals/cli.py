@@ -96,13 +96,13 @@ def mode_options(name: str) -> dict:
     from xoffload.engine.modes import configurations
 
     confs = configurations()
-    base, _, budget = name.partition("@")
+    base, at, budget = name.partition("@")
     base = "resident" if base == "gpu" else base.replace("gpu+", "resident+")
     if base not in confs:
         raise _ArgError(f"unknown --mode {name!r}; known: both, gpu, {', '.join(confs)} (decode policies take @BUDGET)")
     kw = dict(confs[base])
-    if budget:
-        if "sparse_decode" not in kw or not budget.isdigit() or int(budget) < 1:
+    if at:
+        if "sparse_decode" not in kw or not budget.isdecimal() or int(budget) < 1:
             raise _ArgError(f"--mode {name!r}: @BUDGET needs a decode-policy mode and a positive integer")
         kw["token_budget"] = int(budget)
     return kw
@@ -156,6 +156,8 @@ def _check_args(a):
         raise _ArgError("--num-kv-buffers and --kv-block-size must be >= 1")
     if not 0.0 <= a.sparse_threshold <= 1.0:
         raise _ArgError(f"--sparse-threshold must be in [0, 1], got {a.sparse_threshold}")
+    if os.path.exists(a.out) and not os.path.isdir(a.out):
+        raise _ArgError(f"--out {a.out!r} exists and is not a folder")
     if a.tasks is None and a.data:
         tasks = []
     else:

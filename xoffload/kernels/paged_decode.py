@@ -81,6 +81,9 @@ def _check_inputs(q, k_pages, v_pages, page_table, seqlens, page_size, check: bo
     if page_table.device != q.device:
         raise ValueError(f"page_table is on {page_table.device} but q is on {q.device}")
     n_pages = page_table.shape[2]
+    if n_pages > 0 and r < page_size:
+        raise ValueError(f"k_pages has {r} rows, fewer than one page (page_size {page_size}): no table entry "
+                         f"keeps a page inside the store")
     if n_pages * page_size > _INT32_MAX:
         raise ValueError(f"page_table holds {n_pages} pages of {page_size} tokens = {n_pages * page_size} tokens, "
                          f"more than int32 lengths can count (2^31 - 1)")
