@@ -238,8 +238,9 @@ class LLM:
         return all_ids
 
     def close(self):
-        """Release what the requests share (the offload engine: its pinned pool and GPU ring); the
-        LLM cannot generate afterwards. Safe to call twice."""
+        """Release what the requests share (the offload engine: its pinned pool and GPU ring); an
+        LLM whose store shares something (offload) cannot generate afterwards (ValueError), a
+        resident one shares nothing and keeps serving. Safe to call twice."""
         if self.engine is not None:
             self.engine.close()
             self.engine = None
