@@ -488,7 +488,7 @@ def _add_needle_parser(sub):
     _add_model_args(n)
     n.add_argument("--mode", default="both", type=_mode, choices=["resident", "offload", "both"],
                    help="where the KV cache lives: resident (on the model's device; alias gpu), offload (pinned "
-                        "CPU memory, streamed through a GPU ring), or both (default)")
+                        "CPU memory, read over PCIe; see --offload-decode), or both (default)")
     n.add_argument("--lengths", type=_lengths, default=None,
                    help=f"context lengths in tokens, e.g. {GPU_LENGTHS} (default {GPU_LENGTHS} on a GPU, "
                         f"{CPU_LENGTHS} on a CPU)")
