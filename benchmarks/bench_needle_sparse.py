@@ -19,7 +19,7 @@ default became the first four layers after this benchmark's H200 run; ``t0.9_s8_
 - ``quest_b256`` / ``quest_b512`` / ``quest_b1024``: dense prefill, Quest sparse decode over the
   offloaded KV at that token budget (page 32, layers 0-1 dense: the defaults); ``quest_b512_p16``,
   ``_dl4``, ``_p16_dl4``, ``_dl0``: 16-token pages, four or no dense layers (the measurement behind
-  the defaults).
+  the defaults); ``*_softmax``: the group score ``"softmax"`` instead of ``"max"``.
 
 Records, per variant: found rate, found count per length, mean density per length (mean over the
 sparse layers of each prompt's per-layer density, then over the prompts of that length; prompts of
@@ -71,6 +71,9 @@ VARIANTS = {
     "quest_b512_dl4": dict(decode=dict(token_budget=512, dense_layers=(0, 1, 2, 3))),
     "quest_b512_p16_dl4": dict(decode=dict(token_budget=512, page_size=16, dense_layers=(0, 1, 2, 3))),
     "quest_b512_dl0": dict(decode=dict(token_budget=512, dense_layers=())),
+    "quest_b512_softmax": dict(decode=dict(token_budget=512, group_score="softmax")),
+    "quest_b1024_softmax": dict(decode=dict(token_budget=1024, group_score="softmax")),
+    "quest_b512_p16_softmax": dict(decode=dict(token_budget=512, page_size=16, group_score="softmax")),
 }
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 DEFAULT_DEPTHS = 10

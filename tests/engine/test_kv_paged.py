@@ -80,7 +80,8 @@ def _engine(cfg, max_tokens, block=64):
 
 @pytest.mark.parametrize("placement", ["resident", "offload"])
 @pytest.mark.parametrize("policy", [None, QuestDecode(token_budget=4096, page_size=16, dense_layers=()),
-                                    QuestDecode(token_budget=T, page_size=32, dense_layers=(1,))])
+                                    QuestDecode(token_budget=T, page_size=32, dense_layers=(1,)),
+                                    QuestDecode(token_budget=T, page_size=16, dense_layers=(), group_score="softmax")])
 def test_dense_equivalents_match_resident_cache(model, placement, policy):
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(1))

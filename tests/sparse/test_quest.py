@@ -171,3 +171,27 @@ def test_policy_bad_values_and_layers():
         QuestDecode(dense_layers=(5,)).sparse_layers(4)
     with pytest.raises(ValueError, match="prompt_len"):
         QuestDecode().plan(0)
+
+
+def test_softmax_group_score():
+    """group="softmax": each query head's bounds through a softmax over the pages (scaled), summed
+    over its group; equal to that computed by hand, one probability mass per head (sums to g), and
+    still picks a planted key's page."""
+    P, hkv, hq, d = 16, 2, 6, 8
+    g = hq // hkv
+    gen = torch.Generator().manual_seed(2)
+    k = torch.randn(6 * P, hkv, d, generator=gen)
+    kmin, kmax, n = _summaries(k, P)
+    q = torch.randn(hq, d, generator=gen)
+    s = page_scores(q, kmin, kmax, group="softmax", scale=0.5)
+    qq = q.view(hkv, g, d)
+    bound = (qq.clamp(min=0) @ kmax.transpose(1, 2)) + (qq.clamp(max=0) @ kmin.transpose(1, 2))  # [Hkv, g, n]
+    assert torch.allclose(s, torch.softmax(bound * 0.5, -1).sum(1), atol=1e-6)
+    assert torch.allclose(s.sum(-1), torch.full((hkv,), float(g)), atol=1e-5)
+    k[3 * P + 5, 1] = q[g] * 4  # a key aligned with KV head 1's first query head, in page 3
+    kmin, kmax, _ = _summaries(k, P)
+    assert int(page_scores(q, kmin, kmax, group="softmax").argmax(-1)[1]) == 3
+    with pytest.raises(ValueError, match="group must be one of"):
+        page_scores(q, kmin, kmax, group="mean")
+    with pytest.raises(ValueError, match="group_score"):
+        QuestDecode(group_score="sum")

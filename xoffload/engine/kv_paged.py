@@ -215,7 +215,8 @@ class PagedKV(KVStore):
         if self.plan is not None:
             p = self.plan
             f, n = p.first_page, p.num_candidates
-            s = page_scores(q[0], self.summaries.kmin[layer, :, f:f + n], self.summaries.kmax[layer, :, f:f + n])
+            s = page_scores(q[0], self.summaries.kmin[layer, :, f:f + n], self.summaries.kmax[layer, :, f:f + n],
+                            group=self.policy.group_score, scale=self.scale)
             select_pages(s, self._k, f, self.page, self._bt, self._block, out=self._table)
         o_p, l_p = paged_decode_attn_with_lse(q4, kr, vr, self._table, self._page_lens, page_size=self.page,
                                               softmax_scale=self.scale, num_splits=self._nsplit_pages, check=False)

@@ -27,7 +27,10 @@ import torch
 from ..kernels.checks import check_int, check_tensor
 from .policy import DecodePolicy
 
-__all__ = ["DecodePlan", "PageSummaries", "QuestDecode", "page_scores", "select_pages"]
+__all__ = ["DecodePlan", "GROUP_SCORES", "PageSummaries", "QuestDecode", "page_scores", "select_pages"]
+
+#: how :func:`page_scores` combines a KV head's query heads
+GROUP_SCORES = ("max", "softmax")
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,9 @@ class QuestDecode(DecodePolicy):
         dense_layers: layers that read all their KV every step (kept resident on the GPU by the
             offload store); default ``(0, 1)`` as in Quest, whose first two layers show < 10%
             sparsity. ``()`` makes every layer sparse.
+        group_score: how a KV head's query heads combine their page bounds (:func:`page_scores`):
+            ``"max"`` (default, measured on the H200) or ``"softmax"`` (per-head softmax over pages,
+            summed; better on one SmolLM2 prompt on the CPU, not yet measured on a GPU).
 
     Raises:
         TypeError / ValueError on a bad value (named in the message).
@@ -88,6 +94,7 @@ class QuestDecode(DecodePolicy):
     sink_tokens: int = 32
     recent_tokens: int = 128
     dense_layers: tuple = (0, 1)
+    group_score: str = "max"
 
     def __post_init__(self):
         if self.token_budget is not None:
@@ -100,6 +107,8 @@ class QuestDecode(DecodePolicy):
         if isinstance(self.dense_layers, (str, bytes)) or not hasattr(self.dense_layers, "__iter__"):
             raise TypeError(f"dense_layers must be a tuple of layer indices, got {self.dense_layers!r}")
         object.__setattr__(self, "dense_layers", tuple(check_int("dense_layers entry", i) for i in self.dense_layers))
+        if self.group_score not in GROUP_SCORES:
+            raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
 
     def sparse_layers(self, num_layers: int) -> tuple:
         """Indices of the layers that select pages (the others are dense). Raises ValueError for a
@@ -173,18 +182,25 @@ class PageSummaries:
         return n
 
 
-def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
-    """Quest's upper bound of ``q·k`` per page, maximised over each KV head's query-head group.
+def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, group: str = "max",
+                scale: float | None = None) -> torch.Tensor:
+    """Quest's upper bound of ``q·k`` per page, combined over each KV head's query-head group.
 
     Args:
         q: ``[Hq, D]`` the step's (post-RoPE) query of one layer, any float dtype.
         kmin, kmax: ``[Hkv, n_pages, D]`` page minima / maxima of the same (post-RoPE) keys.
+        group: how the group's query heads combine: ``"max"`` (default) — the largest bound, itself
+            an upper bound for every head of the group; ``"softmax"`` — each head's bounds through a
+            softmax over the pages (``scale`` times the bound), summed over the group, so a head
+            whose bounds are all alike does not outvote one that singles a page out (the CPU
+            diagnosis in ``benchmarks/diag_quest.py`` found it at the oracle's recall on SmolLM2).
+        scale: softmax scale for ``group="softmax"`` (default ``1/sqrt(D)``).
     Returns:
-        fp32 ``[Hkv, n_pages]``: ``max over g of (q_g⁺ · M + q_g⁻ · m)``, which is >= ``q_g · k``
-        for every key k of the page and every query head g of the group (softmax scale not applied;
-        it does not change the order).
+        fp32 ``[Hkv, n_pages]``. With ``"max"``: ``max over g of (q_g⁺ · M + q_g⁻ · m)``, which is
+        >= ``q_g · k`` for every key k of the page and every query head g of the group.
     Raises:
-        ValueError: shapes that do not fit (Hq not a multiple of Hkv, head_dim mismatch).
+        ValueError: shapes that do not fit (Hq not a multiple of Hkv, head_dim mismatch), an
+            unknown ``group``.
     """
     check_tensor("q", q, 2)
     check_tensor("kmin", kmin, 3)
@@ -195,10 +211,14 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torc
         raise ValueError(f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} must have one shape")
     if dk != d or hq % hkv:
         raise ValueError(f"q {tuple(q.shape)} does not fit summaries {tuple(kmin.shape)} (GQA, head_dim)")
+    if group not in GROUP_SCORES:
+        raise ValueError(f"group must be one of {GROUP_SCORES}, got {group!r}")
     qg = q.to(kmin.dtype).view(hkv, hq // hkv, d)
     s = torch.bmm(qg.clamp(min=0), kmax.transpose(1, 2)).float()
     s += torch.bmm(qg.clamp(max=0), kmin.transpose(1, 2)).float()
-    return s.amax(1)
+    if group == "max":
+        return s.amax(1)
+    return torch.softmax(s * (d ** -0.5 if scale is None else float(scale)), dim=-1).sum(1)
 
 
 def select_pages(scores: torch.Tensor, k: int, first_page: int, page_size: int, block_table: torch.Tensor | None,
