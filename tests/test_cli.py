@@ -119,6 +119,12 @@ def test_needle_argument_errors_before_model_load(no_model_load, tmp_path, capsy
     assert not out.exists()
 
 
+def test_generate_engine_option_clash_before_model_load(no_model_load, capsys):
+    line = _run_error(["generate", "--prompt", "hi", "--mode", "offload", "--offload-decode", "ring",
+                       "--token-budget", "256"], capsys)
+    assert "offload_decode='ring'" in line
+
+
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
 def test_device_cuda_without_cuda_one_line(no_model_load, tmp_path, capsys):
     line = _run_error(["needle", "--device", "cuda", "--out", str(tmp_path / "res")], capsys)

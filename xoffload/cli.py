@@ -233,12 +233,18 @@ def _needle_plan(a):
     modes = ["resident", "offload"] if a.mode == "both" else [a.mode]
     if a.max_model_len is not None and max(lengths) > a.max_model_len:
         raise UsageError(f"length {max(lengths)} > --max-model-len {a.max_model_len}")
+    _check_engine_options(a, modes)
+    return lengths, depths, modes
+
+
+def _check_engine_options(a, modes) -> None:
+    """Engine option clashes (ring + sparse decode, a block size the direct path refuses) raise
+    before the model loads."""
     from .engine.config import EngineConfig
 
-    for m in modes:  # option clashes (ring + sparse decode, block size) before the model loads
+    for m in modes:
         EngineConfig.from_kwargs(mode=m, num_kv_buffers=a.num_kv_buffers, kv_block_size=a.kv_block_size,
                                  **_sparse_options(a))
-    return lengths, depths, modes
 
 
 def _needle_prompts(model, lengths, depths, a):
@@ -453,6 +459,7 @@ def cmd_generate(a) -> int:
     from xoffload import LLM, SamplingParams
 
     text = _read_prompt(a)
+    _check_engine_options(a, [a.mode])
     model = _load(a)
     llm = LLM(model, seed=a.seed, **_llm_kwargs(a, a.mode, a.max_model_len, model.device.type))
     ids = llm.encode(text) if a.raw or not getattr(llm.tokenizer, "chat_template", None) else llm.apply_chat_template(text)
