@@ -23,19 +23,10 @@ from __future__ import annotations
 import torch
 
 from ..kernels import decode_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
-from ..kernels.decode import default_num_splits
 from ..sparse.quest import PageSummaries, QuestDecode, page_scores, select_pages
-from .kv_store import KVStore, OffloadKV, register_store
+from .kv_store import KVStore, OffloadKV, Splits, register_store
 
 __all__ = ["PagedKV", "OffloadPagedKV", "ResidentPagedKV"]
-
-
-def _splits(device, hkv: int, group: int, n: int):
-    """Split count of a decode over ``n`` tokens, from shapes only (None on the CPU)."""
-    if device.type != "cuda":
-        return None
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return int(default_num_splits(1, hkv, group, max(n, 1), sms))
 
 
 class PagedKV(KVStore):
@@ -67,7 +58,6 @@ class PagedKV(KVStore):
         self.T, self.policy, self.eng, self.seq = int(prompt_len), policy, engine, seq
         self.capacity = self.T + max_new
         L, hkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        self.group = cfg.num_heads // hkv
         T = self.T
         if policy is None:
             self.plan, sparse = None, ()
@@ -98,7 +88,8 @@ class PagedKV(KVStore):
         self._bases = torch.tensor(bases, dtype=torch.int64, device=self.device)
         self._widx = torch.zeros(len(bases), dtype=torch.int64, device=self.device)  # tail row of the new token
         self._wlen = torch.zeros(len(bases), dtype=torch.int32, device=self.device)  # tail length incl. it
-        self._nsplit_tail = {b: _splits(self.device, hkv, self.group, b + max_new) for b in bases}
+        splits = Splits(cfg, self.device)
+        self._nsplit_tail = {b: splits(b + max_new) for b in bases}
         # pages read in place
         self.summaries = None
         self._stage, self._stage_ev = None, [None, None]
@@ -109,12 +100,12 @@ class PagedKV(KVStore):
         self._table = torch.zeros(1, hkv if p is not None else 1, max(k, 1), dtype=torch.int32, device=self.device)
         self._page_lens = torch.full((1,), k * self.page if p is not None else T, dtype=torch.int32,
                                      device=self.device)
-        self._nsplit_pages = _splits(self.device, hkv, self.group, k * self.page)
+        self._nsplit_pages = splits(max(k * self.page, 1))
         if p is not None and p.num_candidates > 0 and k > 0:
             self.summaries = PageSummaries(L, hkv, d, max(1, T // self.page), self.page, dtype, self.device)
         self._bt = None
         read_layers = self.sparse if p is not None else range(L)
-        tok_bytes = 2 * hkv * d * torch.empty(0, dtype=dtype).element_size()
+        tok_bytes = cfg.kv_bytes_per_token(dtype) // L  # K and V of one token in one layer
         paged_tokens = (k * self.page if p is not None else T) * len(tuple(read_layers))
         self.h2d_bytes_per_step = paged_tokens * tok_bytes if engine is not None else 0
         self.summary_bytes = self.summaries.nbytes if self.summaries is not None else 0
@@ -190,8 +181,10 @@ class PagedKV(KVStore):
             self._first_step()
         if pos is not None:
             self.pos_t.fill_(pos)
-        torch.add(self._bases, self.pos_t - self.T, out=self._widx)
-        self._wlen.copy_(self._widx + 1)
+        torch.add(self._bases, self.pos_t, out=self._widx)  # tail row of the new token: base + pos - T
+        self._widx.sub_(self.T)
+        self._wlen.copy_(self._widx)
+        self._wlen.add_(1)
 
     def _store(self, layer):
         if self.eng is None:

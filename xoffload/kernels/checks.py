@@ -167,6 +167,19 @@ def check_heads(hq: int, hkv: int, d: int, q_name="q", k_name="k") -> None:
         raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {d}")
 
 
+def check_lengths(name: str, t, batch: int, device) -> None:
+    """Check per-sequence lengths: an int32 tensor of shape ``[batch]`` on ``device`` (values are not
+    read: no host sync). Raises TypeError (not a tensor, not int32) or ValueError (shape, device)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must be int32, got {t.dtype}")
+    if t.dim() != 1 or t.shape[0] != batch:
+        raise ValueError(f"{name} must have shape [B] = [{batch}], got {tuple(t.shape)}")
+    if t.device != torch.device(device):
+        raise ValueError(f"{name} is on {t.device} but q is on {device}")
+
+
 def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device) -> None:
     """Validate an int32 ``cu_seqlens`` of length B+1: starts at 0, non-decreasing, ends at ``total``.
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .checks import check_qkv, default_scale, next_pow2, use_triton
+from .checks import check_lengths, check_qkv, default_scale, next_pow2, use_triton
 
 __all__ = ["decode_attn_with_lse"]
 
@@ -26,14 +26,7 @@ def _check_inputs(q, k_cache, v_cache, cache_seqlens, check: bool):
     bk, s_max = k_cache.shape[0], k_cache.shape[1]
     if bk != b:
         raise ValueError(f"k_cache batch {bk} != q batch {b} (q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)})")
-    if not isinstance(cache_seqlens, torch.Tensor):
-        raise TypeError(f"cache_seqlens must be a torch.Tensor, got {type(cache_seqlens).__name__}")
-    if cache_seqlens.dtype != torch.int32:
-        raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
-    if cache_seqlens.dim() != 1 or cache_seqlens.shape[0] != b:
-        raise ValueError(f"cache_seqlens must have shape [B] = [{b}], got {tuple(cache_seqlens.shape)}")
-    if cache_seqlens.device != q.device:
-        raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
+    check_lengths("cache_seqlens", cache_seqlens, b, q.device)
     if check and b > 0:
         # Host read (one small D2H copy, synchronising the stream): validation only. Callers that
         # capture CUDA graphs or run a hot loop pass check=False; the kernel then clamps each

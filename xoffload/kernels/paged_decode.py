@@ -25,7 +25,7 @@ import triton.language as tl
 
 from . import reference
 from .checks import (
-    HostPtr, check_heads, check_same, check_tensor, default_scale, device_can_read_host, next_pow2, use_triton,
+    HostPtr, check_heads, check_lengths, check_same, check_tensor, default_scale, device_can_read_host, next_pow2, use_triton,
 )
 from .decode import (
     _LOG2E, _attend_tile, _block_m, _default_config, _sm_count, _store_split_state, default_num_splits,
@@ -87,14 +87,7 @@ def _check_inputs(q, k_pages, v_pages, page_table, seqlens, page_size, check: bo
     if n_pages * page_size > _INT32_MAX:
         raise ValueError(f"page_table holds {n_pages} pages of {page_size} tokens = {n_pages * page_size} tokens, "
                          f"more than int32 lengths can count (2^31 - 1)")
-    if not isinstance(seqlens, torch.Tensor):
-        raise TypeError(f"seqlens must be a torch.Tensor, got {type(seqlens).__name__}")
-    if seqlens.dtype != torch.int32:
-        raise TypeError(f"seqlens must be int32, got {seqlens.dtype}")
-    if seqlens.dim() != 1 or seqlens.shape[0] != b:
-        raise ValueError(f"seqlens must have shape [B] = [{b}], got {tuple(seqlens.shape)}")
-    if seqlens.device != q.device:
-        raise ValueError(f"seqlens is on {seqlens.device} but q is on {q.device}")
+    check_lengths("seqlens", seqlens, b, q.device)
     if check and b > 0:
         # Host reads (small D2H copies that synchronise the stream): validation only. With
         # check=False the kernel clamps lengths to [0, P*page_size] and entries to [0, R-page_size].
