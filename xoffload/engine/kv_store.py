@@ -100,6 +100,8 @@ class KVStore:
 
     mode: str = ""
     capturable: bool = False
+    #: bytes a decode step reads from host memory (None: the store reads none)
+    h2d_bytes_per_step: int | None = None
 
     @classmethod
     def open_shared(cls, model, config):

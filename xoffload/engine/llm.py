@@ -178,7 +178,7 @@ class LLM:
             densities = None if self.policy.dense else []
             tok = self._prefill(ids_t, kv, req, densities, clock, marks)
             all_ids = self._decode_loop(tok, kv, req, clock, marks)
-            h2d = getattr(kv, "h2d_bytes_per_step", None)
+            h2d = kv.h2d_bytes_per_step
         finally:
             kv.close()
             del kv
