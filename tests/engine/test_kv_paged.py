@@ -103,18 +103,22 @@ def test_dense_equivalents_match_resident_cache(model, placement, policy):
         eng.close()
 
 
-def test_sparse_layer_reads_exactly_sink_selected_pages_and_tail(model):
+@pytest.mark.parametrize("cache_pages", [0, None])
+def test_sparse_layer_reads_exactly_sink_selected_pages_and_tail(model, cache_pages):
     """After prefill, one attend of a sparse layer equals exact attention over sink + the pages in
-    the device page table + the tail (incl. the new token), the pages' rows taken from the pool."""
+    the device page table + the tail (incl. the new token), the pages' rows taken from the pool
+    (read in place, cache_pages=0) or from the GPU page cache they were copied into."""
     cfg = model.cfg
     hkv, d, g = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
-    pol = QuestDecode(token_budget=112, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,))
+    pol = QuestDecode(token_budget=112, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,),
+                      cache_pages=cache_pages)
     eng = _engine(cfg, T + 4)
     seq = eng.add_sequence()
     kv = PagedKV(cfg, torch.float32, torch.device("cpu"), model.scale, prompt_len=T, max_new=4, policy=pol,
                  engine=eng, seq=seq)
     p = kv.plan
     assert p.pages_per_step == (112 - 16 - (T - p.tail_start)) // 16 > 0
+    assert kv.cache_slots == (0 if cache_pages == 0 else 2 * p.pages_per_step)
     gen = torch.Generator().manual_seed(3)
     K = torch.randn(cfg.num_layers, T, hkv, d, generator=gen)
     V = torch.randn(cfg.num_layers, T, hkv, d, generator=gen)
@@ -128,16 +132,25 @@ def test_sparse_layer_reads_exactly_sink_selected_pages_and_tail(model):
     kn, vn = torch.randn(1, hkv, d, generator=gen), torch.randn(1, hkv, d, generator=gen)
     with cpu_backend("reference"):
         out = kv.attend(1, q, kn, vn)
-    rows = kv._table[0]  # [Hkv, k] rows of the chosen pages in the pool
-    kp, vp = eng.pool.k_rows(1), eng.pool.v_rows(1)
     bt = eng.block_table(seq)
+    if cache_pages == 0:
+        rows = kv._table[0]  # [Hkv, k] rows of the chosen pages in the pool
+        kp, vp = eng.pool.k_rows(1), eng.pool.v_rows(1)
+    else:
+        rows = kv._ctab[0, :, :p.pages_per_step]  # rows of the chosen pages in the layer's cache
+        kp, vp = kv._ck[1], kv._cv[1]
+        assert kv.decode_stats()["cache_hit_rate"] == 0.0  # first step: every page missed
     for h in range(hkv):
         toks = set(range(p.sink_len)) | set(range(p.tail_start, T))
         for r in rows[h].tolist():
-            blk, off = divmod(r, eng.block_size)
-            logical = bt.index(blk) * eng.block_size + off
+            if cache_pages == 0:
+                blk, off = divmod(r, eng.block_size)
+                logical = bt.index(blk) * eng.block_size + off
+            else:
+                page_id = int(kv._cstate[1].tag[h, (r - kv._cbase) // 16])
+                logical = (page_id + p.first_page) * 16
             assert p.sink_len <= logical < p.tail_start and logical % 16 == 0
-            assert torch.equal(kp[r:r + 16, h], K[1, logical:logical + 16, h])  # pool data == prefill K
+            assert torch.equal(kp[r:r + 16, h], K[1, logical:logical + 16, h])  # fetched data == prefill K
             assert torch.equal(vp[r:r + 16, h], V[1, logical:logical + 16, h])
             toks |= set(range(logical, logical + 16))
         assert len(toks) == p.sink_len + (T - p.tail_start) + 16 * p.pages_per_step
@@ -150,6 +163,37 @@ def test_sparse_layer_reads_exactly_sink_selected_pages_and_tail(model):
             assert torch.allclose(out[h * g + j], ref, atol=1e-5, rtol=1e-5)
     kv.close()
     eng.close()
+
+
+def test_page_cache_gives_the_uncached_tokens_and_counts_hits(model):
+    """A sparse budget (not dense): offload with the page cache decodes the tokens of offload
+    without it (fp32, logits within fp32 rounding of a different summation order), reports a hit
+    rate, and its mean H2D bytes per step are below the uncached store's."""
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(4))
+    res = {}
+    for cp in (0, None, 3):
+        pol = QuestDecode(token_budget=128, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,),
+                          cache_pages=cp)
+        eng = _engine(cfg, T + N)
+        kv = PagedKV(cfg, torch.float32, torch.device("cpu"), model.scale, prompt_len=T, max_new=N, policy=pol,
+                     engine=eng, seq=eng.add_sequence())
+        assert not kv.plan.dense
+        toks, lg = _run(model, ids, kv, N)
+        res[cp] = (toks, lg, kv.h2d_bytes_per_step, kv.decode_stats())
+        kv.close()
+        assert eng.num_free_blocks == eng.allocator.num_blocks
+        eng.close()
+    k = QuestDecode(token_budget=128, page_size=16, sink_tokens=16, recent_tokens=32).plan(T).pages_per_step
+    for cp in (None, 3):
+        toks, lg, h2d, st = res[cp]
+        assert toks == res[0][0]
+        assert float((lg - res[0][1]).abs().max()) < 1e-4
+        assert st["cache_slots"] == (2 * k if cp is None else k)  # at least the pages of one step
+        assert 0.0 <= st["cache_hit_rate"] < 1.0
+        assert h2d == pytest.approx((1 - st["cache_hit_rate"]) * res[0][2], abs=1)  # int bytes
+    assert res[0][3] == {}
+    assert res[None][3]["cache_hit_rate"] > 0  # consecutive steps choose some pages again
 
 
 def test_twenty_sequential_requests_are_independent(model):
@@ -190,14 +234,17 @@ def test_bad_page_size_for_pool(model):
 
 
 @pytest.mark.cuda
-def test_gpu_offload_sparse_equals_resident_sparse_bf16():
+@pytest.mark.parametrize("cache_pages", [0, None])
+def test_gpu_offload_sparse_equals_resident_sparse_bf16(cache_pages):
     """On the GPU (bf16): the same Quest selection read from the pinned pool over UVA or from a
-    device row store gives the same logits bit for bit; dense decode equals the ring path's tokens."""
+    device row store gives the same logits bit for bit; through the GPU page cache (one attention
+    call over pages + tail instead of two merged) within bf16 rounding per layer."""
     m = random_model("tiny-llama", dtype=torch.bfloat16, device="cuda", std=0.2)
     cfg = m.cfg
     ids = torch.randint(0, cfg.vocab_size, (600,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    pol = QuestDecode(token_budget=160, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,))
-    outs = []
+    pol = QuestDecode(token_budget=160, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,),
+                      cache_pages=cache_pages)
+    outs, toks = [], None
     for offload in (False, True):
         eng = OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda",
                             max_tokens=700, block_size=64) if offload else None
@@ -206,17 +253,25 @@ def test_gpu_offload_sparse_equals_resident_sparse_bf16():
                      engine=eng, seq=seq)
         with torch.no_grad():
             m.prefill(ids, kv)
-            lgs, tok = [], torch.zeros(1, dtype=torch.int64, device="cuda")
+            lgs, tok, fed = [], torch.zeros(1, dtype=torch.int64, device="cuda"), []
             for i in range(8):
                 kv.begin_step(600 + i)
-                lg = m.decode_step(tok, 600 + i, kv)
+                lg = m.decode_step(tok if toks is None else toks[i], 600 + i, kv)
+                fed.append(tok if toks is None else toks[i])
                 tok = lg.argmax(-1)
                 lgs.append(lg)
+        toks = fed if toks is None else toks
         outs.append(torch.cat(lgs))
+        if offload:
+            assert (kv.cache_slots > 0) == (cache_pages is None)
         kv.close()
         if eng:
             eng.close()
-    assert torch.equal(outs[0], outs[1])
+    if cache_pages == 0:
+        assert torch.equal(outs[0], outs[1])
+    else:
+        tol = cfg.num_layers * torch.finfo(torch.bfloat16).eps * float(outs[0].abs().max())
+        assert float((outs[0] - outs[1]).abs().max()) <= tol
 
 
 @pytest.mark.cuda

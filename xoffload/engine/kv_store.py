@@ -103,6 +103,11 @@ class KVStore:
     #: bytes a decode step reads from host memory (None: the store reads none)
     h2d_bytes_per_step: int | None = None
 
+    def decode_stats(self) -> dict:
+        """Extra figures of the decode steps run so far, merged into the request's timings (e.g.
+        the page cache's hit rate); default none. Called once, after the last step."""
+        return {}
+
     @classmethod
     def open_shared(cls, model, config):
         """What every request of one LLM shares (built once in ``LLM.__init__``; None: nothing).

@@ -178,7 +178,7 @@ class LLM:
             densities = None if self.policy.dense else []
             tok = self._prefill(ids_t, kv, req, densities, clock, marks)
             all_ids = self._decode_loop(tok, kv, req, clock, marks)
-            h2d = kv.h2d_bytes_per_step
+            h2d, stats = kv.h2d_bytes_per_step, kv.decode_stats()
         finally:
             kv.close()
             del kv
@@ -186,6 +186,7 @@ class LLM:
         timings = request_timings(clock, marks, len(ids), len(all_ids) - 1, densities)
         if h2d is not None:
             timings["h2d_bytes_per_token"] = int(h2d)
+        timings.update(stats)
         peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else None
         return RequestOutput(prompt_token_ids=list(ids), token_ids=out_ids, text=self.decode(out_ids),
                              finish_reason=reason, timings=timings, peak_gpu_memory_bytes=peak)

@@ -27,7 +27,7 @@ import torch
 from ..kernels.checks import check_int, check_tensor
 from .policy import DecodePolicy
 
-__all__ = ["DecodePlan", "GROUP_SCORES", "PageSummaries", "QuestDecode", "page_scores", "select_pages"]
+__all__ = ["DecodePlan", "GROUP_SCORES", "PageSummaries", "QuestDecode", "page_scores", "select_page_ids", "select_pages"]
 
 #: how :func:`page_scores` combines a KV head's query heads
 GROUP_SCORES = ("max", "softmax")
@@ -84,6 +84,12 @@ class QuestDecode(DecodePolicy):
         group_score: how a KV head's query heads combine their page bounds (:func:`page_scores`):
             ``"max"`` (default, measured on the H200) or ``"softmax"`` (per-head softmax over pages,
             summed; better on one SmolLM2 prompt on the CPU, not yet measured on a GPU).
+        cache_pages: offload only — GPU cache slots per KV head and sparse layer for pages fetched
+            from the pool (ShadowKV's reuse of the pages chosen by consecutive steps;
+            :mod:`xoffload.kernels.page_cache`): a step copies only the pages it misses. ``None``
+            (default): twice the pages a step reads; ``0``: no cache, pages are read in place over
+            PCIe every step. Capped at the candidate pages (a cache that holds them all fetches
+            each page once).
 
     Raises:
         TypeError / ValueError on a bad value (named in the message).
@@ -95,6 +101,7 @@ class QuestDecode(DecodePolicy):
     recent_tokens: int = 128
     dense_layers: tuple = (0, 1)
     group_score: str = "max"
+    cache_pages: int | None = None
 
     def __post_init__(self):
         if self.token_budget is not None:
@@ -109,6 +116,17 @@ class QuestDecode(DecodePolicy):
         object.__setattr__(self, "dense_layers", tuple(check_int("dense_layers entry", i) for i in self.dense_layers))
         if self.group_score not in GROUP_SCORES:
             raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
+        if self.cache_pages is not None:
+            check_int("cache_pages", self.cache_pages, 0)
+
+    def cache_slots(self, plan: "DecodePlan") -> int:
+        """GPU cache slots per KV head and sparse layer for ``plan`` (0: no cache): ``cache_pages``
+        (default ``2 * pages_per_step``), at least ``pages_per_step`` and at most the candidates."""
+        k, n = plan.pages_per_step, plan.num_candidates
+        if k == 0 or self.cache_pages == 0:
+            return 0
+        c = 2 * k if self.cache_pages is None else self.cache_pages
+        return min(max(c, k), n)
 
     def sparse_layers(self, num_layers: int) -> tuple:
         """Indices of the layers that select pages (the others are dense). Raises ValueError for a
@@ -221,6 +239,18 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
     return torch.softmax(s * (d ** -0.5 if scale is None else float(scale)), dim=-1).sum(1)
 
 
+def select_page_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices ``[Hkv, k]`` (int64, distinct per row, in no particular order) of each KV head's
+    ``k`` best-scoring candidates of ``scores`` ``[Hkv, n_cand]``; all of them when ``k == n_cand``.
+    Raises ValueError unless ``0 <= k <= n_cand``."""
+    hkv, n = scores.shape
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, {n}] (candidate pages), got {k}")
+    if k < n:
+        return scores.topk(k, dim=-1, sorted=False).indices
+    return torch.arange(n, device=scores.device).expand(hkv, n)
+
+
 def select_pages(scores: torch.Tensor, k: int, first_page: int, page_size: int, block_table: torch.Tensor | None,
                  block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
     """Pool row of the first token of each KV head's ``k`` best candidate pages.
@@ -242,8 +272,7 @@ def select_pages(scores: torch.Tensor, k: int, first_page: int, page_size: int, 
         raise ValueError(f"k must be in [0, {n}] (candidate pages), got {k}")
     if block_table is not None and block_size % page_size:
         raise ValueError(f"block_size {block_size} must be a multiple of page_size {page_size}")
-    idx = scores.topk(k, dim=-1, sorted=False).indices if k < n else \
-        torch.arange(n, device=scores.device).expand(hkv, n)
+    idx = select_page_ids(scores, k)
     tok = (idx + first_page) * page_size
     if block_table is None:
         rows = tok

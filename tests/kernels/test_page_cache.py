@@ -1,0 +1,201 @@
+"""Tests of the GPU page cache (page_cache_lookup / page_cache_fill) against its PyTorch reference,
+and of its invariants over many steps: every selected page's cache rows equal the pool's bit for
+bit, the state stays consistent (slot_of and tag are inverse maps), a page selected every step is
+never evicted, and a repeated selection is all hits.
+
+CPU: the Triton code under the interpreter (and the reference under cpu_backend("reference")).
+GPU (``-m cuda``): the pool in pinned host memory read over UVA, inside a CUDA graph.
+"""
+import pytest
+import torch
+
+from helpers import HAS_CUDA
+from xoffload.kernels import cpu_backend
+from xoffload.kernels.page_cache import PageCacheState, page_cache_fill, page_cache_lookup
+
+P = 16  # page size
+
+
+def _pool(n_rows, hkv, d, dtype=torch.float16, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(n_rows, hkv, d, generator=g).to(dtype)
+    v = torch.randn(n_rows, hkv, d, generator=g).to(dtype)
+    return k.to(device), v.to(device)
+
+
+def _selections(steps, hkv, k, n, seed=1, reuse=0.6):
+    """Per step, ``[Hkv, K]`` distinct page ids with about ``reuse`` of them kept from the last step."""
+    g = torch.Generator().manual_seed(seed)
+    prev = [torch.randperm(n, generator=g)[:k] for _ in range(hkv)]
+    out = []
+    for _ in range(steps):
+        rows = []
+        for h in range(hkv):
+            keep = prev[h][torch.rand(k, generator=g) < reuse]
+            rest = torch.tensor([p for p in torch.randperm(n, generator=g).tolist() if p not in set(keep.tolist())])
+            rows.append(torch.cat([keep, rest[: k - keep.numel()]]))
+        prev = rows
+        out.append(torch.stack(rows))
+    return out
+
+
+class _Cache:
+    """One layer's cache: [base | C slots] rows, state, and the step outputs."""
+
+    def __init__(self, hkv, d, C, n_ids, dtype, device, base=0):
+        self.base = base
+        self.k = torch.zeros(base + C * P, hkv, d, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.st = PageCacheState(hkv, C, n_ids, device)
+        self.hits = torch.zeros(2, dtype=torch.int64, device=device)
+
+    def step(self, pages, pool_k, pool_v, first_page=0, bt=None, block=0):
+        hkv, k = pages.shape
+        table = torch.empty(hkv, k, dtype=torch.int32, device=pages.device)
+        src = torch.empty_like(table)
+        page_cache_lookup(pages, self.st, table, src, first_page=first_page, page_size=P, base=self.base,
+                          block_table=bt, block_size=block, hits=self.hits)
+        page_cache_fill(pool_k, pool_v, self.k, self.v, src, table, page_size=P)
+        return table, src
+
+
+def _check_invariants(c: _Cache, pages, table, pool_k, pool_v, first_page=0, bt=None, block=0):
+    st = c.st
+    hkv, C = st.tag.shape
+    for h in range(hkv):
+        for s in range(C):
+            t = int(st.tag[h, s])
+            if t >= 0:
+                assert int(st.slot_of[h, t]) == s
+        held = (st.slot_of[h] >= 0).nonzero().flatten()
+        for pg in held.tolist():
+            assert int(st.tag[h, st.slot_of[h, pg]]) == pg
+        for j, pg in enumerate(pages[h].tolist()):
+            tok = (pg + first_page) * P
+            row = tok if bt is None else int(bt[tok // block]) * block + tok % block
+            r = int(table[h, j])
+            assert r == c.base + int(st.slot_of[h, pg]) * P
+            assert torch.equal(c.k[r:r + P, h].cpu(), pool_k[row:row + P, h].cpu())
+            assert torch.equal(c.v[r:r + P, h].cpu(), pool_v[row:row + P, h].cpu())
+
+
+@pytest.mark.parametrize("C", [8, 13, 16])
+def test_many_steps_match_pool_and_reference(C):
+    hkv, d, k, n = 3, 24, 8, 40
+    pool_k, pool_v = _pool(n * P, hkv, d)
+    sels = _selections(12, hkv, k, n)
+    tri = _Cache(hkv, d, C, n, torch.float16, "cpu", base=2 * P)
+    ref = _Cache(hkv, d, C, n, torch.float16, "cpu", base=2 * P)
+    for pages in sels:
+        t1, s1 = tri.step(pages.to(torch.int64), pool_k, pool_v)
+        with cpu_backend("reference"):
+            t2, s2 = ref.step(pages.to(torch.int64), pool_k, pool_v)
+        assert torch.equal(t1, t2) and torch.equal(s1, s2)
+        for a, b in ((tri.st.tag, ref.st.tag), (tri.st.slot_of, ref.st.slot_of), (tri.st.clock, ref.st.clock)):
+            assert torch.equal(a, b)
+        _check_invariants(tri, pages, t1, pool_k, pool_v)
+    assert torch.equal(tri.hits, ref.hits) and int(tri.hits[0]) > 0
+    assert int(tri.hits[1]) == 12 * hkv * k
+
+
+def test_block_table_rows_and_first_page():
+    """Missed pages are read at the pool rows the block table gives (block 32 = 2 pages)."""
+    hkv, d, k, block = 2, 16, 4, 32
+    n_blocks = 6
+    bt = torch.tensor([5, 0, 3, 1, 4, 2], dtype=torch.int32)
+    pool_k, pool_v = _pool(n_blocks * block, hkv, d, torch.float32)
+    first = 1
+    n = n_blocks * block // P - first
+    c = _Cache(hkv, d, 8, n, torch.float32, "cpu")
+    for pages in _selections(5, hkv, k, n, seed=3):
+        table, src = c.step(pages, pool_k, pool_v, first_page=first, bt=bt, block=block)
+        _check_invariants(c, pages, table, pool_k, pool_v, first_page=first, bt=bt, block=block)
+
+
+def test_repeat_is_all_hits_and_hot_page_stays():
+    hkv, d, k, n, C = 2, 16, 4, 32, 6
+    pool_k, pool_v = _pool(n * P, hkv, d, torch.float32)
+    c = _Cache(hkv, d, C, n, torch.float32, "cpu")
+    pages = torch.tensor([[0, 5, 9, 3], [1, 2, 7, 30]])
+    c.step(pages, pool_k, pool_v)
+    assert int(c.hits[0]) == 0
+    _, src = c.step(pages, pool_k, pool_v)
+    assert int(c.hits[0]) == hkv * k and bool((src == -1).all())
+    # page 0 / 1 chosen every step while the rest changes: never evicted
+    g = torch.Generator().manual_seed(0)
+    for _ in range(10):
+        others = torch.stack([torch.randperm(n - 2, generator=g)[:k - 1] + 2 for _ in range(hkv)])
+        hot = torch.tensor([[0], [1]])
+        before = c.hits.clone()
+        _, src = c.step(torch.cat([hot, others], 1), pool_k, pool_v)
+        assert int(src[0, 0]) == -1 and int(src[1, 0]) == -1
+        assert int(c.hits[0] - before[0]) >= hkv
+
+
+def test_misses_fill_exactly_k_slots_when_cache_equals_k():
+    """C == K: every step's selection fits (each miss takes a slot no hit holds)."""
+    hkv, d, k, n = 2, 16, 5, 20
+    pool_k, pool_v = _pool(n * P, hkv, d, torch.float32)
+    c = _Cache(hkv, d, k, n, torch.float32, "cpu")
+    for pages in _selections(8, hkv, k, n, seed=5, reuse=0.5):
+        table, _ = c.step(pages, pool_k, pool_v)
+        _check_invariants(c, pages, table, pool_k, pool_v)
+        assert len(set(table[0].tolist())) == k
+
+
+def test_bad_inputs():
+    st = PageCacheState(2, 4, 10, "cpu")
+    t = torch.empty(2, 5, dtype=torch.int32)
+    with pytest.raises(ValueError, match="do not fit a cache of 4 slots"):
+        page_cache_lookup(torch.zeros(2, 5, dtype=torch.int64), st, t, t.clone(), first_page=0, page_size=16)
+    t = torch.empty(2, 3, dtype=torch.int32)
+    with pytest.raises(TypeError, match="pages"):
+        page_cache_lookup(torch.zeros(2, 3), st, t, t.clone(), first_page=0, page_size=16)
+    with pytest.raises(ValueError, match="page_size"):
+        page_cache_lookup(torch.zeros(2, 3, dtype=torch.int64), st, t, t.clone(), first_page=0, page_size=24)
+    with pytest.raises(ValueError, match="block_size 24 must be a multiple"):
+        page_cache_lookup(torch.zeros(2, 3, dtype=torch.int64), st, t, t.clone(), first_page=0, page_size=16,
+                          block_table=torch.zeros(4, dtype=torch.int32), block_size=24)
+    with pytest.raises(ValueError, match="KV heads"):
+        page_cache_lookup(torch.zeros(3, 3, dtype=torch.int64), st, t, t.clone(), first_page=0, page_size=16)
+    with pytest.raises(ValueError, match="num_slots"):
+        PageCacheState(2, 0, 10, "cpu")
+    k = torch.zeros(32, 2, 8)
+    with pytest.raises(TypeError, match="one dtype"):
+        page_cache_fill(k, k, k.half(), k.half(), t, t, page_size=16)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_pinned_pool_in_cuda_graph():
+    hkv, d, k, n, C = 8, 128, 64, 1024, 128
+    pool_k, pool_v = _pool(n * P, hkv, d, torch.bfloat16)
+    pool_k, pool_v = pool_k.pin_memory(), pool_v.pin_memory()
+    c = _Cache(hkv, d, C, n, torch.bfloat16, "cuda", base=4 * P)
+    sels = _selections(6, hkv, k, n, seed=7)
+    pages = torch.empty(hkv, k, dtype=torch.int64, device="cuda")
+    table = torch.empty(hkv, k, dtype=torch.int32, device="cuda")
+    src = torch.empty_like(table)
+
+    def step():
+        page_cache_lookup(pages, c.st, table, src, first_page=0, page_size=P, base=c.base, hits=c.hits)
+        page_cache_fill(pool_k, pool_v, c.k, c.v, src, table, page_size=P)
+
+    pages.copy_(sels[0])
+    step()  # warm-up (compiles)
+    torch.cuda.synchronize()
+    ref = _Cache(hkv, d, C, n, torch.bfloat16, "cpu", base=4 * P)
+    with cpu_backend("reference"):
+        ref.step(sels[0], pool_k, pool_v)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    for pages_h in sels[1:]:
+        pages.copy_(pages_h)
+        g.replay()
+        torch.cuda.synchronize()
+        with cpu_backend("reference"):
+            t_ref, _ = ref.step(pages_h, pool_k, pool_v)
+        assert torch.equal(table.cpu(), t_ref)
+        _check_invariants(c, pages_h, table, pool_k, pool_v)
+    assert torch.equal(c.hits.cpu(), ref.hits)

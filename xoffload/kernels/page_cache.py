@@ -1,0 +1,304 @@
+"""GPU page cache for sparse decode over offloaded KV: look up the selected pages, assign cache slots
+to the misses, and copy only the misses out of pinned host memory.
+
+Sparse decode (Quest, Tang et al. 2024) picks ``K`` pages per KV head and step; consecutive steps
+pick mostly the same pages (ShadowKV, Sun et al. 2024, reports ~60% reuse and caches recently
+fetched chunks on the GPU). Each KV head of a layer has ``C >= K`` cache slots of ``page_size``
+token rows in a GPU row store ``[R, Hkv, D]`` (slot ``s`` of head ``h`` is rows
+``base + s*page_size ..`` in column ``h``), and three small int32 state tensors:
+
+* ``tag`` ``[Hkv, C]``: page id held by each slot (-1: empty);
+* ``slot_of`` ``[Hkv, n_ids]``: slot holding each page id (-1: not cached);
+* ``clock`` ``[Hkv]``: the replacement hand.
+
+:func:`page_cache_lookup` (one program per KV head, no host work: CUDA-graph safe) marks the hits,
+gives each miss the next slot after the hand that no hit of this step holds (CLOCK replacement
+with this step's hits as the reference bits: a page chosen every step is never evicted), updates
+the state, and writes the cache page table (for :func:`xoffload.kernels.paged_decode_attn_with_lse`
+over the cache) and the pool row to copy for each miss. :func:`page_cache_fill` then copies the
+missed pages into their slots, reading pinned host memory directly over PCIe (UVA).
+
+On CPU tensors both run PyTorch references unless Triton's interpreter is on.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .checks import HostPtr, check_int, check_pow2, check_tensor, device_can_read_host, next_pow2, use_triton
+
+__all__ = ["PageCacheState", "page_cache_fill", "page_cache_lookup"]
+
+
+class PageCacheState:
+    """The replacement state of one layer's page cache (see the module docstring).
+
+    Args:
+        num_kv_heads: ``Hkv``.
+        num_slots: ``C``, slots per KV head.
+        num_ids: page ids per KV head (``0 <= id < num_ids``).
+        device: where the state lives (the cache's device).
+
+    Attributes: ``tag`` int32 ``[Hkv, C]``, ``slot_of`` int32 ``[Hkv, num_ids]``, ``clock`` int32
+    ``[Hkv]``. :meth:`reset` empties the cache (a new request).
+    """
+
+    def __init__(self, num_kv_heads: int, num_slots: int, num_ids: int, device):
+        check_int("num_kv_heads", num_kv_heads, 1)
+        check_int("num_slots", num_slots, 1)
+        check_int("num_ids", num_ids, 1)
+        self.tag = torch.full((num_kv_heads, num_slots), -1, dtype=torch.int32, device=device)
+        self.slot_of = torch.full((num_kv_heads, num_ids), -1, dtype=torch.int32, device=device)
+        self.clock = torch.zeros(num_kv_heads, dtype=torch.int32, device=device)
+
+    @property
+    def num_slots(self) -> int:
+        return self.tag.shape[1]
+
+    def reset(self) -> None:
+        self.tag.fill_(-1)
+        self.slot_of.fill_(-1)
+        self.clock.zero_()
+
+
+# ----------------------------------------------------------------------------------------------
+# lookup
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _lookup_kernel(Pages, BT, Tag, SlotOf, Clock, Table, Src, Hits,
+                   K, C, NID, first_page, block_size, base,
+                   s_ph, s_th,
+                   PAGE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                   HAS_BT: tl.constexpr, HAS_HITS: tl.constexpr):
+    """One program per KV head ``h``: hits, CLOCK victims for the misses, state update, outputs."""
+    h = tl.program_id(0)
+    kk = tl.arange(0, BLOCK_K)
+    mk = kk < K
+    cc = tl.arange(0, BLOCK_C)
+    mc = cc < C
+    pg = tl.load(Pages + h * s_ph + kk, mask=mk, other=0).to(tl.int32)
+    pg = tl.minimum(tl.maximum(pg, 0), NID - 1)
+    sl = tl.load(SlotOf + h * NID + pg, mask=mk, other=-1)
+    hit = mk & (sl >= 0)
+    miss = mk & (sl < 0)
+    hand = tl.load(Clock + h)
+    rc = (cc + hand) % C  # slots in replacement order, starting at the hand
+    held = tl.max(((sl[:, None] == rc[None, :]) & hit[:, None]).to(tl.int32), axis=0)
+    elig = mc & (held == 0)
+    csum = tl.cumsum(elig.to(tl.int32), axis=0)  # eligible slots up to and including each position
+    rank = tl.cumsum(miss.to(tl.int32), axis=0)  # 1-based rank of each miss
+    match = (csum[None, :] == rank[:, None]) & elig[None, :] & miss[:, None]
+    vic = tl.sum(tl.where(match, rc[None, :], 0), axis=1)
+    nmiss = tl.sum(miss.to(tl.int32), axis=0)
+    last = tl.sum(tl.where(elig & (csum == nmiss), cc, 0), axis=0)
+    old = tl.load(Tag + h * C + vic, mask=miss, other=-1)
+    tl.debug_barrier()
+    tl.store(SlotOf + h * NID + old, tl.full([BLOCK_K], -1, tl.int32), mask=miss & (old >= 0))
+    tl.debug_barrier()
+    tl.store(Tag + h * C + vic, pg, mask=miss)
+    tl.store(SlotOf + h * NID + pg, vic, mask=miss)
+    tl.store(Clock + h, tl.where(nmiss > 0, (hand + last + 1) % C, hand))
+    slot = tl.where(hit, sl, vic)
+    tl.store(Table + h * s_th + kk, base + slot * PAGE, mask=mk)
+    tok = (pg + first_page) * PAGE
+    if HAS_BT:
+        row = tl.load(BT + tok // block_size, mask=mk, other=0) * block_size + tok % block_size
+    else:
+        row = tok
+    tl.store(Src + h * K + kk, tl.where(hit, -1, row), mask=mk)
+    if HAS_HITS:
+        tl.atomic_add(Hits, tl.sum(hit.to(tl.int64), axis=0))
+        tl.atomic_add(Hits + 1, K.to(tl.int64))
+
+
+def _lookup_ref(pages, bt, st, table, src, hits, first_page, page_size, block_size, base):
+    """PyTorch reference of the lookup kernel (same replacement rule)."""
+    hkv, k = pages.shape
+    C, nid = st.num_slots, st.slot_of.shape[1]
+    n_hits = 0
+    for h in range(hkv):
+        pg = pages[h].long().clamp(0, nid - 1)
+        sl = st.slot_of[h, pg].long()
+        hit = sl >= 0
+        n_hits += int(hit.sum())
+        hand = int(st.clock[h])
+        held = set(sl[hit].tolist())
+        order = [(hand + i) % C for i in range(C)]
+        free = [s for s in order if s not in held]
+        vic = torch.zeros(k, dtype=torch.long)
+        j_miss = (~hit).nonzero().flatten().tolist()
+        for r, j in enumerate(j_miss):
+            s = free[r]
+            vic[j] = s
+            old = int(st.tag[h, s])
+            if old >= 0:
+                st.slot_of[h, old] = -1
+        for j in j_miss:
+            st.tag[h, vic[j]] = int(pg[j])
+            st.slot_of[h, pg[j]] = int(vic[j])
+        if j_miss:
+            st.clock[h] = (order.index(free[len(j_miss) - 1]) + hand + 1) % C
+        slot = torch.where(hit, sl, vic)
+        table[h].copy_((base + slot * page_size).to(table.dtype))
+        tok = (pg + first_page) * page_size
+        row = tok if bt is None else bt.long()[tok // block_size] * block_size + tok % block_size
+        src[h].copy_(torch.where(hit, torch.full_like(row, -1), row).to(src.dtype))
+    if hits is not None:
+        hits[0] += n_hits
+        hits[1] += hkv * k
+
+
+def page_cache_lookup(pages: torch.Tensor, state: PageCacheState, table: torch.Tensor, src: torch.Tensor, *,
+                      first_page: int, page_size: int, base: int = 0, block_table: torch.Tensor | None = None,
+                      block_size: int = 0, hits: torch.Tensor | None = None) -> None:
+    """Look up this step's selected pages in a layer's GPU page cache and assign slots to the misses.
+
+    Args:
+        pages: int32/int64 ``[Hkv, K]`` selected page ids per KV head (distinct within a row,
+            ``0 <= id < state.slot_of.shape[1]``; values outside are clamped), e.g. the indices
+            of ``topk`` over the candidate pages.
+        state: the layer's :class:`PageCacheState` (``C >= K`` slots), updated in place.
+        table: int32 view ``[Hkv, K]`` (last dim contiguous) written with the cache row of the
+            first token of each page (``base + slot * page_size``): the page table of the attention
+            over the cache.
+        src: int32 ``[Hkv, K]`` contiguous, written with the pool row of each missed page's first
+            token and -1 for a hit (what :func:`page_cache_fill` copies).
+        first_page: page id 0's logical page in the sequence (token ``(id + first_page) * page_size``).
+        page_size: tokens per page (power of two >= 16).
+        base: first cache row of slot 0 (rows below it hold something else, e.g. a resident tail).
+        block_table: int32 ``[n_blocks]`` physical pool block of each logical block of the
+            sequence (pool rows ``block * block_size + offset``), or None: rows are token indices.
+        block_size: tokens per pool block (a multiple of ``page_size``) when ``block_table`` is given.
+        hits: optional int64 ``[2]`` counters: ``hits[0]`` += the hits, ``hits[1]`` += the
+            lookups (``Hkv * K``).
+
+    Runs on the current stream, no host synchronisation (CUDA-graph safe).
+    Raises:
+        TypeError / ValueError: wrong dtypes, shapes or devices, ``C < K``, a block size that is
+            not a multiple of the page size.
+    """
+    check_tensor("pages", pages, 2, dtypes=(torch.int32, torch.int64))
+    hkv, k = pages.shape
+    C, nid = state.num_slots, state.slot_of.shape[1]
+    if state.tag.shape[0] != hkv:
+        raise ValueError(f"pages has {hkv} KV heads but the cache state has {state.tag.shape[0]}")
+    if k > C:
+        raise ValueError(f"{k} pages per KV head do not fit a cache of {C} slots (need num_slots >= K)")
+    check_tensor("table", table, 2, dtypes=(torch.int32,))
+    check_tensor("src", src, 2, dtypes=(torch.int32,))
+    for n, t in (("table", table), ("src", src)):
+        if tuple(t.shape) != (hkv, k):
+            raise ValueError(f"{n} must be [{hkv}, {k}], got {tuple(t.shape)}")
+        if t.device != pages.device:
+            raise ValueError(f"{n} is on {t.device}, pages on {pages.device}")
+    if table.stride(1) != 1 or not src.is_contiguous():
+        raise ValueError("table must have a contiguous last dim and src must be contiguous")
+    if pages.stride(1) != 1:
+        pages = pages.contiguous()
+    check_pow2("page_size", page_size, 16)
+    check_int("first_page", first_page, 0)
+    check_int("base", base, 0)
+    if block_table is not None:
+        check_tensor("block_table", block_table, 1, dtypes=(torch.int32,))
+        check_int("block_size", block_size, 1)
+        if block_size % page_size:
+            raise ValueError(f"block_size {block_size} must be a multiple of page_size {page_size}")
+    if hits is not None:
+        check_tensor("hits", hits, 1, dtypes=(torch.int64,))
+        if hits.numel() != 2:
+            raise ValueError(f"hits must be int64 [2] (hits, lookups), got shape {tuple(hits.shape)}")
+    if k == 0:
+        return
+    if not use_triton(pages):
+        _lookup_ref(pages, block_table, state, table, src, hits, first_page, page_size, block_size, base)
+        return
+    _lookup_kernel[(hkv,)](
+        pages, block_table if block_table is not None else src, state.tag, state.slot_of, state.clock, table, src,
+        hits if hits is not None else src,
+        k, C, nid, first_page, max(block_size, 1), base, pages.stride(0), table.stride(0),
+        PAGE=page_size, BLOCK_K=max(16, next_pow2(k)), BLOCK_C=max(16, next_pow2(C)),
+        HAS_BT=block_table is not None, HAS_HITS=hits is not None, num_warps=4,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# fill
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _fill_kernel(SK, SV, DK, DV, Src, Table, K, D,
+                 s_sr, s_sh, s_dr, s_dh, s_th,
+                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (h, j, chunk): rows ``chunk*BLOCK_R ..`` of missed page j of KV head h."""
+    h = tl.program_id(0)
+    j = tl.program_id(1)
+    c = tl.program_id(2)
+    s = tl.load(Src + h * K + j)
+    if s >= 0:
+        d = tl.load(Table + h * s_th + j).to(tl.int64)
+        r = c * BLOCK_R + tl.arange(0, BLOCK_R)
+        od = tl.arange(0, BLOCK_D)
+        m = od[None, :] < D
+        so = (s.to(tl.int64) + r)[:, None] * s_sr + h * s_sh + od[None, :]
+        do = (d + r)[:, None] * s_dr + h * s_dh + od[None, :]
+        tl.store(DK + do, tl.load(SK + so, mask=m), mask=m)
+        tl.store(DV + do, tl.load(SV + so, mask=m), mask=m)
+
+
+def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tensor, dst_v: torch.Tensor,
+                    src: torch.Tensor, table: torch.Tensor, *, page_size: int) -> None:
+    """Copy the missed pages that :func:`page_cache_lookup` listed into their cache slots.
+
+    Args:
+        src_k, src_v: row stores ``[R, Hkv, D]`` of one layer (the pool: pinned host memory read
+            over PCIe by the GPU kernel, or device memory); last dim contiguous.
+        dst_k, dst_v: the cache row stores ``[R_c, Hkv, D]`` on the GPU (same dtype, Hkv, D).
+        src: int32 ``[Hkv, K]``: pool row of each page to copy, -1 to skip (a hit).
+        table: int32 ``[Hkv, K]`` (last dim contiguous): cache row of each page.
+        page_size: tokens per page.
+
+    Rows are not range-checked on the device (the lookup wrote them). Runs on the current stream.
+    Raises TypeError / ValueError for mismatched shapes, dtypes or devices, and for a host source
+    that is not pinned.
+    """
+    for n, t in (("src_k", src_k), ("src_v", src_v), ("dst_k", dst_k), ("dst_v", dst_v)):
+        check_tensor(n, t, 3)
+        if t.stride(2) != 1:
+            raise ValueError(f"{n} must have a contiguous last dim, got strides {tuple(t.stride())}")
+    if src_k.shape != src_v.shape or dst_k.shape != dst_v.shape or src_k.shape[1:] != dst_k.shape[1:]:
+        raise ValueError(f"row stores do not match: src {tuple(src_k.shape)}/{tuple(src_v.shape)}, "
+                         f"dst {tuple(dst_k.shape)}/{tuple(dst_v.shape)}")
+    if len({src_k.dtype, src_v.dtype, dst_k.dtype, dst_v.dtype}) != 1:
+        raise TypeError(f"row stores must share one dtype, got {src_k.dtype}, {src_v.dtype}, {dst_k.dtype}, {dst_v.dtype}")
+    check_tensor("src", src, 2, dtypes=(torch.int32,))
+    check_tensor("table", table, 2, dtypes=(torch.int32,))
+    hkv, k = src.shape
+    if tuple(table.shape) != (hkv, k) or hkv != dst_k.shape[1]:
+        raise ValueError(f"src {tuple(src.shape)} and table {tuple(table.shape)} must be [Hkv={dst_k.shape[1]}, K]")
+    check_pow2("page_size", page_size, 16)
+    host = dst_k.is_cuda and not src_k.is_cuda
+    if host:
+        for n, t in (("src_k", src_k), ("src_v", src_v)):
+            if not device_can_read_host(t):
+                raise ValueError(f"{n} is a host tensor that is not pinned; the GPU reads host memory only through UVA")
+    elif src_k.device != dst_k.device:
+        raise ValueError(f"src_k is on {src_k.device}, dst_k on {dst_k.device}")
+    if k == 0:
+        return
+    if not use_triton(dst_k):
+        for h in range(hkv):
+            for j in range(k):
+                s = int(src[h, j])
+                if s >= 0:
+                    d = int(table[h, j])
+                    dst_k[d:d + page_size, h] = src_k[s:s + page_size, h]
+                    dst_v[d:d + page_size, h] = src_v[s:s + page_size, h]
+        return
+    d = dst_k.shape[2]
+    block_r = min(next_pow2(page_size), max(1, 8192 // next_pow2(d)))
+    sk = HostPtr(src_k) if host else src_k
+    sv = HostPtr(src_v) if host else src_v
+    grid = (hkv, k, triton.cdiv(page_size, block_r))
+    _fill_kernel[grid](sk, sv, dst_k, dst_v, src, table, k, d,
+                       src_k.stride(0), src_k.stride(1), dst_k.stride(0), dst_k.stride(1), table.stride(0),
+                       BLOCK_R=block_r, BLOCK_D=next_pow2(d), num_warps=4)
