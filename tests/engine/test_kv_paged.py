@@ -78,18 +78,21 @@ def _engine(cfg, max_tokens, block=64):
                          max_tokens=max_tokens, block_size=block)
 
 
-@pytest.mark.parametrize("placement", ["resident", "offload"])
+@pytest.mark.parametrize("placement", ["resident", "offload", "offload-uva"])
 @pytest.mark.parametrize("policy", [None, QuestDecode(token_budget=4096, page_size=16, dense_layers=()),
                                     QuestDecode(token_budget=T, page_size=32, dense_layers=(1,)),
                                     QuestDecode(token_budget=T, page_size=16, dense_layers=(), group_score="softmax")])
 def test_dense_equivalents_match_resident_cache(model, placement, policy):
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(1))
+    if placement == "offload-uva" and policy is not None:
+        pytest.skip("stage_dense applies to dense decode only")
     ref, lref = _resident_reference(model, ids, N)
-    eng = _engine(cfg, T + N) if placement == "offload" else None
+    eng = _engine(cfg, T + N) if placement != "resident" else None
     seq = eng.add_sequence() if eng is not None else None
     kv = PagedKV(cfg, torch.float32, torch.device("cpu"), model.scale, prompt_len=T, max_new=N, policy=policy,
-                 engine=eng, seq=seq)
+                 engine=eng, seq=seq, stage_dense=placement != "offload-uva")
+    assert kv.staged == (placement == "offload" and policy is None)
     if policy is not None:
         assert kv.plan.dense
     toks, lg = _run(model, ids, kv, N)
@@ -275,8 +278,8 @@ def test_gpu_offload_sparse_equals_resident_sparse_bf16(cache_pages):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("budget", [None, 256])
-def test_gpu_direct_offload_graph_equals_eager_and_tracks_resident(budget):
+@pytest.mark.parametrize("budget,offload_decode", [(None, "direct"), (None, "uva"), (256, "direct")])
+def test_gpu_direct_offload_graph_equals_eager_and_tracks_resident(budget, offload_decode):
     """Offload mode's direct decode on the GPU (bf16, random Llama-3.2-1B, 2000-token prompt):
     the CUDA-graph steps give the eager loop's tokens exactly, sequential requests repeat
     themselves, and (dense, budget None) each step's logits, fed the resident run's tokens, stay
@@ -287,8 +290,9 @@ def test_gpu_direct_offload_graph_equals_eager_and_tracks_resident(budget):
     m = random_model("llama-3.2-1b", dtype=torch.bfloat16, device="cuda", seed=0, std=0.02)
     ids = torch.randint(0, m.cfg.vocab_size, (2000,), generator=torch.Generator().manual_seed(1)).tolist()
     sp = SamplingParams(max_tokens=17, ignore_eos=True)
-    graph = LLM(m, mode="offload", max_model_len=4096, token_budget=budget)
-    eager = LLM(m, mode="offload", max_model_len=4096, token_budget=budget, cuda_graph=False)
+    graph = LLM(m, mode="offload", max_model_len=4096, token_budget=budget, offload_decode=offload_decode)
+    eager = LLM(m, mode="offload", max_model_len=4096, token_budget=budget, cuda_graph=False,
+                offload_decode=offload_decode)
     a = graph.generate(ids, sp)[0]
     assert a.token_ids == eager.generate(ids, sp)[0].token_ids == graph.generate(ids, sp)[0].token_ids
     assert a.timings["decode_steady_ms_per_token"] > 0
@@ -300,7 +304,8 @@ def test_gpu_direct_offload_graph_equals_eager_and_tracks_resident(budget):
     T, n = len(ids), 8
     r = ResidentKV(m.cfg, T + n, m.dtype, m.device, m.scale, max_len=T + n)
     eng = graph.engine
-    d = PagedKV(m.cfg, m.dtype, m.device, m.scale, prompt_len=T, max_new=n, engine=eng, seq=eng.add_sequence())
+    d = PagedKV(m.cfg, m.dtype, m.device, m.scale, prompt_len=T, max_new=n, engine=eng, seq=eng.add_sequence(),
+                stage_dense=offload_decode == "direct")
     with torch.no_grad():
         la, lb = m.prefill(ids_t, r), m.prefill(ids_t, d)
         assert torch.equal(la, lb)  # the same prefill

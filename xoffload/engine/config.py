@@ -10,10 +10,12 @@ from ..models.loader import resolve_dtype_device
 from ..sparse.policy import DecodePolicy, PrefillPolicy, resolve_decode, resolve_prefill
 from .kv_store import canonical_mode
 
-__all__ = ["EngineConfig", "PREFILL_ATTN"]
+__all__ = ["EngineConfig", "OFFLOAD_DECODES", "PREFILL_ATTN"]
 
 #: dense causal attention choices of the prefill (see :func:`xoffload.kernels.causal_attention`)
 PREFILL_ATTN = ("auto", "cudnn", "xoffload", "sdpa")
+#: values of ``EngineConfig.offload_decode``
+OFFLOAD_DECODES = ("direct", "uva", "ring")
 
 #: keyword arguments of earlier versions, with what replaces them
 _REMOVED = {
@@ -58,10 +60,13 @@ class EngineConfig:
             Resolved once by :func:`xoffload.sparse.resolve_decode`.
         token_budget: tokens a sparse layer attends to per step (sink + recent + chosen pages);
             alone it means ``sparse_decode="quest"`` with this budget.
-        offload_decode: how offload-mode decode reads the pool — ``"direct"`` (default: the paged
-            attention kernel reads the prompt's pages in place over PCIe, the whole step in a CUDA
-            graph; the only choice with ``sparse_decode``) or ``"ring"`` (the engine copies each
-            layer into a ring of ``num_kv_buffers`` GPU buffers ahead of its compute; eager).
+        offload_decode: how offload-mode decode reads the pool, the whole step in one CUDA graph
+            except with the ring — ``"direct"`` (default: dense decode copies each layer's pages
+            into one of two GPU buffers on a copy stream while the layer before computes; sparse
+            decode copies the chosen pages it does not have cached), ``"uva"`` (dense decode's
+            attention kernel reads the pages in place over PCIe, serialised with the compute; with
+            ``sparse_decode`` the same as ``"direct"``) or ``"ring"`` (the engine copies each layer
+            into a ring of ``num_kv_buffers`` GPU buffers ahead of its compute; eager; dense only).
     """
 
     mode: str = "resident"
@@ -96,14 +101,14 @@ class EngineConfig:
         if self.token_budget is not None:
             check_int("token_budget", self.token_budget, 1)
         self.sparse_decode = resolve_decode(self.sparse_decode, self.token_budget)
-        if self.offload_decode not in ("direct", "ring"):
-            raise ValueError(f"offload_decode must be 'direct' or 'ring', got {self.offload_decode!r}")
+        if self.offload_decode not in OFFLOAD_DECODES:
+            raise ValueError(f"offload_decode must be one of {OFFLOAD_DECODES}, got {self.offload_decode!r}")
         if self.offload_decode == "ring" and self.sparse_decode is not None:
             raise ValueError("offload_decode='ring' reads whole layers; sparse_decode needs offload_decode='direct'")
-        if self.mode == "offload" and self.offload_decode == "direct":
+        if self.mode == "offload" and self.offload_decode != "ring":
             b = self.kv_block_size
             if is_int(b) and (b < 16 or b & (b - 1)):
-                raise ValueError(f"kv_block_size must be a power of two >= 16 for offload_decode='direct', got {b}")
+                raise ValueError(f"kv_block_size must be a power of two >= 16 for offload_decode={self.offload_decode!r}, got {b}")
             p = getattr(self.sparse_decode, "page_size", None)
             if p is not None and is_int(b) and b % p:
                 raise ValueError(f"kv_block_size {b} must be a multiple of the decode policy's page_size {p}")

@@ -24,10 +24,13 @@ element size; dense decode: the whole prompt's KV of every layer.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from ..kernels import decode_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
 from ..kernels.page_cache import PageCacheState, page_cache_fill, page_cache_lookup
+from ..runtime import block_runs
 from ..sparse.quest import PageSummaries, QuestDecode, page_scores, select_page_ids, select_pages
 from .kv_store import KVStore, OffloadKV, Splits, register_store
 
@@ -47,6 +50,11 @@ class PagedKV(KVStore):
         engine, seq: the :class:`xoffload.runtime.OffloadEngine` and its sequence id when the
             prompt's KV lives in the pinned pool (``offload``); None: a device row store
             (``resident``; the Quest setting, saving HBM reads instead of PCIe bytes).
+        stage_dense: offload dense decode (no policy) only — True (default): each layer's pages
+            are copied (copy engine, ``cudaMemcpyAsync`` per contiguous run of pool blocks) into
+            one of two GPU buffers on a copy stream while the layer before computes, inside the
+            step's CUDA graph, and attention reads the buffer; False: the attention kernel reads
+            the pages in place over PCIe (UVA), serialised with the layer's compute.
 
     Attributes:
         capturable: True (a decode step may be captured in a CUDA graph).
@@ -61,7 +69,8 @@ class PagedKV(KVStore):
     capturable = True
 
     def __init__(self, cfg, dtype, device, scale: float, *, prompt_len: int, max_new: int,
-                 policy: QuestDecode | None = None, engine=None, seq: int | None = None):
+                 policy: QuestDecode | None = None, engine=None, seq: int | None = None,
+                 stage_dense: bool = True):
         self.cfg, self.dtype, self.device, self.scale = cfg, dtype, torch.device(device), scale
         self.T, self.policy, self.eng, self.seq = int(prompt_len), policy, engine, seq
         self.capacity = self.T + max_new
@@ -102,6 +111,17 @@ class PagedKV(KVStore):
                 self._tk.append(torch.empty(n + max_new, hkv, d, dtype=dtype, device=self.device))
                 self._tv.append(torch.empty_like(self._tk[-1]))
         self.cache_bytes = sum(2 * t.numel() * t.element_size() for t in self._ck.values()) if C else 0
+        # dense offload decode through two staging buffers filled on a copy stream
+        self.staged = bool(stage_dense) and engine is not None and policy is None and T > 0
+        if self.staged:
+            self._sbuf = [(torch.empty(T, hkv, d, dtype=dtype, device=self.device),
+                           torch.empty(T, hkv, d, dtype=dtype, device=self.device)) for _ in range(2)]
+            self._slen = torch.full((1,), T, dtype=torch.int32, device=self.device)
+            cuda = self.device.type == "cuda"
+            self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
+            self._copied = [torch.cuda.Event() for _ in range(L)] if cuda else []
+            self._freed = [torch.cuda.Event() for _ in range(2)] if cuda else []
+            self._runs = None
         self.pos_t = torch.zeros(1, dtype=torch.int64, device=self.device)
         bases = sorted(set(self._tail_prompt))
         self._base_ix = {b: i for i, b in enumerate(bases)}
@@ -218,6 +238,8 @@ class PagedKV(KVStore):
             self._block = B
             if self.plan is None:  # dense decode: one shared list of the prompt's pool blocks
                 self._table[0, 0, : bt.numel()].copy_((bt.long() * B).to(torch.int32))
+            if self.staged:
+                self._runs = block_runs(self.eng.block_table(self.seq), 0, self.T, B)
         else:
             self._block = self.page  # rows are token indices (no block table)
             if self.plan is None:
@@ -238,6 +260,26 @@ class PagedKV(KVStore):
         if self.cache_slots:  # [k pages | tail]: the sparse layers' base is the resident head
             b = self._base_ix[self.plan.resident_prompt_tokens]
             torch.add(self._wlen[b:b + 1], self._k * self.page, out=self._clen)
+        if self.staged:  # layers 0 and 1 start copying now; layer l+2 once layer l is done
+            cs = self._copy_stream
+            if cs is not None:
+                cs.wait_stream(torch.cuda.current_stream(self.device))
+            for layer in range(min(2, self.cfg.num_layers)):
+                self._stage_layer(layer)
+
+    def _stage_layer(self, layer: int) -> None:
+        """Copy layer ``layer``'s prompt KV from the pool into staging buffer ``layer % 2`` (on the
+        copy stream after the buffer's last reader; recorded in ``_copied[layer]``)."""
+        kb, vb = self._sbuf[layer & 1]
+        pk, pv = self.eng.pool.k_rows(layer), self.eng.pool.v_rows(layer)
+        cs = self._copy_stream
+        ctx = torch.cuda.stream(cs) if cs is not None else contextlib.nullcontext()
+        with ctx:
+            for phys, t, m in self._runs:
+                kb[t:t + m].copy_(pk[phys:phys + m], non_blocking=True)
+                vb[t:t + m].copy_(pv[phys:phys + m], non_blocking=True)
+            if cs is not None:
+                self._copied[layer].record(cs)
 
     def _store(self, layer):
         if self.eng is None:
@@ -259,6 +301,8 @@ class PagedKV(KVStore):
                                         check=False)
         if layer in self.dense or self._k == 0:
             return o_t[0, 0]
+        if self.staged:
+            return self._attend_staged(layer, q4, o_t, l_t)
         kr, vr = self._store(layer)
         if self.plan is not None:
             p = self.plan
@@ -269,6 +313,24 @@ class PagedKV(KVStore):
         o_p, l_p = paged_decode_attn_with_lse(q4, kr, vr, self._table, self._page_lens, page_size=self.page,
                                               softmax_scale=self.scale, num_splits=self._nsplit_pages, check=False)
         o, _ = merge_attention_states(o_p, l_p, o_t, l_t)
+        return o[0, 0]
+
+    def _attend_staged(self, layer, q4, o_t, l_t) -> torch.Tensor:
+        """Dense offload decode over the staging buffer of ``layer`` (waits for its copy), then
+        frees the buffer for layer ``layer + 2``."""
+        cuda = self._copy_stream is not None
+        cur = torch.cuda.current_stream(self.device) if cuda else None
+        if cuda:
+            cur.wait_event(self._copied[layer])
+        kb, vb = self._sbuf[layer & 1]
+        o_p, l_p = decode_attn_with_lse(q4, kb[None], vb[None], self._slen, softmax_scale=self.scale,
+                                        num_splits=self._nsplit_pages, check=False)
+        o, _ = merge_attention_states(o_p, l_p, o_t, l_t)
+        if layer + 2 < self.cfg.num_layers:
+            if cuda:
+                self._freed[layer & 1].record(cur)
+                self._copy_stream.wait_event(self._freed[layer & 1])
+            self._stage_layer(layer + 2)
         return o[0, 0]
 
     def _attend_cached(self, layer: int, q: torch.Tensor, q4: torch.Tensor) -> torch.Tensor:
@@ -300,6 +362,7 @@ class PagedKV(KVStore):
         """Free the request's tails, summaries, row store and (offload) its pool sequence."""
         self._tk = self._tv = []
         self._ck, self._cv = {}, {}
+        self._sbuf = []
         self._rows = self.summaries = self._stage = None
         if self.eng is not None and self.seq is not None:
             seq, self.seq = self.seq, None
@@ -309,7 +372,8 @@ class PagedKV(KVStore):
     def _make(cls, model, req, config, engine=None, seq=None) -> "PagedKV":
         T = len(req.ids)
         return cls(model.cfg, model.dtype, model.device, model.scale, prompt_len=T, max_new=req.final_len - T,
-                   policy=config.decode_policy, engine=engine, seq=seq)
+                   policy=config.decode_policy, engine=engine, seq=seq,
+                   stage_dense=config.offload_decode != "uva")
 
 
 class ResidentPagedKV(PagedKV):
@@ -327,7 +391,8 @@ class ResidentPagedKV(PagedKV):
 class OffloadPagedKV(PagedKV):
     """``mode="offload"``: layerwise prefill copies each layer's K/V into the engine's pinned CPU
     pool; decode reads the prompt's pages (all, or the decode policy's choice) in place over PCIe,
-    one CUDA graph per step. ``offload_decode="ring"`` selects :class:`OffloadKV` instead."""
+    one CUDA graph per step. ``offload_decode="ring"`` selects :class:`OffloadKV` instead;
+    ``"uva"`` reads a dense decode's pages in place instead of staging them (``stage_dense``)."""
 
     open_shared = OffloadKV.open_shared
 

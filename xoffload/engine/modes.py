@@ -3,7 +3,8 @@ the sparse policies that apply — for benchmarks and evaluations to iterate ove
 new stores and policies from the library rather than from a list of their own).
 
 ``configurations()`` -> ``{name: LLM keyword arguments}``, e.g. ``"resident"``,
-``"resident+quest"``, ``"offload"``, ``"offload-ring"``, ``"offload+xattn"``, ``"offload+quest"``.
+``"resident+quest"``, ``"offload"``, ``"offload-uva"``, ``"offload-ring"``, ``"offload+xattn"``,
+``"offload+quest"``.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ def configurations() -> dict:
         out[mode] = {"mode": mode}
         if mode == "offload":
             out["offload-ring"] = {"mode": mode, "offload_decode": "ring"}
+            out["offload-uva"] = {"mode": mode, "offload_decode": "uva"}
             for name, cls in sorted(PREFILL_POLICIES.items()):
                 if not cls().dense:
                     out[f"offload+{name}"] = {"mode": mode, "sparse": name}
