@@ -147,6 +147,15 @@ def paged_decode_attn_ref(q, k_pages, v_pages, page_table, seqlens, *, page_size
     return out, lse
 
 
+def quest_page_scores_ref(q, kmin, kmax):
+    """fp32 ``[Hkv, n]``: ``max over the group's heads g of (q_g⁺ · kmax + q_g⁻ · kmin)`` for q
+    ``[Hq, D]`` and page summaries ``[Hkv, n, D]`` (Quest's page bound, GQA group maximum)."""
+    hkv, n, d = kmin.shape
+    qg = q.float().view(hkv, q.shape[0] // hkv, d)
+    s = torch.bmm(qg.clamp(min=0), kmax.float().transpose(1, 2)) + torch.bmm(qg.clamp(max=0), kmin.float().transpose(1, 2))
+    return s.amax(1)
+
+
 def merge_ref(outs, lses):
     """Reference for merging N partial attention states.
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.checks import check_int, check_tensor
+from ..kernels.quest_score import quest_page_scores
 from .policy import DecodePolicy
 
 __all__ = ["DecodePlan", "GROUP_SCORES", "PageSummaries", "QuestDecode", "page_scores", "select_page_ids", "select_pages"]
@@ -231,11 +232,11 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
         raise ValueError(f"q {tuple(q.shape)} does not fit summaries {tuple(kmin.shape)} (GQA, head_dim)")
     if group not in GROUP_SCORES:
         raise ValueError(f"group must be one of {GROUP_SCORES}, got {group!r}")
+    if group == "max":  # one kernel (fp32 accumulation): xoffload.kernels.quest_score
+        return quest_page_scores(q.to(kmin.dtype), kmin, kmax)
     qg = q.to(kmin.dtype).view(hkv, hq // hkv, d)
     s = torch.bmm(qg.clamp(min=0), kmax.transpose(1, 2)).float()
     s += torch.bmm(qg.clamp(max=0), kmin.transpose(1, 2)).float()
-    if group == "max":
-        return s.amax(1)
     return torch.softmax(s * (d ** -0.5 if scale is None else float(scale)), dim=-1).sum(1)
 
 

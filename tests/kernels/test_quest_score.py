@@ -1,0 +1,71 @@
+"""quest_page_scores (one-kernel Quest page bound with the GQA group maximum) against its fp32
+reference and against the true maximum of q·k over each page (the bound must hold).
+
+CPU: the Triton code under the interpreter (fp16/fp32). GPU (``-m cuda``): bf16, long page lists.
+"""
+import pytest
+import torch
+
+from helpers import EPS32
+from xoffload.kernels.quest_score import quest_page_scores
+from xoffload.kernels.reference import quest_page_scores_ref
+
+
+def _summaries(hkv, n, p, d, dtype, device, seed=0, adversarial=False):
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(hkv, n, p, d, generator=g)
+    if adversarial:  # one huge key per page along a random axis, the rest tiny
+        k *= 1e-3
+        ax = torch.randint(0, d, (hkv, n), generator=g)
+        k[torch.arange(hkv)[:, None], torch.arange(n)[None, :], 0, ax] = 30.0
+    k = k.to(dtype)
+    return k.to(device), k.amin(2).to(device), k.amax(2).to(device)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,n", [(4, 4, 16, 5), (6, 2, 24, 70), (8, 1, 64, 129), (32, 8, 128, 40)])
+def test_matches_reference_and_bounds_true_max(dtype, hq, hkv, d, n, device):
+    if device == "cpu" and dtype == torch.float16 and d > 64:
+        pytest.skip("kept small for the interpreter")
+    for adversarial in (False, True):
+        k, kmin, kmax = _summaries(hkv, n, 16, d, dtype, device, adversarial=adversarial)
+        q = torch.randn(hq, d, generator=torch.Generator().manual_seed(1)).to(dtype).to(device)
+        s = quest_page_scores(q, kmin, kmax)
+        ref = quest_page_scores_ref(q, kmin, kmax)
+        assert s.dtype == torch.float32 and s.shape == (hkv, n)
+        # fp32 accumulation of d exact products (fp16 products are exact in fp32): d ulps of the
+        # largest sum of |q_i| |k_i|
+        scale = float((q.float().abs() @ torch.maximum(kmax.float().abs(), kmin.float().abs()).amax((0, 1))).max())
+        tol = 2 * d * EPS32 * scale
+        assert float((s - ref).abs().max()) <= tol
+        # the bound: >= q_g . k for every key of the page and every head of the group
+        g = hq // hkv
+        qk = torch.einsum("hgd,hnpd->hgnp", q.float().view(hkv, g, d), k.float())
+        true = qk.amax(3).amax(1)
+        assert bool((s >= true - tol).all())
+
+
+def test_out_and_bad_inputs():
+    q = torch.randn(4, 16)
+    kmin, kmax = torch.randn(2, 9, 16), torch.randn(2, 9, 16)
+    out = torch.full((2, 9), 7.0)
+    assert quest_page_scores(q, kmin, kmax, out=out) is out
+    assert torch.allclose(out, quest_page_scores_ref(q, kmin, kmax), atol=1e-5)
+    with pytest.raises(ValueError, match="does not fit"):
+        quest_page_scores(torch.randn(3, 16), kmin, kmax)
+    with pytest.raises(ValueError, match="one shape"):
+        quest_page_scores(q, kmin, kmax[:, :4])
+    with pytest.raises(TypeError, match="share a dtype"):
+        quest_page_scores(q.half(), kmin, kmax)
+    with pytest.raises(ValueError, match="out"):
+        quest_page_scores(q, kmin, kmax, out=torch.empty(2, 8))
+    assert quest_page_scores(q, kmin[:, :0], kmax[:, :0]).shape == (2, 0)
+
+
+@pytest.mark.cuda
+def test_gpu_bf16_long():
+    k, kmin, kmax = _summaries(8, 4096, 32, 128, torch.bfloat16, "cuda")
+    q = torch.randn(32, 128, device="cuda").bfloat16()
+    s = quest_page_scores(q, kmin, kmax)
+    ref = quest_page_scores_ref(q, kmin, kmax)
+    assert float((s - ref).abs().max()) <= 1e-3 * float(ref.abs().max())
