@@ -1,8 +1,10 @@
 """End-to-end benchmark: every engine configuration, every length, peers and bounds in the same run.
 
 Configurations come from the library (:func:`xoffload.engine.modes.configurations`: resident,
-offload (direct paged decode), offload-ring, offload+xattn, offload+quest, resident+quest, and
-whatever registers later). Per configuration and context length, on the same random weights and
+offload (direct decode, dense layers staged on a copy stream), offload-uva, offload-ring,
+offload+xattn, offload+quest (with its GPU page cache), resident+quest, and whatever registers later;
+plus offload+quest-nocache here). The time split of sparse offload decode (weights, selection +
+attention, fetch) is derived from them. Per configuration and context length, on the same random weights and
 prompts: prefill tok/s, time to first token, decode ms/token in the steady state (the first two
 steps, eager warm-up and CUDA-graph capture, reported apart), peak GPU memory, H2D bytes per token
 and the GB/s they imply. Peers: transformers ``generate`` (SDPA) with the cache on the GPU and with
@@ -45,7 +47,7 @@ def point(llm, n_ctx, n_new=N_NEW, seed=0) -> dict:
     t = o.timings
     rec = {k: t.get(k) for k in ("prompt_tokens", "prefill_tok_per_s", "ttft_ms", "decode_ms_per_token",
                                  "decode_first_steps_ms", "decode_steady_ms_per_token", "h2d_bytes_per_token",
-                                 "mean_density")}
+                                 "mean_density", "cache_hit_rate", "cache_slots", "cache_bytes")}
     rec["peak_gpu_memory_bytes"] = o.peak_gpu_memory_bytes
     rec["token_ids"] = o.token_ids[:8]
     if rec["h2d_bytes_per_token"] and rec["decode_steady_ms_per_token"]:
@@ -105,14 +107,25 @@ def bounds(res, prefix, cfg, weights, lengths, dtype):
                      "weights_hbm_ms": weights / (hbm * 1e9) * 1e3} for n in lengths}
 
 
-def part_model(res, preset, lengths, with_peers, prefix):
+def all_configs() -> dict:
+    """The library's configurations, plus offload+quest without its GPU page cache (what the cache
+    buys, and the fetch share of the time split)."""
     from xoffload.engine.modes import configurations
+    from xoffload.sparse import QuestDecode
+
+    cfgs = configurations()
+    if "offload+quest" in cfgs:
+        cfgs["offload+quest-nocache"] = {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=0)}
+    return cfgs
+
+
+def part_model(res, preset, lengths, with_peers, prefix):
     from xoffload.models import random_model
 
     model = random_model(preset, dtype=torch.bfloat16, device="cuda", seed=0)
     res["models"][prefix] = {"preset": preset, "weights_bytes": model.w.nbytes(),
                              "kv_bytes_per_token": model.cfg.kv_bytes_per_token(torch.bfloat16)}
-    sweep_configs(model, lengths, configurations(), res, prefix)
+    sweep_configs(model, lengths, all_configs(), res, prefix)
     if with_peers:
         peers(model, lengths, res, prefix)
     res["bounds"][prefix] = bounds(res, prefix, model.cfg, model.w.nbytes(), lengths, torch.bfloat16)
@@ -121,14 +134,12 @@ def part_model(res, preset, lengths, with_peers, prefix):
 
 
 def part_smollm2(res, lengths):
-    from xoffload.engine.modes import configurations
     from xoffload.models import find_smollm2_gguf, load_model
 
     model = load_model(find_smollm2_gguf(), device="cuda")
     res["models"]["smollm2"] = {"source": model.source, "weights_bytes": model.w.nbytes(),
                                 "kv_bytes_per_token": model.cfg.kv_bytes_per_token(model.dtype)}
-    cfgs = {k: v for k, v in configurations().items()}
-    sweep_configs(model, lengths, cfgs, res, "smollm2")
+    sweep_configs(model, lengths, all_configs(), res, "smollm2")
     peers(model, lengths, res, "smollm2")
     res["bounds"]["smollm2"] = bounds(res, "smollm2", model.cfg, model.w.nbytes(), lengths, model.dtype)
     del model
@@ -285,6 +296,33 @@ def summarize(res):
     res["targets"] = t
     for k, v in t.items():
         print(f"{k}: {v:.3f}")
+    res["time_split"] = time_split(res)
+    for k, v in res["time_split"].items():
+        print("time split", k, {a: round(b, 3) if isinstance(b, float) else b for a, b in v.items()})
+
+
+def time_split(res) -> dict:
+    """Sparse offload decode ms/token split, derived from configurations measured in the same run
+    (per model and length): ``weights`` (weights bytes / HBM copy bandwidth, a bound), ``selection
+    + attention + rest`` (resident+quest minus weights: the same selection reading HBM), ``fetch``
+    (offload+quest minus resident+quest: what crossing PCIe adds, after the page cache), ``fetch
+    without cache`` (offload+quest-nocache minus resident+quest), and the cache hit rate."""
+    r, out = res["results"], {}
+    for prefix, b in res.get("bounds", {}).items():
+        for n, bn in b.items():
+            q, rq, nc = ((r.get(f"{prefix}/{c}") or {}).get(n) for c in
+                         ("offload+quest", "resident+quest", "offload+quest-nocache"))
+            if not (q and rq):
+                continue
+            w = bn["weights_hbm_ms"]
+            rec = {"total": q["decode_steady_ms_per_token"], "weights": w,
+                   "selection+attention+rest": rq["decode_steady_ms_per_token"] - w,
+                   "fetch": q["decode_steady_ms_per_token"] - rq["decode_steady_ms_per_token"],
+                   "cache_hit_rate": q.get("cache_hit_rate"), "h2d_MB_per_token": (q.get("h2d_bytes_per_token") or 0) / 1e6}
+            if nc:
+                rec["fetch_without_cache"] = nc["decode_steady_ms_per_token"] - rq["decode_steady_ms_per_token"]
+            out[f"{prefix}/{n}"] = rec
+    return out
 
 
 def main(argv=None):

@@ -169,34 +169,42 @@ def test_sparse_layer_reads_exactly_sink_selected_pages_and_tail(model, cache_pa
 
 
 def test_page_cache_gives_the_uncached_tokens_and_counts_hits(model):
-    """A sparse budget (not dense): offload with the page cache decodes the tokens of offload
-    without it (fp32, logits within fp32 rounding of a different summation order), reports a hit
-    rate, and its mean H2D bytes per step are below the uncached store's."""
+    """A sparse budget (not dense): offload with the page cache (with and without the next-layer
+    prefetch) decodes the tokens of offload without it (fp32, logits within fp32 rounding of a
+    different summation order), reports a hit rate, and its mean H2D bytes per step follow from the
+    counted misses."""
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(4))
     res = {}
-    for cp in (0, None, 3):
+    variants = [(0, False), (None, False), (3, False), (None, True)]
+    for cp, pf in variants:
         pol = QuestDecode(token_budget=128, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,),
-                          cache_pages=cp)
+                          cache_pages=cp, prefetch=pf)
         eng = _engine(cfg, T + N)
         kv = PagedKV(cfg, torch.float32, torch.device("cpu"), model.scale, prompt_len=T, max_new=N, policy=pol,
                      engine=eng, seq=eng.add_sequence())
         assert not kv.plan.dense
+        assert kv.lookahead == (frozenset(range(1, cfg.num_layers)) if pf and cp != 0 else frozenset())
         toks, lg = _run(model, ids, kv, N)
-        res[cp] = (toks, lg, kv.h2d_bytes_per_step, kv.decode_stats())
+        res[cp, pf] = (toks, lg, kv.h2d_bytes_per_step, kv.decode_stats())
         kv.close()
         assert eng.num_free_blocks == eng.allocator.num_blocks
         eng.close()
     k = QuestDecode(token_budget=128, page_size=16, sink_tokens=16, recent_tokens=32).plan(T).pages_per_step
-    for cp in (None, 3):
-        toks, lg, h2d, st = res[cp]
-        assert toks == res[0][0]
-        assert float((lg - res[0][1]).abs().max()) < 1e-4
-        assert st["cache_slots"] == (2 * k if cp is None else k)  # at least the pages of one step
+    full = res[0, False][2]
+    for key in variants[1:]:
+        toks, lg, h2d, st = res[key]
+        assert toks == res[0, False][0]
+        assert float((lg - res[0, False][1]).abs().max()) < 1e-4
+        assert st["cache_slots"] == (max(3, k) if key[0] == 3 else 2 * k)  # at least the pages of one step
         assert 0.0 <= st["cache_hit_rate"] < 1.0
-        assert h2d == pytest.approx((1 - st["cache_hit_rate"]) * res[0][2], abs=1)  # int bytes
-    assert res[0][3] == {}
-    assert res[None][3]["cache_hit_rate"] > 0  # consecutive steps choose some pages again
+        share = st["prefetch_share"]
+        assert (share > 0) == key[1]
+        assert h2d == pytest.approx((1 - st["cache_hit_rate"]) / (1 - share) * full, abs=1)  # int bytes
+    assert res[0, False][3] == {}
+    assert res[None, False][3]["cache_hit_rate"] > 0  # consecutive steps choose some pages again
+    # the prefetched pages are found by the exact selection more often than the cache alone finds them
+    assert res[None, True][3]["cache_hit_rate"] > res[None, False][3]["cache_hit_rate"]
 
 
 def test_twenty_sequential_requests_are_independent(model):

@@ -143,6 +143,7 @@ class PagedKV(KVStore):
         self._nsplit_pages = splits(max(k * self.page, 1))
         if p is not None and p.num_candidates > 0 and k > 0:
             self.summaries = PageSummaries(L, hkv, d, max(1, T // self.page), self.page, dtype, self.device)
+        self._pev = {}
         if C:
             tail_cap = head + max_new
             self._cbase = tail_cap  # first row of slot 0
@@ -155,6 +156,15 @@ class PagedKV(KVStore):
             self._cstate = {l: PageCacheState(hkv, C, p.num_candidates, self.device) for l in self.sparse}
             self._hits = torch.zeros(2, dtype=torch.int64, device=self.device)  # (hits, lookups)
             self._nsplit_cache = splits(k * self.page + tail_cap)
+            if policy.prefetch and not p.dense:  # next layer's likely pages, copied on a copy stream
+                self.lookahead = frozenset(l for l in self._ck if l - 1 >= 0)
+                self._ptab = torch.zeros(hkv, k, dtype=torch.int32, device=self.device)
+                self._psrc = torch.zeros(hkv, k, dtype=torch.int32, device=self.device)
+                self._phits = torch.zeros(2, dtype=torch.int64, device=self.device)
+                cuda = self.device.type == "cuda"
+                self._pstream = torch.cuda.Stream(self.device) if cuda else None
+                self._pev = {l: torch.cuda.Event() for l in self.lookahead} if cuda else {}
+                self._pkeep = []  # estimates read by the copy stream, kept until the step ends
         self._bt = None
         read_layers = self.sparse if p is not None else range(L)
         tok_bytes = cfg.kv_bytes_per_token(dtype) // L  # K and V of one token in one layer
@@ -163,22 +173,35 @@ class PagedKV(KVStore):
         self._page_bytes = self.page * tok_bytes // hkv  # K and V of one page of one KV head
         self.summary_bytes = self.summaries.nbytes if self.summaries is not None else 0
 
+    def _counts(self):
+        """(exact hits, exact lookups, prefetch misses) so far (reads the device counters)."""
+        hits, looks = (int(x) for x in self._hits.tolist())
+        pmiss = 0
+        if self.lookahead:
+            ph, pl = (int(x) for x in self._phits.tolist())
+            pmiss = pl - ph
+        return hits, looks, pmiss
+
     @property
     def h2d_bytes_per_step(self) -> int:
         if not self.cache_slots:
             return self._h2d_max
-        hits, looks = (int(x) for x in self._hits.tolist())
+        hits, looks, pmiss = self._counts()
         steps = looks // max(1, self._k * self.cfg.num_kv_heads * len(self.sparse))
-        return int((looks - hits) * self._page_bytes / steps) if steps else self._h2d_max
+        return int((looks - hits + pmiss) * self._page_bytes / steps) if steps else self._h2d_max
 
     def decode_stats(self) -> dict:
-        """Page-cache figures of the steps run so far: ``cache_hit_rate`` (hits / lookups),
-        ``cache_slots``, ``cache_bytes`` (empty without a cache)."""
+        """Page-cache figures of the steps run so far (empty without a cache): ``cache_hit_rate``
+        (exact selections found in the cache / looked up, counting what the prefetch brought),
+        ``prefetch_share`` (pages copied by the prefetch / all pages copied), ``cache_slots``,
+        ``cache_bytes``."""
         if not self.cache_slots:
             return {}
-        hits, looks = (int(x) for x in self._hits.tolist())
-        return {"cache_hit_rate": hits / looks if looks else None, "cache_slots": self.cache_slots,
-                "cache_bytes": self.cache_bytes}
+        hits, looks, pmiss = self._counts()
+        moved = looks - hits + pmiss
+        return {"cache_hit_rate": hits / looks if looks else None,
+                "prefetch_share": pmiss / moved if moved else None,
+                "cache_slots": self.cache_slots, "cache_bytes": self.cache_bytes}
 
     # ------------------------------------------------------------------ prefill sink
     def buffers(self, layer: int, T: int):
@@ -253,6 +276,8 @@ class PagedKV(KVStore):
             self._first_step()
         if pos is not None:
             self.pos_t.fill_(pos)
+        if self.lookahead:
+            self._pkeep.clear()
         torch.add(self._bases, self.pos_t, out=self._widx)  # tail row of the new token: base + pos - T
         self._widx.sub_(self.T)
         self._wlen.copy_(self._widx)
@@ -333,20 +358,43 @@ class PagedKV(KVStore):
             self._stage_layer(layer + 2)
         return o[0, 0]
 
-    def _attend_cached(self, layer: int, q: torch.Tensor, q4: torch.Tensor) -> torch.Tensor:
-        """Sparse layer with the page cache: select, look up, copy the misses, one attention call
-        over ``[chosen pages | tail]``."""
+    def _fetch(self, layer: int, q: torch.Tensor, table, src, hits) -> None:
+        """Select layer ``layer``'s pages for ``q`` ``[Hq, D]``, look them up in its cache (cache
+        rows into ``table``), copy the misses from the pool."""
         p = self.plan
         f, n = p.first_page, p.num_candidates
-        s = page_scores(q[0], self.summaries.kmin[layer, :, f:f + n], self.summaries.kmax[layer, :, f:f + n],
+        s = page_scores(q, self.summaries.kmin[layer, :, f:f + n], self.summaries.kmax[layer, :, f:f + n],
                         group=self.policy.group_score, scale=self.scale)
         ids = select_page_ids(s, self._k)
-        table = self._ctab[0, :, :self._k]
-        page_cache_lookup(ids, self._cstate[layer], table, self._csrc, first_page=f, page_size=self.page,
-                          base=self._cbase, block_table=self._bt, block_size=self._block, hits=self._hits)
+        page_cache_lookup(ids, self._cstate[layer], table, src, first_page=f, page_size=self.page,
+                          base=self._cbase, block_table=self._bt, block_size=self._block, hits=hits)
         kr, vr = self._store(layer)
+        page_cache_fill(kr, vr, self._ck[layer], self._cv[layer], src, table, page_size=self.page)
+
+    def prefetch(self, layer: int, q_est: torch.Tensor) -> None:
+        """During layer ``layer - 1``: copy the pages that ``q_est`` ``[1, Hq, D]`` (layer
+        ``layer``'s query estimated from layer ``layer - 1``'s input) selects into layer
+        ``layer``'s cache, on the copy stream; :meth:`attend` of ``layer`` waits for it."""
+        if layer not in self.lookahead:
+            raise ValueError(f"layer {layer} is not a prefetching layer of this store ({sorted(self.lookahead)})")
+        cs = self._pstream
+        if cs is None:
+            self._fetch(layer, q_est[0], self._ptab, self._psrc, self._phits)
+            return
+        self._pkeep.append(q_est)
+        cs.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(cs):
+            self._fetch(layer, q_est[0], self._ptab, self._psrc, self._phits)
+            self._pev[layer].record(cs)
+
+    def _attend_cached(self, layer: int, q: torch.Tensor, q4: torch.Tensor) -> torch.Tensor:
+        """Sparse layer with the page cache: (after this layer's prefetch) select, look up, copy
+        the misses, one attention call over ``[chosen pages | tail]``."""
+        if layer in self._pev:
+            torch.cuda.current_stream(self.device).wait_event(self._pev[layer])
+        table = self._ctab[0, :, :self._k]
+        self._fetch(layer, q[0], table, self._csrc, self._hits)
         ck, cv = self._ck[layer], self._cv[layer]
-        page_cache_fill(kr, vr, ck, cv, self._csrc, table, page_size=self.page)
         o, _ = paged_decode_attn_with_lse(q4, ck, cv, self._ctab, self._clen, page_size=self.page,
                                           softmax_scale=self.scale, num_splits=self._nsplit_cache, check=False)
         return o[0, 0]

@@ -102,6 +102,14 @@ class KVStore:
     capturable: bool = False
     #: bytes a decode step reads from host memory (None: the store reads none)
     h2d_bytes_per_step: int | None = None
+    #: layers for which the store wants an estimate of the query one layer ahead (:meth:`prefetch`)
+    lookahead: frozenset = frozenset()
+
+    def prefetch(self, layer: int, q_est) -> None:
+        """Start fetching what layer ``layer`` will likely read, from ``q_est`` ``[1, Hq, D]`` (its
+        query projected from the previous layer's input). Called by the model during layer
+        ``layer - 1``, for the layers in :attr:`lookahead` only."""
+        raise NotImplementedError(f"{type(self).__name__}.prefetch")
 
     def decode_stats(self) -> dict:
         """Extra figures of the decode steps run so far, merged into the request's timings (e.g.

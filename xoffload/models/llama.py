@@ -242,7 +242,11 @@ class LlamaModel:
                 the host; the caller must have grown the RoPE tables past it with
                 :meth:`rope_tables` first, they are not grown here).
             kv: object with ``attend(layer, q [1, Hq, D], k_new [1, Hkv, D], v_new) -> out [1, Hq, D]``
-                that appends the new K/V to the layer and attends over all of it.
+                that appends the new K/V to the layer and attends over all of it. If it has a
+                non-empty ``lookahead`` set of layers, each such layer ``l`` gets
+                ``kv.prefetch(l, q_est)`` during layer ``l - 1``, before its attention, with
+                ``q_est`` layer ``l``'s query projected from layer ``l - 1``'s input (InfiniGen's
+                estimate of the next layer's query).
         Returns:
             fp32 logits ``[1, V]``.
         """
@@ -253,8 +257,12 @@ class LlamaModel:
         else:
             self.rope_tables(pos + 1)
         h = F.embedding(token, self.w.embed)  # [1, hidden]
-        for li, lw in enumerate(self.w.layers):
+        look = getattr(kv, "lookahead", ())
+        layers = self.w.layers
+        for li, lw in enumerate(layers):
             q, k, v = self._qkv(lw, h, pos)
+            if li + 1 in look:
+                kv.prefetch(li + 1, self._qkv(layers[li + 1], h, pos)[0])
             o = kv.attend(li, q, k, v)
             h.addmm_(o.reshape(1, -1).to(self.dtype), lw.wo.t())
             self._mlp_residual(lw, h)

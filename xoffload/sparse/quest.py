@@ -91,6 +91,12 @@ class QuestDecode(DecodePolicy):
             (default): twice the pages a step reads; ``0``: no cache, pages are read in place over
             PCIe every step. Capped at the candidate pages (a cache that holds them all fetches
             each page once).
+        prefetch: offload with the page cache only — while layer ``l`` computes, layer ``l+1``'s
+            pages are chosen from an estimate of its query (layer ``l+1``'s projection of layer
+            ``l``'s input, as InfiniGen, Lee et al. 2024, predicts the next layer's attention) and
+            copied into its cache on a copy stream; layer ``l+1``'s exact selection then copies
+            only what the estimate missed. Wrong guesses cost PCIe bytes, never accuracy (the
+            exact selection decides what is attended). Default True.
 
     Raises:
         TypeError / ValueError on a bad value (named in the message).
@@ -103,6 +109,7 @@ class QuestDecode(DecodePolicy):
     dense_layers: tuple = (0, 1)
     group_score: str = "max"
     cache_pages: int | None = None
+    prefetch: bool = True
 
     def __post_init__(self):
         if self.token_budget is not None:
@@ -119,6 +126,8 @@ class QuestDecode(DecodePolicy):
             raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
         if self.cache_pages is not None:
             check_int("cache_pages", self.cache_pages, 0)
+        if not isinstance(self.prefetch, bool):
+            raise TypeError(f"prefetch must be a bool, got {self.prefetch!r}")
 
     def cache_slots(self, plan: "DecodePlan") -> int:
         """GPU cache slots per KV head and sparse layer for ``plan`` (0: no cache): ``cache_pages``
