@@ -28,9 +28,8 @@ import contextlib
 
 import torch
 
-from ..kernels import decode_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
+from ..kernels import decode_attn_with_lse, gather_blocks, merge_attention_states, paged_decode_attn_with_lse
 from ..kernels.page_cache import PageCacheState, page_cache_fill, page_cache_lookup
-from ..runtime import block_runs
 from ..sparse.quest import PageSummaries, QuestDecode, page_scores, select_page_ids, select_pages
 from .kv_store import KVStore, OffloadKV, Splits, register_store
 
@@ -50,11 +49,11 @@ class PagedKV(KVStore):
         engine, seq: the :class:`xoffload.runtime.OffloadEngine` and its sequence id when the
             prompt's KV lives in the pinned pool (``offload``); None: a device row store
             (``resident``; the Quest setting, saving HBM reads instead of PCIe bytes).
-        stage_dense: offload dense decode (no policy) only — True (default): each layer's pages
-            are copied (copy engine, ``cudaMemcpyAsync`` per contiguous run of pool blocks) into
-            one of two GPU buffers on a copy stream while the layer before computes, inside the
-            step's CUDA graph, and attention reads the buffer; False: the attention kernel reads
-            the pages in place over PCIe (UVA), serialised with the layer's compute.
+        stage_dense: offload dense decode (no policy) only — True (default): each layer's pool
+            blocks are copied (one gather kernel reading the pinned pool over UVA) into one of two
+            GPU buffers on a copy stream while the layer before computes, inside the step's CUDA
+            graph, and attention reads the buffer; False: the attention kernel reads the pages in
+            place over PCIe (UVA), serialised with the layer's compute.
 
     Attributes:
         capturable: True (a decode step may be captured in a CUDA graph).
@@ -113,15 +112,15 @@ class PagedKV(KVStore):
         self.cache_bytes = sum(2 * t.numel() * t.element_size() for t in self._ck.values()) if C else 0
         # dense offload decode through two staging buffers filled on a copy stream
         self.staged = bool(stage_dense) and engine is not None and policy is None and T > 0
-        if self.staged:
-            self._sbuf = [(torch.empty(T, hkv, d, dtype=dtype, device=self.device),
-                           torch.empty(T, hkv, d, dtype=dtype, device=self.device)) for _ in range(2)]
+        if self.staged:  # whole pool blocks [nb, block, Hkv, D] (the gather copies blocks)
+            nb, B = -(-T // engine.block_size), engine.block_size
+            self._sbuf = [(torch.empty(nb, B, hkv, d, dtype=dtype, device=self.device),
+                           torch.empty(nb, B, hkv, d, dtype=dtype, device=self.device)) for _ in range(2)]
             self._slen = torch.full((1,), T, dtype=torch.int32, device=self.device)
             cuda = self.device.type == "cuda"
             self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
             self._copied = [torch.cuda.Event() for _ in range(L)] if cuda else []
             self._freed = [torch.cuda.Event() for _ in range(2)] if cuda else []
-            self._runs = None
         self.pos_t = torch.zeros(1, dtype=torch.int64, device=self.device)
         bases = sorted(set(self._tail_prompt))
         self._base_ix = {b: i for i, b in enumerate(bases)}
@@ -171,6 +170,8 @@ class PagedKV(KVStore):
         paged_tokens = (k * self.page if p is not None else T) * len(tuple(read_layers))
         self._h2d_max = paged_tokens * tok_bytes if engine is not None else 0
         self._page_bytes = self.page * tok_bytes // hkv  # K and V of one page of one KV head
+        if self.staged:  # whole blocks cross PCIe
+            self._h2d_max = self._sbuf[0][0].shape[0] * engine.block_size * tok_bytes * L
         self.summary_bytes = self.summaries.nbytes if self.summaries is not None else 0
 
     def _counts(self):
@@ -261,8 +262,6 @@ class PagedKV(KVStore):
             self._block = B
             if self.plan is None:  # dense decode: one shared list of the prompt's pool blocks
                 self._table[0, 0, : bt.numel()].copy_((bt.long() * B).to(torch.int32))
-            if self.staged:
-                self._runs = block_runs(self.eng.block_table(self.seq), 0, self.T, B)
         else:
             self._block = self.page  # rows are token indices (no block table)
             if self.plan is None:
@@ -293,16 +292,15 @@ class PagedKV(KVStore):
                 self._stage_layer(layer)
 
     def _stage_layer(self, layer: int) -> None:
-        """Copy layer ``layer``'s prompt KV from the pool into staging buffer ``layer % 2`` (on the
-        copy stream after the buffer's last reader; recorded in ``_copied[layer]``)."""
+        """Copy layer ``layer``'s prompt blocks from the pool into staging buffer ``layer % 2`` (on
+        the copy stream, after the buffer's last reader; recorded in ``_copied[layer]``): one
+        :func:`~xoffload.kernels.gather_blocks` launch per step and layer, reading the pinned pool
+        over UVA (``cudaMemcpyAsync`` from registered memory cannot be captured by torch)."""
         kb, vb = self._sbuf[layer & 1]
-        pk, pv = self.eng.pool.k_rows(layer), self.eng.pool.v_rows(layer)
         cs = self._copy_stream
         ctx = torch.cuda.stream(cs) if cs is not None else contextlib.nullcontext()
         with ctx:
-            for phys, t, m in self._runs:
-                kb[t:t + m].copy_(pk[phys:phys + m], non_blocking=True)
-                vb[t:t + m].copy_(pv[phys:phys + m], non_blocking=True)
+            gather_blocks(self.eng.pool.k[layer], self.eng.pool.v[layer], self._bt[:kb.shape[0]], kb, vb)
             if cs is not None:
                 self._copied[layer].record(cs)
 
@@ -347,7 +345,7 @@ class PagedKV(KVStore):
         cur = torch.cuda.current_stream(self.device) if cuda else None
         if cuda:
             cur.wait_event(self._copied[layer])
-        kb, vb = self._sbuf[layer & 1]
+        kb, vb = (t.flatten(0, 1) for t in self._sbuf[layer & 1])
         o_p, l_p = decode_attn_with_lse(q4, kb[None], vb[None], self._slen, softmax_scale=self.scale,
                                         num_splits=self._nsplit_pages, check=False)
         o, _ = merge_attention_states(o_p, l_p, o_t, l_t)

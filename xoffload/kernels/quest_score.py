@@ -39,9 +39,10 @@ def _score_kernel(Q, KMIN, KMAX, S, N, GROUP, D,
     base = h.to(tl.int64) * s_kh + on[:, None].to(tl.int64) * s_kn + od[None, :]
     kmax = tl.load(KMAX + base, mask=nm[:, None] & dm[None, :], other=0.0)
     kmin = tl.load(KMIN + base, mask=nm[:, None] & dm[None, :], other=0.0)
-    zero = tl.zeros_like(q)
-    s = tl.dot(tl.maximum(q, zero), tl.trans(kmax), input_precision=DOT_PREC)
-    s += tl.dot(tl.minimum(q, zero), tl.trans(kmin), input_precision=DOT_PREC)
+    qp = tl.where(q > 0, q, 0.0).to(kmax.dtype)  # q⁺ and q⁻ in the keys' dtype (exact)
+    qn = tl.where(q < 0, q, 0.0).to(kmax.dtype)
+    s = tl.dot(qp, tl.trans(kmax), input_precision=DOT_PREC)
+    s += tl.dot(qn, tl.trans(kmin), input_precision=DOT_PREC)
     s = tl.where(gm[:, None], s, float("-inf"))
     tl.store(S + h * s_sh + on, tl.max(s, axis=0), mask=nm)
 
