@@ -108,14 +108,21 @@ def bounds(res, prefix, cfg, weights, lengths, dtype):
 
 
 def all_configs() -> dict:
-    """The library's configurations, plus offload+quest without its GPU page cache (what the cache
-    buys, and the fetch share of the time split)."""
+    """The library's configurations, plus offload+quest without its GPU page cache, without the
+    next-layer prefetch, and with a 256-page cache (what each buys; the fetch share of the time
+    split). ``--configs`` (env ``XOFFLOAD_BENCH_CONFIGS``) keeps only the named ones."""
     from xoffload.engine.modes import configurations
     from xoffload.sparse import QuestDecode
 
     cfgs = configurations()
     if "offload+quest" in cfgs:
         cfgs["offload+quest-nocache"] = {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=0)}
+        cfgs["offload+quest-noprefetch"] = {"mode": "offload", "sparse_decode": QuestDecode(prefetch=False)}
+        cfgs["offload+quest-cache256"] = {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=256,
+                                                                                           prefetch=False)}
+    only = os.environ.get("XOFFLOAD_BENCH_CONFIGS")
+    if only:
+        cfgs = {k: v for k, v in cfgs.items() if k in only.split(",")}
     return cfgs
 
 
@@ -331,9 +338,12 @@ def main(argv=None):
     ap.add_argument("--lengths", default=None, help="8B lengths, e.g. 8192,131072")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
     ap.add_argument("--cap-max", type=int, default=262144, help="longest context the cap bisection tries")
+    ap.add_argument("--configs", default=None, help="comma-separated configuration names to keep (default all)")
     a = parse_gpu_args(ap, argv)
     if a is None:
         return 0
+    if a.configs:
+        os.environ["XOFFLOAD_BENCH_CONFIGS"] = a.configs
     parts = set(a.part.split(","))
     lengths = ([int(x) for x in a.lengths.split(",")] if a.lengths else
                [32768, 131072] if a.quick else [8192, 16384, 32768, 65536, 131072])

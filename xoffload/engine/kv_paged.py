@@ -98,18 +98,15 @@ class PagedKV(KVStore):
         self._tail_prompt = [T if l in self.dense else head for l in range(L)]
         C = policy.cache_slots(p) if (p is not None and engine is not None) else 0
         self.cache_slots = C
+        self._tk = [torch.empty(n + max_new, hkv, d, dtype=dtype, device=self.device) for n in self._tail_prompt]
+        self._tv = [torch.empty_like(t) for t in self._tk]
+        # sparse layers with the page cache: [tail | C slots] in one store (one attention call),
+        # allocated at the first decode step (after prefill's buffers are gone: a lower peak)
+        self._cached = frozenset(self.sparse) if C else frozenset()
         self._ck, self._cv = {}, {}
-        self._tk, self._tv = [], []
-        for l, n in enumerate(self._tail_prompt):
-            if C and l in self.sparse:  # [tail | C cache slots] in one store: one attention call
-                self._ck[l] = torch.empty(n + max_new + C * self.page, hkv, d, dtype=dtype, device=self.device)
-                self._cv[l] = torch.empty_like(self._ck[l])
-                self._tk.append(self._ck[l][:n + max_new])
-                self._tv.append(self._cv[l][:n + max_new])
-            else:
-                self._tk.append(torch.empty(n + max_new, hkv, d, dtype=dtype, device=self.device))
-                self._tv.append(torch.empty_like(self._tk[-1]))
-        self.cache_bytes = sum(2 * t.numel() * t.element_size() for t in self._ck.values()) if C else 0
+        el = torch.tensor([], dtype=dtype).element_size()
+        self.cache_bytes = sum(2 * (self._tail_prompt[l] + max_new + C * self.page) * hkv * d * el
+                               for l in self._cached)
         # dense offload decode through two staging buffers filled on a copy stream
         self.staged = bool(stage_dense) and engine is not None and policy is None and T > 0
         if self.staged:  # whole pool blocks [nb, block, Hkv, D] (the gather copies blocks)
@@ -156,7 +153,7 @@ class PagedKV(KVStore):
             self._hits = torch.zeros(2, dtype=torch.int64, device=self.device)  # (hits, lookups)
             self._nsplit_cache = splits(k * self.page + tail_cap)
             if policy.prefetch and not p.dense:  # next layer's likely pages, copied on a copy stream
-                self.lookahead = frozenset(l for l in self._ck if l - 1 >= 0)
+                self.lookahead = frozenset(l for l in self._cached if l - 1 >= 0)
                 self._ptab = torch.zeros(hkv, k, dtype=torch.int32, device=self.device)
                 self._psrc = torch.zeros(hkv, k, dtype=torch.int32, device=self.device)
                 self._phits = torch.zeros(2, dtype=torch.int64, device=self.device)
@@ -255,6 +252,15 @@ class PagedKV(KVStore):
             for ev in self._events:
                 cur.wait_event(ev)
         self._events = []
+        for l in self._cached:  # the cache stores take over the tails (their rows so far)
+            n = self._tk[l].shape[0]
+            ck = torch.empty(n + self.cache_slots * self.page, *self._tk[l].shape[1:], dtype=self.dtype,
+                             device=self.device)
+            cv = torch.empty_like(ck)
+            ck[:n].copy_(self._tk[l])
+            cv[:n].copy_(self._tv[l])
+            self._ck[l], self._cv[l] = ck, cv
+            self._tk[l], self._tv[l] = ck[:n], cv[:n]
         if self.eng is not None:
             B = self.eng.block_size
             bt = torch.tensor(self.eng.block_table(self.seq), dtype=torch.int32)
@@ -317,7 +323,7 @@ class PagedKV(KVStore):
         self._tk[layer].index_copy_(0, idx, k_new)
         self._tv[layer].index_copy_(0, idx, v_new)
         q4 = q[None]
-        if layer in self._ck:
+        if layer in self._cached:
             return self._attend_cached(layer, q, q4)
         o_t, l_t = decode_attn_with_lse(q4, self._tk[layer][None], self._tv[layer][None], self._wlen[b:b + 1],
                                         softmax_scale=self.scale, num_splits=self._nsplit_tail[self._tail_prompt[layer]],
