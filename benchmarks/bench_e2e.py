@@ -108,18 +108,17 @@ def bounds(res, prefix, cfg, weights, lengths, dtype):
 
 
 def all_configs() -> dict:
-    """The library's configurations, plus offload+quest without its GPU page cache, without the
-    next-layer prefetch, and with a 256-page cache (what each buys; the fetch share of the time
-    split). ``--configs`` (env ``XOFFLOAD_BENCH_CONFIGS``) keeps only the named ones."""
+    """The library's configurations, plus offload+quest without its GPU page cache, with the
+    next-layer prefetch, and with a 116-page cache (2x the 8B shape's pages per step): what each
+    buys; the fetch share of the time split. ``--configs`` (env ``XOFFLOAD_BENCH_CONFIGS``) keeps only the named ones."""
     from xoffload.engine.modes import configurations
     from xoffload.sparse import QuestDecode
 
     cfgs = configurations()
     if "offload+quest" in cfgs:
         cfgs["offload+quest-nocache"] = {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=0)}
-        cfgs["offload+quest-noprefetch"] = {"mode": "offload", "sparse_decode": QuestDecode(prefetch=False)}
-        cfgs["offload+quest-cache256"] = {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=256,
-                                                                                           prefetch=False)}
+        cfgs["offload+quest-prefetch"] = {"mode": "offload", "sparse_decode": QuestDecode(prefetch=True)}
+        cfgs["offload+quest-cache2x"] = {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=116)}
     only = os.environ.get("XOFFLOAD_BENCH_CONFIGS")
     if only:
         cfgs = {k: v for k, v in cfgs.items() if k in only.split(",")}
