@@ -4,10 +4,14 @@ tied embeddings); on the real SmolLM2 (fp32, CPU) ``xoffload eval --modes reside
 every sample with the same tokens and the records say so sample by sample.
 
 CPU time: ~20 s for the SmolLM2 test (3 prompts of 1K, 10 answer tokens, in both modes)."""
+import argparse
+import json
+
 import pytest
 import torch
 
 from xoffload.engine import LLM, SamplingParams
+from xoffload.evals.cli import add_eval_parser
 from xoffload.evals.hf_peer import (HFPeerLLM, check_source, first_diff, hf_from_ours, hf_peer_llm,
                                     stop_token_ids)
 from xoffload.kernels import cpu_backend
@@ -64,3 +68,35 @@ def test_hf_peer_llm_interface_and_stop_ids():
     with pytest.raises(ValueError, match="HF model directory or a .gguf file"):
         check_source(ours.source)  # random weights: transformers has nothing to load
     assert isinstance(peer, HFPeerLLM)
+
+
+def test_eval_resident_vs_hf_agree_per_sample_cpu(tmp_path, capsys, monkeypatch, smol):
+    import xoffload.models as models
+
+    monkeypatch.setattr(models, "load_model", lambda model=None, **kw: smol, raising=False)
+    p = argparse.ArgumentParser(prog="xoffload")
+    add_eval_parser(p.add_subparsers(dest="cmd"))
+    out = tmp_path / "res"
+    a = p.parse_args(["eval", "--device", "cpu", "--tasks", "niah_single_1,vt,fwe", "--lengths", "1024",
+                      "--samples", "1", "--modes", "resident,hf", "--out", str(out), "--no-progress",
+                      "--max-new-tokens", "10"])
+    rc = a.func(a)
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    data = json.loads((out / "ruler.json").read_text())
+    assert data["modes"] == ["resident", "hf"] and data["peer"] == "hf"
+    assert data["meta"]["hf_weights"] == "ours" and data["meta"]["hf_stop_token_ids"] == list(stop_token_ids(smol))
+    hf = {(r["task"], r["index"]): r for r in data["records"] if r["mode"] == "hf"}
+    ours = [r for r in data["records"] if r["mode"] == "resident"]
+    assert len(ours) == len(hf) == 3
+    for r in ours:  # per sample: the same tokens as transformers' greedy answer, and the records say so
+        h = hf[(r["task"], r["index"])]
+        assert r["generated_ids"] == h["generated_ids"], (r["task"], r["prediction"], h["prediction"],
+                                                          r["hf_first_diff"], r["hf_top2_gap_at_diff"])
+        assert r["hf_same_tokens"] is True and r["hf_first_diff"] is None and "hf_generated_ids" not in r
+        assert h["max_new_tokens"] == r["max_new_tokens"] == 10 and h["prompt_sha1"] == r["prompt_sha1"]
+        assert len(h["timings"]["top2_gap"]) == len(h["generated_ids"])
+    pa = data["peer_agreement"]["resident"]
+    assert pa["token_identical"] == pa["total"] == 3 and pa["differing"] == []
+    assert data["agreement"]["hf"]["token_identical"] == 3
+    assert "hf vs resident: token-identical answers 3/3" in text
