@@ -288,6 +288,8 @@ def _cmd_eval(a) -> int:
             "device": str(model.device), "load_s": t_load, "sparse": sparse,
             "sparse_threshold": a.sparse_threshold if sparse else None, "num_kv_buffers": a.num_kv_buffers,
             "kv_block_size": a.kv_block_size, "max_model_len": max_len, "command": " ".join(sys.argv)}
+    if os.environ.get("GIT_COMMIT"):
+        meta["commit"] = os.environ["GIT_COMMIT"]
     if with_hf:
         import transformers
 
