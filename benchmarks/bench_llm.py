@@ -30,6 +30,10 @@ from _common import HAS_CUDA, env_record, fmt_table, requires_cuda, write_json  
 
 import torch  # noqa: E402
 
+# transformers' LlamaForCausalLM holding OUR weight tensors (views: no copy), on the same device;
+# the same builder serves the eval's transformers peer (xoffload eval --modes ...,hf)
+from xoffload.evals.hf_peer import hf_from_ours  # noqa: E402
+
 PRESET = "llama-3.1-8b"
 N_NEW = 8  # generated tokens per point (1 prefill token + 7 decode steps)
 CAP_BYTES = 24 * 2**30
@@ -87,49 +91,6 @@ def run_ours(llm, n_ctx, seed=0, repeat=1) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- peer
-def hf_from_ours(model, attn="sdpa"):
-    """transformers LlamaForCausalLM holding OUR weight tensors (views: no copy), on the same device."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    c = model.cfg
-    hc = LlamaConfig(
-        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
-        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
-        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
-        rope_scaling=dict(c.rope_scaling) if c.rope_scaling else None,
-        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
-        bos_token_id=c.bos_token_id, eos_token_id=list(c.eos_token_ids) or None, pad_token_id=0)
-    hc._attn_implementation = attn
-    with torch.device("meta"):
-        hf = LlamaForCausalLM(hc)
-    hq, hkv, d, i = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim, c.head_dim, c.intermediate_size
-    sd = {"model.embed_tokens.weight": model.w.embed, "model.norm.weight": model.w.norm,
-          "lm_head.weight": model.w.lm_head}
-    for li, lw in enumerate(model.w.layers):
-        p = f"model.layers.{li}."
-        sd[p + "input_layernorm.weight"] = lw.attn_norm
-        sd[p + "post_attention_layernorm.weight"] = lw.mlp_norm
-        sd[p + "self_attn.q_proj.weight"] = lw.wqkv[:hq]
-        sd[p + "self_attn.k_proj.weight"] = lw.wqkv[hq:hq + hkv]
-        sd[p + "self_attn.v_proj.weight"] = lw.wqkv[hq + hkv:]
-        sd[p + "self_attn.o_proj.weight"] = lw.wo
-        sd[p + "mlp.gate_proj.weight"] = lw.w_gate_up[:i]
-        sd[p + "mlp.up_proj.weight"] = lw.w_gate_up[i:]
-        sd[p + "mlp.down_proj.weight"] = lw.w_down
-    hf.load_state_dict(sd, assign=True, strict=False)
-    # non-persistent buffers (RoPE inv_freq) were created on meta: rebuild the rotary module on the device
-    rot_cls = type(hf.model.rotary_emb)
-    try:
-        rot = rot_cls(config=hc, device="cpu")
-    except TypeError:  # the signature differs between transformers 5.x releases
-        rot = rot_cls(config=hc)
-    hf.model.rotary_emb = rot.to(model.device)
-    left = [n for n, t in list(hf.named_parameters()) + list(hf.named_buffers()) if t.is_meta]
-    if left:
-        raise RuntimeError(f"transformers model still has meta tensors: {left[:5]}")
-    return hf.eval()
-
-
 def run_hf(hf, n_ctx, offloading: bool, seed=0) -> dict:
     """One ``generate`` call of N_NEW tokens; a logits processor records a CUDA event per token."""
     from transformers import LogitsProcessor, LogitsProcessorList

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from xoffload.evals.cli import add_eval_parser, cmd_eval
+from xoffload.evals.partial import PARTIAL_NAME, read_partial
 from xoffload.evals.runner import JSON_NAME, PNG_NAME, run_eval
 from xoffload.evals.tasks import build_samples
 
@@ -41,8 +42,9 @@ def test_run_eval_tables_agreement_json_png(tmp_path, tok, small_samples):
     answers = {tuple(s.token_ids): s.outputs for s in small_samples}
     made = {}
 
-    def factory(mode):
-        made[mode] = FakeLLM(answers, wrong={1} if mode == "offload" else ())
+    def factory(mode):  # called once per (length, mode): one FakeLLM per mode, counting its calls
+        if mode not in made:
+            made[mode] = FakeLLM(answers, wrong={1} if mode == "offload" else ())
         return made[mode]
 
     res = run_eval(factory, tok, tasks=["niah_single_1", "vt", "fwe"], lengths=[1024, 768], samples=1,
@@ -51,16 +53,21 @@ def test_run_eval_tables_agreement_json_png(tmp_path, tok, small_samples):
     assert all(m.closed for m in made.values()), "LLMs made by the factory are closed"
     assert res.modes == ["gpu", "offload"] and res.lengths == [768, 1024] and res.tasks == ["niah_single_1", "vt", "fwe"]
     assert res.table["gpu"] == {t: {"768": 100.0, "1024": 100.0} for t in res.tasks}
-    assert res.table["offload"]["niah_single_1"] == {"768": 100.0, "1024": 0.0}  # sample 1 answered wrong
+    # runs go length by length: the second offload prompt is vt at 768, answered wrong
+    assert res.table["offload"]["vt"] == {"768": 0.0, "1024": 100.0}
     assert res.average["gpu"] == 100.0 and res.average["offload"] == pytest.approx(500 / 6)
-    assert res.average_by_length["offload"]["1024"] == pytest.approx(200 / 3)
+    assert res.average_by_length["offload"]["768"] == pytest.approx(200 / 3)
     a = res.agreement["offload"]
     assert (a["token_identical"], a["same_score"], a["total"]) == (5, 5, 6) and "gpu" not in res.agreement
+    assert a["differing"] == [{"task": "vt", "length": 768, "index": 0, "first_diff": 0}]
     rec = [r for r in res.records if r["mode"] == "offload"]
     assert [r["same_tokens"] for r in rec] == [True, False, True, True, True, True]
+    assert [r["first_diff"] for r in rec] == [None, 0, None, None, None, None]
+    assert [(r["mode"], r["length"]) for r in res.records] == \
+        [("gpu", 768)] * 3 + [("offload", 768)] * 3 + [("gpu", 1024)] * 3 + [("offload", 1024)] * 3
     # the prompts were built by run_eval itself (same seed -> same prompts as small_samples)
     assert [r["prompt_tokens"] for r in rec] == [len(s.token_ids) for s in
-                                                sorted(small_samples, key=lambda s: (["niah_single_1", "vt", "fwe"].index(s.task), s.length))]
+                                                sorted(small_samples, key=lambda s: (s.length, ["niah_single_1", "vt", "fwe"].index(s.task)))]
     data = json.loads((tmp_path / JSON_NAME).read_text())
     assert set(data) >= {"meta", "table", "average", "agreement", "records"} and len(data["records"]) == 12
     assert data["meta"]["seed"] == 0 and data["meta"]["date"] and data["meta"]["wall_s_by_mode"].keys() == {"gpu", "offload"}
@@ -77,7 +84,12 @@ def test_run_eval_failure_writes_no_json(tmp_path, tok, small_samples):
     with pytest.raises(RuntimeError, match="boom"):
         run_eval(llms, tok, tasks=None, data=small_samples, out_dir=str(tmp_path), progress=False)
     assert not llms["gpu"].closed
-    assert os.listdir(tmp_path) == []
+    # no result: only the partial file, which says what it is; it holds the 5 records that finished
+    # (gpu's three at 768, then offload's first two before its third call failed)
+    assert os.listdir(tmp_path) == [PARTIAL_NAME]
+    header, recs, _ = read_partial(str(tmp_path / PARTIAL_NAME))
+    assert header["kind"] == "xoffload-eval-partial" and "NOT a result" in header["note"]
+    assert [(r["mode"], r["length"]) for r in recs] == [("gpu", 768)] * 3 + [("offload", 768)] * 2
     with pytest.raises(ValueError, match="no LLM given"):
         run_eval(llms, tok, tasks=["vt"], lengths=[768], modes=["gpu", "resident"], progress=False)
     with pytest.raises(ValueError, match="nothing to run"):
@@ -124,6 +136,8 @@ def no_model(monkeypatch):
     (["--mode", "offload+quest@"], "@BUDGET needs a decode-policy mode and a positive integer"),
     (["--mode", "offload@"], "@BUDGET needs a decode-policy mode and a positive integer"),
     (["--mode", "offload+quest@\u00b2"], "@BUDGET needs a decode-policy mode and a positive integer"),
+    (["--modes", "resident,hf2"], "unknown --mode 'hf2'; known: both, gpu, offload"),
+    (["--modes", "resident,hf", "--hf-samples", "0"], "--hf-samples must be >= 1"),
 ])
 def test_bad_arguments_exit_2_before_loading(tmp_path, capsys, no_model, argv, what):
     out = tmp_path / "o"

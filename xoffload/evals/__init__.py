@@ -6,7 +6,11 @@
 * :mod:`.tasks` — the 11 synthetic tasks: ``build(task, tokenizer, length, sample_index, seed) -> Sample``.
 * :mod:`.scoring` — RULER's ``string_match_all`` / ``string_match_part``.
 * :mod:`.ruler_data` — RULER's own ``.jsonl`` files (incl. qa_1/qa_2) as samples.
-* :mod:`.runner` — ``run_eval(...)``: every prompt once, under each LLM mode; tables, JSON, PNG.
+* :mod:`.runner` — ``run_eval(...)``: every prompt once, under each LLM mode, length by length;
+  tables, agreement, JSON, PNG.
+* :mod:`.partial` — ``ruler.partial.jsonl``: records as they finish; resuming a cut run.
+* :mod:`.hf_peer` — mode ``hf``: transformers' own model (on our weights) as the peer every mode is
+  compared with.
 * :mod:`.cli` — ``xoffload eval`` (``add_eval_parser``, ``cmd_eval``).
 """
 from __future__ import annotations

@@ -8,7 +8,10 @@ Register it in ``xoffload/cli.py``'s ``build_parser`` with::
 Every argument is checked before the model is loaded (tasks, ``--samples``, lengths, modes, the
 ``--data`` files line by line); the lengths against the model's context once its config is known.
 A bad argument prints one line ``xoffload eval: error: ...`` to stderr and returns 2, with no JSON
-written. The JSON (``ruler.json``) is written atomically after every run has finished.
+written. Each finished record is appended to ``ruler.partial.jsonl`` at once; ``ruler.json`` is
+written atomically after every run has finished, and the partial file is then removed.
+``--resume`` continues a cut run from its partial file (same setup only); an interrupt (SIGINT,
+e.g. ``timeout -s INT``) returns 130 with the finished records kept.
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class _ArgError(ValueError):
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     """Add the ``eval`` sub-command to ``subparsers`` (from ``ArgumentParser.add_subparsers``) and
     return its parser; ``args.func`` is :func:`cmd_eval`."""
+    from .hf_peer import HF_WEIGHTS
     from .tasks import TASKS
 
     p = subparsers.add_parser(
@@ -36,8 +40,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
         description="RULER-style evaluation (Hsieh et al., 2024): needle retrieval (8 NIAH variants), variable "
                     "tracking, common and frequent words extraction, generated locally with the model's own "
                     "tokenizer and chat template; or RULER's own .jsonl data (incl. qa_1/qa_2) with --data. "
-                    "Each prompt runs under each --mode (KV on the GPU, offloaded); prints a task x length "
-                    "table, writes ruler.json and ruler.png to --out. Tasks: " + ", ".join(TASKS) + ".")
+                    "Each prompt runs under each --mode (KV on the GPU, offloaded, or transformers' own model: hf); "
+                    "prints a task x length table and answer agreement, writes ruler.json and ruler.png to --out "
+                    "(records as they finish to ruler.partial.jsonl; --resume continues a cut run). Tasks: " + ", ".join(TASKS) + ".")
     p.add_argument("--tasks", default=None,
                    help="'all' (default without --data), 'niah' (the 8 NIAH tasks) or a comma-separated list "
                         "of task names; with --data and no --tasks only the data runs")
@@ -45,11 +50,21 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"target context lengths in tokens (prompt + answer), comma-separated, e.g. 4096,8192 "
                         f"or 4k,8k (default {GPU_LENGTHS} on a GPU, {CPU_LENGTHS} on a CPU)")
     p.add_argument("--samples", type=int, default=1, help="samples per task and length (>= 1; default 1)")
-    p.add_argument("--mode", default="both",
+    p.add_argument("--mode", "--modes", dest="mode", default="both",
                    help="engine configuration(s), comma-separated: resident (alias gpu), offload, offload-ring, "
                         "offload+quest, resident+quest, ... (xoffload.engine.modes), a decode policy's budget as "
-                        "@N (offload+quest@512), or both (= resident,offload; default); the first is the "
-                        "reference for answer agreement")
+                        "@N (offload+quest@512), both (= resident,offload; default), or hf: transformers' own "
+                        "model (SDPA, greedy generate; every other mode's answers are also compared with it); "
+                        "the first is the reference for answer agreement")
+    p.add_argument("--hf-weights", default="ours", choices=list(HF_WEIGHTS),
+                   help="weights of the hf mode: ours (our loaded tensors handed to transformers' model: "
+                        "identical weights, no extra package; default) or source (transformers loads --model "
+                        "itself: a HF directory, or a GGUF with the gguf package)")
+    p.add_argument("--hf-samples", type=int, default=None,
+                   help="the hf mode runs only the first N samples of each task and length (default: all)")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the records of --out's ruler.partial.jsonl (or finished ruler.json) made with the "
+                        "same setup and run only the rest; without it a run starts afresh")
     p.add_argument("--sparse", default=None, choices=["xattn", "none"],
                    help="XAttention sparse prefill (default: dense)")
     p.add_argument("--sparse-threshold", type=float, default=0.9, help="XAttention tau (with --sparse xattn)")
@@ -70,7 +85,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "index, answer_prefix, task); task name from a 'task' field, the file stem or, for "
                         "<task>/validation.jsonl, the folder")
     p.add_argument("--seed", type=int, default=0, help="seed of every generated prompt (default 0)")
-    p.add_argument("--out", default="xoffload_eval", help="output folder for ruler.json and ruler.png")
+    p.add_argument("--out", default="xoffload_eval",
+                   help="output folder: ruler.partial.jsonl while running (each record as it finishes), "
+                        "ruler.json and ruler.png at the end (the partial file is then removed)")
     p.add_argument("--min-score", type=float, default=None,
                    help="exit 1 when a mode's overall average (0-100) is below this")
     p.add_argument("--require-identical", action="store_true",
@@ -95,11 +112,16 @@ def mode_options(name: str) -> dict:
     budget (``offload+quest@512``). Raises ValueError naming the known names."""
     from xoffload.engine.modes import configurations
 
+    from .hf_peer import HF_MODE
+
+    if name == HF_MODE:
+        raise _ArgError(f"--mode {HF_MODE} is transformers' model, not an engine configuration")
     confs = configurations()
     base, at, budget = name.partition("@")
     base = "resident" if base == "gpu" else base.replace("gpu+", "resident+")
     if base not in confs:
-        raise _ArgError(f"unknown --mode {name!r}; known: both, gpu, {', '.join(confs)} (decode policies take @BUDGET)")
+        raise _ArgError(f"unknown --mode {name!r}; known: both, gpu, {', '.join(confs)}, {HF_MODE} "
+                        f"(decode policies take @BUDGET)")
     kw = dict(confs[base])
     if at:
         if "sparse_decode" not in kw or not budget.isdecimal() or int(budget) < 1:
@@ -111,9 +133,12 @@ def mode_options(name: str) -> dict:
 def _parse_modes(spec: str) -> list:
     items = [x.strip() for x in str(spec).split(",") if x.strip()]
     out = []
+    from .hf_peer import HF_MODE
+
     for it in items:
         for m in (BOTH if it == "both" else (it,)):
-            mode_options(m)  # raises for an unknown name
+            if m != HF_MODE:
+                mode_options(m)  # raises for an unknown name
             m = "resident" if m == "gpu" else m
             if m not in out:
                 out.append(m)
@@ -148,6 +173,8 @@ def _check_args(a):
 
     if a.samples < 1:
         raise _ArgError(f"--samples must be >= 1, got {a.samples}")
+    if a.hf_samples is not None and a.hf_samples < 1:
+        raise _ArgError(f"--hf-samples must be >= 1, got {a.hf_samples}")
     if a.max_new_tokens is not None and a.max_new_tokens < 1:
         raise _ArgError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.max_model_len is not None and a.max_model_len < 1:
@@ -188,6 +215,22 @@ def cmd_eval(a) -> int:
     except (ValueError, TypeError, FileNotFoundError, ImportError, MemoryError) as e:
         print(f"xoffload eval: error: {_one_line(e)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # e.g. `timeout -s INT`: the finished records are on disk
+        from .partial import PARTIAL_NAME
+
+        p = os.path.join(a.out, PARTIAL_NAME)
+        n = _count_records(p)
+        print(f"xoffload eval: interrupted; {n} finished records kept in {p} (run again with --resume to "
+              f"continue)" if n else "xoffload eval: interrupted before any record finished", file=sys.stderr)
+        return 130
+
+
+def _count_records(path) -> int:
+    try:
+        with open(path, "rb") as f:
+            return max(0, sum(1 for line in f if line.strip()) - 1)
+    except OSError:
+        return 0
 
 
 def _cmd_eval(a) -> int:
@@ -225,12 +268,19 @@ def _cmd_eval(a) -> int:
     from xoffload.engine.llm import LLM
     from xoffload.sparse import XAttentionPrefill
 
-    from .runner import run_eval
+    from . import hf_peer
+    from .partial import PARTIAL_NAME
+    from .runner import JSON_NAME, run_eval
 
     sparse = None if a.sparse in (None, "none") else a.sparse
     policy = XAttentionPrefill(threshold=a.sparse_threshold) if sparse else None
+    with_hf = hf_peer.HF_MODE in modes
+    if with_hf and a.hf_weights == "source":
+        hf_peer.check_source(model.source)  # before any run: a preset or a missing gguf package
 
     def factory(mode):
+        if mode == hf_peer.HF_MODE:
+            return hf_peer.hf_peer_llm(model, weights=a.hf_weights, max_model_len=max_len)
         kw = {"sparse": policy, **mode_options(mode)}
         return LLM(model, num_kv_buffers=a.num_kv_buffers, kv_block_size=a.kv_block_size, max_model_len=max_len, **kw)
 
@@ -238,16 +288,30 @@ def _cmd_eval(a) -> int:
             "device": str(model.device), "load_s": t_load, "sparse": sparse,
             "sparse_threshold": a.sparse_threshold if sparse else None, "num_kv_buffers": a.num_kv_buffers,
             "kv_block_size": a.kv_block_size, "max_model_len": max_len, "command": " ".join(sys.argv)}
+    if os.environ.get("GIT_COMMIT"):
+        meta["commit"] = os.environ["GIT_COMMIT"]
+    if with_hf:
+        import transformers
+
+        meta.update(hf_weights=a.hf_weights, transformers=transformers.__version__,
+                    hf_stop_token_ids=list(hf_peer.stop_token_ids(model)))
     if model.device.type == "cuda":
         import torch
 
         meta["gpu"] = torch.cuda.get_device_name(model.device)
+    partial = os.path.join(a.out, PARTIAL_NAME)
+    if not a.resume and os.path.isfile(partial):
+        print(f"note: {partial} (an unfinished run) is replaced by this run's records; --resume would continue it",
+              file=sys.stderr)
     # the prompts are built above (to fail early); run_eval gets them as ready samples
     res = run_eval(factory, model.tokenizer, tasks=None, lengths=lengths, samples=a.samples, modes=modes,
                    seed=a.seed, data=[*prompts, *data], max_new_tokens=a.max_new_tokens, out_dir=a.out, meta=meta,
-                   progress=not a.no_progress)
+                   progress=not a.no_progress, resume=a.resume,
+                   samples_by_mode={hf_peer.HF_MODE: a.hf_samples} if with_hf and a.hf_samples else None)
     print(res.format_table())
-    print(f"wrote {os.path.join(a.out, 'ruler.json')} and ruler.png")
+    if res.meta.get("records_reused"):
+        print(f"resumed: {res.meta['records_reused']} records reused from {res.meta['resumed_from']}")
+    print(f"wrote {os.path.join(a.out, JSON_NAME)} and ruler.png")
     ok = True
     if a.min_score is not None:
         ok = all(res.average[m] >= a.min_score for m in res.modes)

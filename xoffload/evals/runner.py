@@ -3,7 +3,13 @@
 Every prompt is built once (:func:`~.tasks.build_samples`, plus any loaded RULER data) and then
 generated greedily under each mode, so modes see token-identical prompts. The result holds per-sample
 predictions and scores, a task x length table per mode (RULER's task score: mean x 100), averages,
-and each mode's agreement with the first mode: the same generated token ids, and the same score.
+each mode's agreement with the first mode (the same generated token ids, the same score, the first
+position where the answers differ) and, when the transformers peer (mode ``hf``,
+:mod:`.hf_peer`) ran, every other mode's agreement with it.
+
+Order of the runs: length by length (shortest first), and within a length mode by mode, so that a
+run cut by a time limit has every mode's records of the shorter lengths. Finished records go to
+``ruler.partial.jsonl`` as they come (:mod:`.partial`); ``resume=True`` reuses them.
 """
 from __future__ import annotations
 
@@ -16,12 +22,15 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from .hf_peer import HF_MODE
+from .partial import PARTIAL_NAME, PartialLog, prompt_sha1, record_key, reusable_records, setup_of
 from .scoring import score as _score
 from .tasks import build_samples, parse_tasks
 from .. import __version__
 
 JSON_NAME = "ruler.json"
 PNG_NAME = "ruler.png"
+__all__ = ["EvalResult", "JSON_NAME", "PARTIAL_NAME", "PNG_NAME", "run_eval", "summarize"]
 
 
 def _len_label(L) -> str:
@@ -45,8 +54,16 @@ class EvalResult:
         average: ``{mode: mean of the table's cells}``.
         average_by_length: ``{mode: {length(str): mean over tasks}}``.
         agreement: ``{mode: {"token_identical", "same_score", "total", "token_identical_frac",
-            "same_score_frac"}}`` for every mode after the first.
-        meta: model, device, dtype, date, seed, settings, wall times.
+            "same_score_frac", "differing"}}`` for every mode after the first; ``differing`` lists the
+            samples whose tokens differ (``task, length, index, first_diff``).
+        peer: the peer mode's label (``"hf"``) when it ran, else None.
+        peer_agreement: the same as ``agreement``, for every mode other than the peer, against the
+            peer; each ``differing`` entry also has ``peer_top2_gap`` (the peer's largest minus
+            second-largest logit at the first differing token: a small gap is a near tie that
+            rounding decides). Their records carry ``hf_same_tokens``, ``hf_same_score``,
+            ``hf_first_diff`` and, where the tokens differ, ``hf_generated_ids``, ``hf_prediction``
+            and ``hf_top2_gap_at_diff``.
+        meta: model, device, dtype, date, seed, settings, the setup fingerprint (``setup``), wall times.
     """
 
     modes: list
@@ -58,13 +75,16 @@ class EvalResult:
     average_by_length: dict
     agreement: dict
     meta: dict = field(default_factory=dict)
+    peer: str | None = None
+    peer_agreement: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """JSON-ready dict: ``meta, modes, tasks, lengths, table, average, average_by_length,
-        agreement, records``."""
+        agreement, peer, peer_agreement, records``."""
         return {"meta": self.meta, "modes": self.modes, "tasks": self.tasks, "lengths": self.lengths,
                 "table": self.table, "average": self.average, "average_by_length": self.average_by_length,
-                "agreement": self.agreement, "records": self.records}
+                "agreement": self.agreement, "peer": self.peer, "peer_agreement": self.peer_agreement,
+                "records": self.records}
 
     def write_json(self, path: str) -> str:
         """Write :meth:`to_dict` to ``path`` atomically (a temporary file in the same folder, then
@@ -152,9 +172,26 @@ class EvalResult:
             lines.append("")
         ref = self.modes[0] if self.modes else None
         for mode, a in self.agreement.items():
-            lines.append(f"{mode} vs {ref}: token-identical answers {a['token_identical']}/{a['total']}, "
-                         f"same score {a['same_score']}/{a['total']}")
+            lines.append(_agreement_line(mode, ref, a))
+        if self.peer is not None and self.peer != ref:  # (with the peer first, agreement says it all)
+            for mode, a in self.peer_agreement.items():
+                if mode != ref:  # ref vs peer is the line "peer vs ref" above
+                    lines.append(_agreement_line(mode, self.peer, a))
         return "\n".join(lines).rstrip()
+
+
+def _agreement_line(mode, ref, a, show: int = 6) -> str:
+    frac = f" ({100.0 * a['token_identical_frac']:.1f}%)" if a.get("token_identical_frac") is not None else ""
+    line = (f"{mode} vs {ref}: token-identical answers {a['token_identical']}/{a['total']}{frac}, "
+            f"same score {a['same_score']}/{a['total']}")
+    diff = a.get("differing") or []
+    if diff:
+        def one(d):
+            gap = d.get("peer_top2_gap")
+            return (f"{d['task']}@{_len_label(d['length'])}#{d['index']} at token {d['first_diff']}"
+                    + (f" (gap {gap:.3g})" if gap is not None else ""))
+        line += "; differ: " + ", ".join(one(d) for d in diff[:show]) + (f", +{len(diff) - show}" if len(diff) > show else "")
+    return line
 
 
 def _mean(xs):
@@ -162,10 +199,51 @@ def _mean(xs):
     return sum(xs) / len(xs) if xs else None
 
 
-def summarize(records: list, modes: list, tasks: list, lengths: list) -> tuple:
-    """``(table, average, average_by_length, agreement)`` from per-sample records (see
-    :class:`EvalResult`); also sets ``same_tokens`` / ``same_score`` on the records of later modes."""
-    table, average, by_len, agreement = {}, {}, {}, {}
+def _compare(records, ref_mode, modes, prefix=""):
+    """Agreement of every mode in ``modes`` with ``ref_mode``, sample by sample; sets the comparison
+    keys (``prefix`` + ``same_tokens`` / ``same_score`` / ``first_diff``) on the records compared."""
+    from .hf_peer import first_diff
+
+    ref = {(r["task"], r["length"], r["index"], r["sample"]): r for r in records if r["mode"] == ref_mode}
+    out = {}
+    for m in modes:
+        n = same_t = same_s = 0
+        differing = []
+        for r in records:
+            if r["mode"] != m:
+                continue
+            a = ref.get((r["task"], r["length"], r["index"], r["sample"]))
+            if a is None:
+                continue
+            fd = first_diff(r["generated_ids"], a["generated_ids"])
+            r[prefix + "same_tokens"] = fd is None
+            r[prefix + "same_score"] = r["score"] == a["score"]
+            r[prefix + "first_diff"] = fd
+            n += 1
+            same_t += fd is None
+            same_s += r[prefix + "same_score"]
+            if fd is not None:
+                d = {"task": r["task"], "length": r["length"], "index": r["index"], "first_diff": fd}
+                gaps = (a.get("timings") or {}).get("top2_gap")
+                gap = gaps[fd] if gaps is not None and fd < len(gaps) else None
+                if gaps is not None:  # the reference is the peer: its view of the token where they part
+                    d["peer_top2_gap"] = gap
+                if prefix:
+                    r[prefix + "top2_gap_at_diff"] = gap
+                    r[prefix + "generated_ids"] = list(a["generated_ids"])
+                    r[prefix + "prediction"] = a["prediction"]
+                differing.append(d)
+        out[m] = {"token_identical": same_t, "same_score": same_s, "total": n,
+                  "token_identical_frac": same_t / n if n else None,
+                  "same_score_frac": same_s / n if n else None, "differing": differing}
+    return out
+
+
+def summarize(records: list, modes: list, tasks: list, lengths: list, peer: str | None = None) -> tuple:
+    """``(table, average, average_by_length, agreement, peer_agreement)`` from per-sample records
+    (see :class:`EvalResult`); also sets the comparison keys on the records of later modes (and,
+    with ``peer`` among ``modes``, the ``hf_*`` keys on every other mode's records)."""
+    table, average, by_len = {}, {}, {}
     for m in modes:
         rs = [r for r in records if r["mode"] == m]
         tab = {}
@@ -185,25 +263,11 @@ def summarize(records: list, modes: list, tasks: list, lengths: list) -> tuple:
                 by_len[m][str(L)] = v
         cells = [v for row in tab.values() for v in row.values()]
         average[m] = _mean(cells) if cells else 0.0
-    if modes:
-        ref = {(r["task"], r["length"], r["index"], r["sample"]): r for r in records if r["mode"] == modes[0]}
-        for m in modes[1:]:
-            n = same_t = same_s = 0
-            for r in records:
-                if r["mode"] != m:
-                    continue
-                a = ref.get((r["task"], r["length"], r["index"], r["sample"]))
-                if a is None:
-                    continue
-                r["same_tokens"] = r["generated_ids"] == a["generated_ids"]
-                r["same_score"] = r["score"] == a["score"]
-                n += 1
-                same_t += r["same_tokens"]
-                same_s += r["same_score"]
-            agreement[m] = {"token_identical": same_t, "same_score": same_s, "total": n,
-                            "token_identical_frac": same_t / n if n else None,
-                            "same_score_frac": same_s / n if n else None}
-    return table, average, by_len, agreement
+    agreement = _compare(records, modes[0], modes[1:]) if modes else {}
+    peer_agreement = {}
+    if peer is not None and peer in modes:
+        peer_agreement = _compare(records, peer, [m for m in modes if m != peer], prefix="hf_")
+    return table, average, by_len, agreement, peer_agreement
 
 
 def _model_meta(llm) -> dict:
@@ -240,45 +304,66 @@ def _check_modes(llm_factory, modes, max_new_tokens):
     return modes, labels
 
 
-def _run_mode(llm, label, prompts, tokenizer, max_new_tokens, bar) -> list:
-    """Every prompt through one LLM, greedily; one record per prompt."""
+def _record(label, k, s, mt, o, tokenizer) -> dict:
+    pred = o.text if o.text is not None else (tokenizer.decode(o.token_ids, skip_special_tokens=True))
+    t = o.timings or {}
+    rec = {
+        "mode": label, "task": s.task, "index": s.index, "sample": k, "length": s.length,
+        "prompt_tokens": len(s.token_ids), "prompt_sha1": prompt_sha1(s.token_ids), "depth": s.depth,
+        "metric": s.metric, "max_new_tokens": mt, "outputs": list(s.outputs), "prediction": pred,
+        "score": 100.0 * _score(pred, s.outputs, s.metric),
+        "generated_ids": list(o.token_ids), "finish_reason": o.finish_reason,
+        "timings": {key: t.get(key) for key in ("prefill_tok_per_s", "ttft_ms", "decode_ms_per_token",
+                                                "decode_steps", "total_ms", "mean_density")},
+        "peak_gpu_memory_bytes": o.peak_gpu_memory_bytes,
+    }
+    if t.get("top2_gap") is not None:  # the transformers peer's per-token top-2 logit gaps
+        rec["timings"]["top2_gap"] = t["top2_gap"]
+    return rec
+
+
+def _run_block(llm, label, todo, tokenizer, max_new_tokens, bar, on_record) -> None:
+    """The prompts ``todo`` (``[(sample number, Sample)]``) through one LLM, greedily; each record
+    goes to ``on_record`` as soon as it is made."""
     from xoffload.engine.sampling import SamplingParams
 
     dev = getattr(getattr(llm, "model", None), "device", None)
-    if dev is not None and dev.type == "cuda":  # compile kernels outside the measured runs
-        llm.generate(prompts[0].token_ids[:256], SamplingParams(max_tokens=2))
-    out = []
-    for k, s in enumerate(prompts):
+    if dev is not None and getattr(dev, "type", None) == "cuda":  # compile kernels outside the measured runs
+        llm.generate(todo[0][1].token_ids[:256], SamplingParams(max_tokens=2))
+    for k, s in todo:
         if bar is not None:
             bar.set_postfix(mode=label, task=s.task, length=s.length)
         mt = s.max_new_tokens if max_new_tokens is None else min(s.max_new_tokens, int(max_new_tokens))
         o = llm.generate(s.token_ids, SamplingParams(max_tokens=mt, temperature=0.0))[0]
-        pred = o.text if o.text is not None else (tokenizer.decode(o.token_ids, skip_special_tokens=True))
-        t = o.timings or {}
-        out.append({
-            "mode": label, "task": s.task, "index": s.index, "sample": k, "length": s.length,
-            "prompt_tokens": len(s.token_ids), "depth": s.depth, "metric": s.metric,
-            "max_new_tokens": mt, "outputs": list(s.outputs), "prediction": pred,
-            "score": 100.0 * _score(pred, s.outputs, s.metric),
-            "generated_ids": list(o.token_ids), "finish_reason": o.finish_reason,
-            "timings": {key: t.get(key) for key in ("prefill_tok_per_s", "ttft_ms", "decode_ms_per_token",
-                                                    "decode_steps", "total_ms", "mean_density")},
-            "peak_gpu_memory_bytes": o.peak_gpu_memory_bytes,
-        })
+        on_record(_record(label, k, s, mt, o, tokenizer))
         if bar is not None:
             bar.update(1)
+
+
+def _check_samples_by_mode(samples_by_mode, labels) -> dict:
+    out = {}
+    for m, n in dict(samples_by_mode or {}).items():
+        if str(m) not in labels:
+            continue
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"samples_by_mode[{m!r}] must be a positive int, got {n!r}")
+        out[str(m)] = n
     return out
 
 
 def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int = 1, modes=None, seed: int = 0, *,
              data=(), max_new_tokens: int | None = None, out_dir: str | None = None, meta: dict | None = None,
-             progress: bool = True) -> EvalResult:
+             progress: bool = True, resume: bool = False, samples_by_mode: dict | None = None,
+             peer: str | None = HF_MODE) -> EvalResult:
     """Build the prompts once and generate every one of them under each mode, greedily.
 
+    Runs go length by length (shortest first) and, within a length, mode by mode in the order
+    given, so that a run cut short has every mode's records of its shorter lengths.
+
     Args:
-        llm_factory: ``callable(mode) -> LLM`` (called once per mode; the LLM is closed after that
-            mode's runs), or a mapping ``{mode: LLM}`` (used as given, not closed). An LLM needs
-            ``generate(token_ids, SamplingParams) -> [RequestOutput]``.
+        llm_factory: ``callable(mode) -> LLM`` (called once per mode and length that has prompts left
+            to run; the LLM is closed after them), or a mapping ``{mode: LLM}`` (used as given, not
+            closed). An LLM needs ``generate(token_ids, SamplingParams) -> [RequestOutput]``.
         tokenizer: the model's tokenizer (prompts are sized and chat-templated with it).
         tasks: ``"all"``, a comma-separated string or a list of task names (:data:`~.tasks.TASKS`);
             empty (``()``/``None`` with ``data``) for data only.
@@ -290,16 +375,28 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
         data: extra :class:`~.tasks.Sample` s, e.g. from :func:`~.ruler_data.load_ruler_data`
             (their ``token_ids`` are filled with ``tokenizer`` when empty).
         max_new_tokens: optional cap on every sample's generation length (default: RULER's per task).
-        out_dir: when given, ``ruler.json`` and ``ruler.png`` are written there after all runs
-            finished (JSON atomically; no JSON at all when a run fails).
-        meta: extra metadata for the JSON (model name etc.; filled from the first LLM otherwise).
+        out_dir: when given, each finished record is appended to ``ruler.partial.jsonl`` there at
+            once (:mod:`.partial`), and ``ruler.json`` and ``ruler.png`` are written after all runs
+            finished (JSON atomically; none when a run fails), the partial file then removed.
+        meta: extra metadata for the JSON (model name etc.; filled from the first LLM otherwise);
+            its keys in :data:`~.partial.SETUP_META_KEYS` are part of the setup a resume checks.
         progress: show a tqdm bar (stderr).
+        resume: reuse the records of ``out_dir``'s partial file (or of its finished ``ruler.json``)
+            made with the same setup; run only the rest. Nothing to reuse: a fresh run.
+        samples_by_mode: ``{mode: N}``: that mode runs only the samples of index < N of each task
+            and length (e.g. a slow peer on a subset); agreement counts the samples both ran.
+        peer: label of the mode every other mode is also compared with (default ``"hf"``, the
+            transformers peer), when it is among ``modes``.
     Returns:
         :class:`EvalResult`.
     Raises:
-        ValueError: bad tasks / samples / lengths / modes, a length too short for a task's template.
+        ValueError: bad tasks / samples / lengths / modes, a length too short for a task's template,
+            ``resume`` without ``out_dir`` or against a file of another setup.
     """
     modes, labels = _check_modes(llm_factory, modes, max_new_tokens)
+    per_mode = _check_samples_by_mode(samples_by_mode, labels)
+    if resume and out_dir is None:
+        raise ValueError("resume needs out_dir (the folder of ruler.partial.jsonl)")
     task_list = parse_tasks(tasks) if tasks else []
     lengths = sorted(set(int(L) for L in lengths)) if task_list else []
     if any(L < 1 for L in lengths):
@@ -318,42 +415,86 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
     all_tasks = list(task_list) + [t for t in dict.fromkeys(s.task for s in data) if t not in task_list]
     all_lengths = sorted(set(s.length for s in prompts))
 
+    info = dict(meta or {})
+    setup = setup_of(prompts, seed=seed, samples=samples, max_new_tokens=max_new_tokens, meta=info)
+    done, resumed_from = {}, None
+    if resume:
+        old, resumed_from = reusable_records(out_dir, setup, JSON_NAME)
+        done = {record_key(r): r for r in old if r["mode"] in labels}
+    # the plan: (length, mode) blocks in order, each with its prompts not yet done
+    plan, records = [], []
+    for L in all_lengths:
+        for mode, label in zip(modes, labels):
+            todo = []
+            for k, s in enumerate(prompts):
+                if s.length != L or (label in per_mode and s.index >= per_mode[label]):
+                    continue
+                mt = s.max_new_tokens if max_new_tokens is None else min(s.max_new_tokens, int(max_new_tokens))
+                key = (label, s.task, int(s.length), int(s.index), prompt_sha1(s.token_ids), int(mt))
+                if key in done:
+                    r = dict(done[key])
+                    r["sample"] = k
+                    records.append(r)
+                else:
+                    todo.append((k, s))
+            if todo:
+                plan.append((L, mode, label, todo))
+    reused = len(records)
+    log = None
+    if out_dir is not None:
+        log = PartialLog(out_dir, {"setup": setup, "modes": labels, "xoffload": __version__,
+                                   "started": _dt.datetime.now().astimezone().isoformat(timespec="seconds")},
+                         append=resumed_from is not None and resumed_from.endswith(PARTIAL_NAME))
+
+    def on_record(rec):
+        records.append(rec)
+        if log is not None:
+            log.write(rec)
+
     bar = None
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=len(prompts) * len(modes), desc="eval", unit="prompt", file=sys.stderr)
-    records, wall, info = [], {}, dict(meta or {})
+        bar = tqdm(total=sum(len(b[3]) for b in plan), desc="eval", unit="prompt", file=sys.stderr)
+    wall = {}
     try:
-        for mode, label in zip(modes, labels):
+        for L, mode, label, todo in plan:
             owned = not isinstance(llm_factory, Mapping)
             llm = llm_factory(mode) if owned else llm_factory[mode]
             if not info.get("model"):
                 info.update({k: v for k, v in _model_meta(llm).items() if k not in info})
             tm = time.perf_counter()
             try:
-                records += _run_mode(llm, label, prompts, tokenizer, max_new_tokens, bar)
+                _run_block(llm, label, todo, tokenizer, max_new_tokens, bar, on_record)
             finally:
                 if owned and hasattr(llm, "close"):
                     llm.close()
-            wall[label] = time.perf_counter() - tm
+            wall[label] = wall.get(label, 0.0) + time.perf_counter() - tm
     finally:
         if bar is not None:
             bar.close()
-    table, average, by_len, agreement = summarize(records, labels, all_tasks, all_lengths)
+        if log is not None:
+            log.close()
+    order = {(lab, L): i for i, (L, lab) in enumerate((L, lab) for L in all_lengths for lab in labels)}
+    records.sort(key=lambda r: (order[(r["mode"], r["length"])], r["sample"]))
+    table, average, by_len, agreement, peer_agreement = summarize(records, labels, all_tasks, all_lengths, peer)
     info.update({
         "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"), "seed": int(seed),
         "samples": int(samples), "tasks": all_tasks, "lengths": all_lengths, "modes": labels,
         "max_new_tokens_cap": max_new_tokens, "num_prompts": len(prompts), "build_s": build_s,
         "wall_s_by_mode": wall, "data_files": sorted(set(s.meta["source"] for s in data if s.meta.get("source"))),
+        "samples_by_mode": per_mode, "setup": setup, "records_reused": reused,
+        "resumed_from": os.path.basename(resumed_from) if resumed_from else None,
     })
     info.setdefault("xoffload", __version__)
     res = EvalResult(modes=labels, tasks=all_tasks, lengths=all_lengths, records=records,
-                     table=table, average=average, average_by_length=by_len, agreement=agreement, meta=info)
+                     table=table, average=average, average_by_length=by_len, agreement=agreement, meta=info,
+                     peer=peer if peer in labels else None, peer_agreement=peer_agreement)
     if out_dir is not None:
         res.write_json(os.path.join(out_dir, JSON_NAME))
         try:
             res.write_png(os.path.join(out_dir, PNG_NAME))
         except ImportError:
             print("matplotlib not installed: no heatmap (pip install matplotlib)", file=sys.stderr)
+        log.remove()
     return res
