@@ -465,7 +465,8 @@ def _check_window(window_size) -> tuple[int, int]:
         raise TypeError(f"window_size must be a pair of ints (left, right), -1 = unbounded, got {window_size!r}")
     left, right = (int(x) for x in window_size)
     if left < -1:
-        raise ValueError(f"window_size left must be >= -1 (-1 = unbounded), got {left} (window_size={tuple(window_size)})")
+        raise ValueError(f"window_size left must be >= -1 (-1 = unbounded), got {left} "
+                         f"(window_size={tuple(window_size)})")
     if right < -1:
         raise ValueError(f"window_size right must be >= -1 (-1 = unbounded), got {right} "
                          f"(window_size={tuple(window_size)})")
