@@ -17,7 +17,9 @@ import triton
 import triton.language as tl
 
 from helpers import assert_lse_match, max_err, out_tol
-from xoffload.kernels import cpu_backend, flash_attn_varlen_with_lse, flash_attn_with_lse, merge_attention_states
+from xoffload.kernels import (
+    cpu_backend, flash_attn_varlen_with_lse, flash_attn_with_lse, launch_override, merge_attention_states,
+)
 from xoffload.kernels.flash_attn import _PLAIN, _normalise_options, _window_tile_bounds, window_tile_bounds
 from xoffload.kernels.reference import (
     alibi_bias, attention_ref, masked_attention_ref, paged_kv_ref, varlen_attention_ref, window_mask,
@@ -344,6 +346,22 @@ def test_varlen_paged_seqused(device):
     used = torch.tensor([1, 20, 100, 0], dtype=torch.int32, device=device)
     check_varlen_options(q, kc, vc, cu_q, cu_k, max(lq), max(lk), causal=True, block_table=table,
                          seqused_k=used, window_size=(24, -1), alibi_slopes=_slopes((4,), device))
+
+
+@pytest.mark.parametrize("cfg", [(32, 64, 4, 1), (16, 16, 4, 1)])
+def test_options_other_block_shapes(device, cfg):
+    """BLOCK_M < BLOCK_N and tiny tiles: the three window loops, one table entry per key (pages of
+    16 < BLOCK_N = 64) and one per tile (BLOCK_N = 16)."""
+    g = torch.Generator().manual_seed(cfg[1])
+    q = _rand((1, 50, 4, 80), torch.float16, device, 2.0, g)
+    k = _rand((1, 111, 2, 80), torch.float16, device, 1.0, g)
+    v = _rand((1, 111, 2, 80), torch.float16, device, 1.0, g)
+    kc, vc, table = _paged(k, v, 16, g)
+    used = torch.tensor([111], dtype=torch.int32, device=device)
+    with launch_override("flash_attn", cfg):
+        check_options(q, kc, vc, causal=True, window_size=(37, -1), softcap=7.0, alibi_slopes=_slopes((4,), device),
+                      block_table=table, seqused_k=used)
+        check_options(q, k, v, window_size=(9, 21))
 
 
 def test_cpu_reference_path_takes_the_options():
