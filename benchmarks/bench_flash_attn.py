@@ -18,6 +18,21 @@ writes benchmarks/results/attention.json; ``--quick`` runs only 32K causal for b
 ``--sweep`` also times each launch configuration in :data:`SWEEP` (recorded in the
 JSON; the "ours" row is always the library's default configuration). Under pytest (pytest-benchmark): ``pytest benchmarks/bench_flash_attn.py``
 runs the 32K cases and puts the numbers into ``benchmark.extra_info``. Skips without CUDA.
+
+``--suite options`` (or ``all``) times flash-attn's inference options of the same kernel
+(benchmarks/results/attention_options.json), each against our plain kernel on the same shape:
+
+- ``window``: causal sliding window (``window_size=(W, -1)``, W = ``--window``, default 4096,
+  Mistral / Gemma's local layers) over 32K and 128K prompts, against our causal call (target:
+  time <= 1.15 x (window area / causal area) x causal time) and FlexAttention with a causal
+  sliding-window block mask (target: ours >= 1.0x). FLOPs: ``4 * Hq * D`` per visible pair.
+- ``softcap`` (50.0, Gemma 2) and ``alibi`` (geometric slopes, MPT/BLOOM): TFLOP/s at 32K,
+  causal and not, against our plain kernel (target >= 0.9x) and FlexAttention with the same
+  ``score_mod``.
+- ``paged``: causal 32K with K/V in a shuffled paged cache (pages of 16, 256, 1024 tokens)
+  against the contiguous call.
+
+``--quick`` with ``--suite options``: 32K only, D=128 only.
 """
 from __future__ import annotations
 
@@ -79,20 +94,42 @@ def _flex_fn():
     return _FLEX["fn"]
 
 
-def _flex_block_mask(s):
+def _flex_block_mask(s, window=None):
+    """Causal block mask (``window``: causal sliding window, key within ``window`` tokens of the query)."""
     from torch.nn.attention.flex_attention import create_block_mask
 
     def causal_mod(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
+    def window_mod(b, h, q_idx, kv_idx):
+        return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+
+    mod = causal_mod if window is None else window_mod
     import warnings
 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", DeprecationWarning)
-            return create_block_mask(causal_mod, None, None, s, s, device="cuda", _compile=True)
+            return create_block_mask(mod, None, None, s, s, device="cuda", _compile=True)
     except TypeError:
-        return create_block_mask(causal_mod, None, None, s, s, device="cuda")
+        return create_block_mask(mod, None, None, s, s, device="cuda")
+
+
+def _flex_runner(qt, kt, vt, bm, score_mod=None, what=""):
+    """(callable, note) running compiled flex_attention with its LSE on ``[B, H, S, D]`` inputs."""
+    flex = _flex_fn()
+    extra = {"score_mod": score_mod} if score_mod is not None else {}
+    try:
+        flex(qt, kt, vt, block_mask=bm, enable_gqa=True, return_lse=True, **extra)
+        return ((lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True, return_lse=True, **extra)),
+                "torch.compile(flex_attention), return_lse=True, enable_gqa=True" + what)
+    except TypeError:  # newer API: return_aux
+        from torch.nn.attention.flex_attention import AuxRequest
+
+        aux = AuxRequest(lse=True)
+        flex(qt, kt, vt, block_mask=bm, enable_gqa=True, return_aux=aux, **extra)
+        return ((lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True, return_aux=aux, **extra)),
+                "torch.compile(flex_attention), LSE via return_aux, enable_gqa=True" + what)
 
 
 def peers(q, k, v, causal):
@@ -124,20 +161,8 @@ def peers(q, k, v, causal):
                 out[name] = (None, f"unavailable: {type(e).__name__}: {str(e)[:200]}")
 
     try:
-        flex = _flex_fn()
         bm = _flex_block_mask(q.shape[1]) if causal else None
-        try:
-            flex(qt, kt, vt, block_mask=bm, enable_gqa=True, return_lse=True)
-            out["flex"] = ((lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True, return_lse=True)),
-                           "torch.compile(flex_attention), return_lse=True, enable_gqa=True"
-                           + (", causal block mask" if causal else ""))
-        except TypeError:  # newer API: return_aux
-            from torch.nn.attention.flex_attention import AuxRequest
-
-            aux = AuxRequest(lse=True)
-            flex(qt, kt, vt, block_mask=bm, enable_gqa=True, return_aux=aux)
-            out["flex"] = ((lambda: flex(qt, kt, vt, block_mask=bm, enable_gqa=True, return_aux=aux)),
-                           "torch.compile(flex_attention), LSE via return_aux, enable_gqa=True")
+        out["flex"] = _flex_runner(qt, kt, vt, bm, what=", causal block mask" if causal else "")
     except Exception as e:
         out["flex"] = (None, f"unavailable: {type(e).__name__}: {str(e)[:200]}")
 
@@ -220,14 +245,232 @@ def _rows(records):
     return rows
 
 
+# ------------------------------------------------------------------------------ the options suite
+WINDOW = 4096
+WINDOW_SEQS = (32768, 131072)
+SOFTCAP = 50.0  # Gemma 2's attention logit cap
+PAGES = (16, 256, 1024)
+DEVICE = "cuda"  # the options suite's device (a CPU dry run under the interpreter sets "cpu")
+
+
+def window_area(s: int, w: int) -> int:
+    """Visible (query, key) pairs of a causal window of ``w`` keys back over ``s`` tokens (Sq = Sk)."""
+    w = min(w, s - 1)
+    return s * (w + 1) - w * (w + 1) // 2
+
+
+def alibi_slopes(hq: int, device=None):
+    """The ALiBi paper's geometric slopes 2^(-8 i / Hq), i = 1..Hq, fp32 [Hq]."""
+    return torch.tensor([2.0 ** (-8.0 * (i + 1) / hq) for i in range(hq)], device=device or DEVICE)
+
+
+def _time_impls(rec, impls, flops):
+    """Time each (name -> (fn, note)) into rec["impl"]; a failing one records its error."""
+    for name, (fn, note) in impls.items():
+        if fn is None:
+            rec["impl"][name] = {"ms": None, "tflops": None, "note": note}
+            continue
+        try:
+            fn()
+            ms = bench_ms(fn)
+            rec["impl"][name] = {"ms": ms, "tflops": tflops(flops[name], ms), "note": note}
+        except Exception as e:
+            rec["impl"][name] = {"ms": None, "tflops": None, "note": f"failed: {type(e).__name__}: {e}"[:300]}
+
+
+def run_window_case(shape, s, window=WINDOW, *, with_flex=True):
+    """Causal sliding window vs our causal call and FlexAttention's sliding-window block mask."""
+    from xoffload.kernels import flash_attn_with_lse
+
+    hq, hkv, d = SHAPES[shape]
+    q, k, v = _make(s, hq, hkv, d)
+    area, causal_area = window_area(s, window), s * (s + 1) // 2
+    fl_w, fl_c = 4.0 * hq * d * area, 4.0 * hq * d * causal_area
+    rec = {"case": "window", "shape": shape, "S": s, "window": window, "causal": True, "Hq": hq, "Hkv": hkv,
+           "D": d, "dtype": "bf16", "flops": fl_w, "area_ratio": area / causal_area, "impl": {}}
+    impls = {
+        "ours_window": ((lambda: flash_attn_with_lse(q, k, v, causal=True, window_size=(window, -1))),
+                        f"flash_attn_with_lse(causal=True, window_size=({window}, -1))"),
+        "ours_causal": ((lambda: flash_attn_with_lse(q, k, v, causal=True)), "flash_attn_with_lse(causal=True)"),
+    }
+    if with_flex:
+        try:
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            impls["flex_window"] = _flex_runner(qt, kt, vt, _flex_block_mask(s, window),
+                                                what=f", causal sliding-window block mask ({window})")
+        except Exception as e:
+            impls["flex_window"] = (None, f"unavailable: {type(e).__name__}: {str(e)[:200]}")
+    _time_impls(rec, impls, {"ours_window": fl_w, "ours_causal": fl_c, "flex_window": fl_w})
+    tw, tc = rec["impl"]["ours_window"]["ms"], rec["impl"]["ours_causal"]["ms"]
+    rec["ratios"] = {}
+    if tw and tc:
+        rec["ratios"]["window_time/causal_time"] = tw / tc
+        rec["ratios"]["vs_target(<=1.15)"] = tw / (rec["area_ratio"] * tc)  # 1.0 = proportional to the area
+    tf = rec["impl"].get("flex_window", {}).get("ms")
+    if tw and tf:
+        rec["ratios"]["ours/flex_window"] = tf / tw  # speed ratio, target >= 1.0
+        o, _ = flash_attn_with_lse(q, k, v, causal=True, window_size=(window, -1))
+        ref = impls["flex_window"][0]()
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        rec["max_abs_diff_vs_flex"] = float((o.float() - ref.transpose(1, 2).float()).abs().max())
+    del q, k, v
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rec
+
+
+def run_score_case(kind, shape, s, causal, *, with_flex=True):
+    """softcap or ALiBi against our plain kernel (same shape, same FLOPs) and FlexAttention's score_mod."""
+    from xoffload.kernels import flash_attn_with_lse
+
+    hq, hkv, d = SHAPES[shape]
+    q, k, v = _make(s, hq, hkv, d)
+    fl = attn_flops(1, hq, s, s, d, causal)
+    slopes = alibi_slopes(hq)
+    opt = {"softcap": {"softcap": SOFTCAP}, "alibi": {"alibi_slopes": slopes}}[kind]
+    rec = {"case": kind, "shape": shape, "S": s, "causal": causal, "Hq": hq, "Hkv": hkv, "D": d, "dtype": "bf16",
+           "flops": fl, "impl": {}}
+    impls = {
+        "ours_plain": ((lambda: flash_attn_with_lse(q, k, v, causal=causal)), "flash_attn_with_lse"),
+        f"ours_{kind}": ((lambda: flash_attn_with_lse(q, k, v, causal=causal, **opt)),
+                         f"flash_attn_with_lse({', '.join(f'{n}=...' for n in opt)})"),
+    }
+    if with_flex:
+        if kind == "softcap":
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return SOFTCAP * torch.tanh(score / SOFTCAP)
+        else:
+            def score_mod(score, b, h, q_idx, kv_idx):
+                return score - slopes[h] * (q_idx - kv_idx).abs()
+        try:
+            qt, kt, vt = (x.transpose(1, 2).contiguous() for x in (q, k, v))
+            bm = _flex_block_mask(s) if causal else None
+            impls[f"flex_{kind}"] = _flex_runner(qt, kt, vt, bm, score_mod, what=f", {kind} score_mod")
+        except Exception as e:
+            impls[f"flex_{kind}"] = (None, f"unavailable: {type(e).__name__}: {str(e)[:200]}")
+    _time_impls(rec, impls, {n: fl for n in impls})
+    t = {n: x["ms"] for n, x in rec["impl"].items()}
+    rec["ratios"] = {}
+    if t.get(f"ours_{kind}") and t.get("ours_plain"):
+        rec["ratios"][f"ours_{kind}/ours_plain(>=0.9)"] = t["ours_plain"] / t[f"ours_{kind}"]  # TFLOP/s ratio
+    if t.get(f"ours_{kind}") and t.get(f"flex_{kind}"):
+        rec["ratios"][f"ours/flex_{kind}"] = t[f"flex_{kind}"] / t[f"ours_{kind}"]
+    del q, k, v
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rec
+
+
+def run_paged_case(shape, s, page):
+    """Causal prefill reading K/V through a shuffled block table against the contiguous call."""
+    from xoffload.kernels import flash_attn_with_lse
+
+    hq, hkv, d = SHAPES[shape]
+    q, k, v = _make(s, hq, hkv, d)
+    n = -(-s // page)
+    perm = torch.randperm(n, device=DEVICE)
+    kc = torch.zeros(n, page, hkv, d, device=DEVICE, dtype=k.dtype)
+    vc = torch.zeros_like(kc)
+    kp = torch.zeros(n * page, hkv, d, device=DEVICE, dtype=k.dtype)
+    kp[:s] = k[0]
+    kc[perm] = kp.view(n, page, hkv, d)
+    kp[:s] = v[0]
+    vc[perm] = kp.view(n, page, hkv, d)
+    table = perm.to(torch.int32)[None]
+    used = torch.tensor([s], dtype=torch.int32, device=DEVICE)
+    fl = attn_flops(1, hq, s, s, d, True)
+    rec = {"case": "paged", "shape": shape, "S": s, "page_size": page, "causal": True, "Hq": hq, "Hkv": hkv, "D": d,
+           "dtype": "bf16", "flops": fl, "impl": {}}
+    impls = {
+        "ours_contiguous": ((lambda: flash_attn_with_lse(q, k, v, causal=True)), "flash_attn_with_lse"),
+        "ours_paged": ((lambda: flash_attn_with_lse(q, kc, vc, causal=True, block_table=table, seqused_k=used,
+                                                    check=False)),
+                       f"flash_attn_with_lse(block_table=[1, {n}] shuffled, page {page}, check=False)"),
+    }
+    _time_impls(rec, impls, {n_: fl for n_ in impls})
+    t = {n_: x["ms"] for n_, x in rec["impl"].items()}
+    rec["ratios"] = {}
+    if t.get("ours_paged") and t.get("ours_contiguous"):
+        rec["ratios"]["paged/contiguous"] = t["ours_contiguous"] / t["ours_paged"]
+        o1, _ = impls["ours_paged"][0]()
+        o0, _ = impls["ours_contiguous"][0]()
+        rec["max_abs_diff_vs_contiguous"] = float((o1.float() - o0.float()).abs().max())
+    del q, k, v, kc, vc, kp
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rec
+
+
+def option_cases(quick: bool, window: int, seqs=None):
+    """(function, args, kwargs) of every case of the options suite."""
+    shapes = ["d128_h32_kv8"] if quick else list(SHAPES)
+    wseqs = seqs or ((32768,) if quick else WINDOW_SEQS)
+    cases = [(run_window_case, (sh, s, window), {}) for sh in shapes for s in wseqs]
+    for kind in ("softcap", "alibi"):
+        causals = (True,) if quick else (True, False)
+        cases += [(run_score_case, (kind, sh, 32768, c), {}) for sh in shapes for c in causals]
+    cases += [(run_paged_case, ("d128_h32_kv8", 32768, p), {}) for p in PAGES]
+    return cases
+
+
+def _option_rows(records):
+    rows = []
+    for r in records:
+        row = {"case": r["case"], "shape": r["shape"], "S": r["S"], "causal": r["causal"]}
+        if "window" in r:
+            row["window"] = r["window"]
+        if "page_size" in r:
+            row["page"] = r["page_size"]
+        for n, x in r["impl"].items():
+            row[n] = x["tflops"] if x.get("tflops") else "-"
+        row.update(r.get("ratios", {}))
+        rows.append(row)
+    return rows
+
+
+def main_options(args, no_flex: bool):
+    out = args.out
+    if os.path.basename(out) == "attention.json":
+        out = os.path.join(os.path.dirname(out), "attention_options.json")
+    records = []
+    seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else None
+    for fn, a, kw in option_cases(args.quick, args.window, seqs):
+        if fn is not run_paged_case:
+            kw = {**kw, "with_flex": not no_flex}
+        try:
+            rec = fn(*a, **kw)
+        except Exception as e:
+            traceback.print_exc()
+            rec = {"case": fn.__name__, "args": list(a), "error": f"{type(e).__name__}: {e}"[:500], "impl": {},
+                   "ratios": {}, "shape": a[0] if fn is not run_score_case else a[1], "S": None, "causal": None}
+        records.append(rec)
+        write_json(out, {"benchmark": "attention_options", "env": env_record(), "partial": True,
+                         "flops_rule": "4*Hq*D per visible (query, key) pair", "batch": 1, "records": records})
+        rows = _option_rows([rec])
+        print(fmt_table(rows, list(rows[0].keys())), flush=True)
+    path = write_json(out, {"benchmark": "attention_options", "env": env_record(),
+                            "flops_rule": "4*Hq*D per visible (query, key) pair", "batch": 1, "records": records})
+    print(f"wrote {path}")
+    return 0
+
+
 def main(argv=None):
     ap = bench_parser(__doc__, "attention", quick_help="only 32K causal, both shapes")
     ap.add_argument("--sweep", action="store_true", help="also time every config in SWEEP (recorded in the JSON)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compile time)")
-    ap.add_argument("--seqs", type=str, default=None, help="comma-separated sequence lengths")
+    ap.add_argument("--seqs", type=str, default=None, help="comma-separated sequence lengths (options suite: "
+                    "of the window cases)")
+    ap.add_argument("--suite", choices=("dense", "options", "all"), default="dense",
+                    help="dense: the plain kernel vs its peers (attention.json); options: sliding window, softcap, "
+                         "ALiBi, paged K/V (attention_options.json); all: both")
+    ap.add_argument("--window", type=int, default=WINDOW, help="sliding window of the options suite's window cases")
     args = parse_gpu_args(ap, argv)
     if args is None:
         return 0
+    if args.suite == "options":
+        return main_options(args, args.no_flex)
+    if args.suite == "all":
+        main_options(args, args.no_flex)
     if args.quick:
         cases = [(sh, 32768, True) for sh in SHAPES]
     else:
@@ -276,6 +519,20 @@ def test_bench_flash_attn_32k(benchmark, shape, causal):
         "ratios": rec["ratios"],
     })
     assert rec["impl"]["ours"]["tflops"] > 0 and math.isfinite(rec["impl"]["ours"]["tflops"])
+
+
+@requires_cuda
+@pytest.mark.parametrize("case", ["window", "softcap", "alibi", "paged"])
+def test_bench_flash_attn_options_32k(benchmark, case):
+    shape = "d128_h32_kv8"
+    fn, args = {"window": (run_window_case, (shape, 32768)),
+                "softcap": (run_score_case, ("softcap", shape, 32768, True)),
+                "alibi": (run_score_case, ("alibi", shape, 32768, True)),
+                "paged": (run_paged_case, (shape, 32768, 256))}[case]
+    rec = benchmark.pedantic(fn, args=args, rounds=1, iterations=1)
+    benchmark.extra_info.update({"case": case, "shape": shape, "S": 32768, "ratios": rec["ratios"],
+                                 "tflops": {n: x["tflops"] for n, x in rec["impl"].items()}})
+    assert all(x["tflops"] for n, x in rec["impl"].items() if n.startswith("ours"))
 
 
 if __name__ == "__main__":

@@ -180,8 +180,9 @@ def check_lengths(name: str, t, batch: int, device) -> None:
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
 
 
-def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device) -> None:
-    """Validate an int32 ``cu_seqlens`` of length B+1: starts at 0, non-decreasing, ends at ``total``.
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, device) -> None:
+    """Validate an int32 ``cu_seqlens`` of length B+1: starts at 0, non-decreasing, ends at ``total``
+    (``total=None``: any end, e.g. key lengths of a paged cache).
 
     Reads the values on the host (validation only; callers in a hot loop may skip it).
     """
@@ -198,7 +199,7 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int, device) -> None:
         raise ValueError(f"{name}[0] must be 0, got {int(c[0])}")
     if c.numel() > 1 and bool((c[1:] < c[:-1]).any()):
         raise ValueError(f"{name} must be non-decreasing, got {c.tolist()[:16]}")
-    if int(c[-1]) != total:
+    if total is not None and int(c[-1]) != total:
         raise ValueError(f"{name}[-1] = {int(c[-1])} must equal the packed length {total}")
 
 

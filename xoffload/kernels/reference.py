@@ -25,12 +25,49 @@ def causal_mask(sq: int, sk: int, device=None) -> torch.Tensor:
     return j <= i + (sk - sq)
 
 
-def masked_attention_ref(q, k, v, allowed=None, softmax_scale=None):
+def window_mask(sq: int, sk: int, window_size=(-1, -1), causal: bool = False, device=None) -> torch.Tensor:
+    """Bool ``[sq, sk]``: flash-attn's local (sliding-window) mask, bottom-right aligned. Query i at
+    position ``pos = i + sk - sq`` sees key j iff ``pos - left <= j <= pos + right``; -1 leaves that
+    side unbounded; ``causal`` forces ``right = 0``."""
+    left, right = window_size
+    if causal:
+        right = 0
+    pos = torch.arange(sq, device=device)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=device)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if right >= 0:
+        ok &= j <= pos + right
+    if left >= 0:
+        ok &= j >= pos - left
+    return ok
+
+
+def alibi_bias(slopes, sq: int, sk: int) -> torch.Tensor:
+    """ALiBi bias fp32 ``[H, sq, sk]`` for slopes ``[H]``: ``-slope * |i + sk - sq - j|`` (flash-attn's
+    formula; natural-log units, added to the scaled scores)."""
+    pos = torch.arange(sq, device=slopes.device, dtype=torch.float32)[:, None] + (sk - sq)
+    j = torch.arange(sk, device=slopes.device, dtype=torch.float32)[None, :]
+    return -slopes.float()[:, None, None] * (pos - j).abs()[None]
+
+
+def paged_kv_ref(cache, block_table_row, n: int) -> torch.Tensor:
+    """The first ``n`` token rows ``[n, H, D]`` of one sequence in a paged cache
+    ``[num_pages, page_size, H, D]``: token t is row ``t % page_size`` of page
+    ``block_table_row[t // page_size]``."""
+    page = cache.shape[1]
+    t = torch.arange(n, device=cache.device)
+    pages = block_table_row.to(cache.device).long()[t // page]
+    return cache[pages, t % page]
+
+
+def masked_attention_ref(q, k, v, allowed=None, softmax_scale=None, *, softcap=0.0, bias=None):
     """Attention of one batch item under an explicit boolean mask, in fp32.
 
     q: ``[Sq, Hq, D]``, k/v: ``[Sk, Hkv, D]``; ``allowed``: bool broadcastable to ``[Hq, Sq, Sk]``
-    (None = all keys). Returns (out ``[Sq, Hq, D]`` fp32, lse ``[Hq, Sq]`` fp32); rows with no
-    allowed key give out 0 and lse -inf.
+    (None = all keys). Scores are ``s = softmax_scale * q.k``, then ``softcap * tanh(s / softcap)``
+    when ``softcap > 0``, then ``+ bias`` (fp32 broadcastable to ``[Hq, Sq, Sk]``, e.g.
+    :func:`alibi_bias`), then the mask. Returns (out ``[Sq, Hq, D]`` fp32, lse ``[Hq, Sq]`` fp32);
+    rows with no allowed key give out 0 and lse -inf.
     """
     sq, hq, d = q.shape
     sk, hkv, dv = v.shape
@@ -40,6 +77,10 @@ def masked_attention_ref(q, k, v, allowed=None, softmax_scale=None):
     kf = k.float().permute(1, 0, 2).repeat_interleave(group, dim=0)  # [Hq, Sk, D]
     vf = v.float().permute(1, 0, 2).repeat_interleave(group, dim=0)
     s = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Sq, Sk]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.to(s.device).float()
     if allowed is not None:
         s = s.masked_fill(~allowed.to(s.device).expand(hq, sq, sk), NEG_INF)
     lse = torch.logsumexp(s, dim=-1) if sk > 0 else torch.full((hq, sq), NEG_INF, device=q.device)
@@ -49,18 +90,45 @@ def masked_attention_ref(q, k, v, allowed=None, softmax_scale=None):
     return out.permute(1, 0, 2).contiguous(), lse
 
 
-def attention_ref(q, k, v, *, causal=False, softmax_scale=None):
-    """Reference for :func:`flash_attn_with_lse`.
+def _one_sequence_ref(q, k, v, *, causal, softmax_scale, window_size, softcap, slopes):
+    """Attention of one sequence (q ``[Sq, Hq, D]``, k/v ``[Sk, Hkv, D]``) with every option."""
+    sq, sk = q.shape[0], k.shape[0]
+    allowed = None
+    if causal or tuple(window_size) != (-1, -1):
+        allowed = window_mask(sq, sk, window_size, causal, q.device)
+    bias = alibi_bias(slopes, sq, sk) if slopes is not None else None
+    return masked_attention_ref(q, k, v, allowed, softmax_scale, softcap=softcap, bias=bias)
 
-    q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``. Returns (out ``[B, Sq, Hq, D]`` fp32,
-    lse ``[B, Hq, Sq]`` fp32).
+
+def _keys_of(k, v, b, n, block_table, start=0):
+    if block_table is not None:
+        return paged_kv_ref(k, block_table[b], n), paged_kv_ref(v, block_table[b], n)
+    return k[start:start + n], v[start:start + n]
+
+
+def attention_ref(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                  alibi_slopes=None, block_table=None, seqused_k=None):
+    """Reference for :func:`flash_attn_with_lse`, every option included.
+
+    q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]``, or with ``block_table`` (int ``[B, P]``) paged
+    caches ``[num_pages, page_size, Hkv, D]`` holding ``P * page_size`` keys per sequence;
+    ``seqused_k`` (int ``[B]``): sequence b uses its first ``seqused_k[b]`` keys. Window, softcap and
+    ALiBi (``alibi_slopes`` fp32 ``[Hq]`` or ``[B, Hq]``) as in :func:`masked_attention_ref`,
+    :func:`window_mask`, :func:`alibi_bias`, positions aligned bottom-right to each sequence's key
+    length. Returns (out ``[B, Sq, Hq, D]`` fp32, lse ``[B, Hq, Sq]`` fp32).
     """
-    b, sq = q.shape[:2]
-    sk = k.shape[1]
-    allowed = causal_mask(sq, sk, q.device) if causal else None
+    b, sq, hq = q.shape[:3]
+    sk = block_table.shape[1] * k.shape[1] if block_table is not None else k.shape[1]
+    lens = seqused_k.tolist() if seqused_k is not None else [sk] * b
     outs, lses = [], []
     for i in range(b):
-        o, l = masked_attention_ref(q[i], k[i], v[i], allowed, softmax_scale)
+        ki, vi = _keys_of(k if block_table is not None else k[i], v if block_table is not None else v[i],
+                          i, lens[i], block_table)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[i] if alibi_slopes.dim() == 2 else alibi_slopes
+        o, l = _one_sequence_ref(q[i], ki, vi, causal=causal, softmax_scale=softmax_scale,
+                                 window_size=window_size, softcap=softcap, slopes=slopes)
         outs.append(o)
         lses.append(l)
     if b == 0:
@@ -69,20 +137,28 @@ def attention_ref(q, k, v, *, causal=False, softmax_scale=None):
     return torch.stack(outs), torch.stack(lses)
 
 
-def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None):
-    """Reference for :func:`flash_attn_varlen_with_lse`.
+def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, softmax_scale=None,
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, block_table=None, seqused_k=None):
+    """Reference for :func:`flash_attn_varlen_with_lse`, every option included.
 
-    q ``[total_q, Hq, D]``, k/v ``[total_k, Hkv, D]``, int32 cu_seqlens of length B+1.
-    Returns (out ``[total_q, Hq, D]`` fp32, lse ``[Hq, total_q]`` fp32).
+    q ``[total_q, Hq, D]``, k/v ``[total_k, Hkv, D]`` (or paged caches with ``block_table``, where
+    cu_seqlens_k gives only the key lengths), int32 cu_seqlens of length B+1; options as in
+    :func:`attention_ref`, per sequence. Returns (out ``[total_q, Hq, D]`` fp32, lse ``[Hq, total_q]`` fp32).
     """
     cq = cu_seqlens_q.tolist()
     ck = cu_seqlens_k.tolist()
+    used = seqused_k.tolist() if seqused_k is not None else None
     out = torch.zeros(q.shape[0], q.shape[1], v.shape[-1], device=q.device)
     lse = torch.full((q.shape[1], q.shape[0]), NEG_INF, device=q.device)
     for i in range(len(cq) - 1):
         qs, qe, ks, ke = cq[i], cq[i + 1], ck[i], ck[i + 1]
-        allowed = causal_mask(qe - qs, ke - ks, q.device) if causal else None
-        o, l = masked_attention_ref(q[qs:qe], k[ks:ke], v[ks:ke], allowed, softmax_scale)
+        n = ke - ks if used is None else used[i]
+        ki, vi = _keys_of(k, v, i, n, block_table, start=ks)
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = alibi_slopes[i] if alibi_slopes.dim() == 2 else alibi_slopes
+        o, l = _one_sequence_ref(q[qs:qe], ki, vi, causal=causal, softmax_scale=softmax_scale,
+                                 window_size=window_size, softcap=softcap, slopes=slopes)
         out[qs:qe] = o
         lse[:, qs:qe] = l
     return out, lse
