@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from helpers import assert_lse_match, max_err, out_tol
-from xoffload.integrations import ops
 from xoffload.integrations.flash_api import flash_attn_with_kvcache
 from xoffload.kernels import apply_rotary, cpu_backend
 from xoffload.kernels.reference import decode_attention_ref
@@ -108,12 +107,13 @@ def _rotary_torch(x, cos, sin, offsets, interleaved):
     return torch.cat(((xr * c + rot * sn).to(x.dtype), x[..., r:]), dim=-1)
 
 
-def _block_kvcache(seqlen_k, page, b, hkv, d, device, dtype, gen):
+def _block_kvcache(seqlen_k, page, b, hkv, d, device, dtype, gen, dgen):
     """flash-attn's _generate_block_kvcache: 3x the blocks needed, a random permutation split
-    over the batch; also the contiguous view of each sequence's first seqlen_k tokens."""
+    over the batch; also the contiguous view of each sequence's first seqlen_k tokens (the large
+    tensors drawn on the device by ``dgen``)."""
     nb = math.ceil(seqlen_k / page) * b * 3
-    kp = torch.randn(nb, page, hkv, d, generator=gen).to(device=device, dtype=dtype)
-    vp = torch.randn(nb, page, hkv, d, generator=gen).to(device=device, dtype=dtype)
+    kp = torch.randn(nb, page, hkv, d, generator=dgen, device=device).to(dtype)
+    vp = torch.randn(nb, page, hkv, d, generator=dgen, device=device).to(dtype)
     table = torch.randperm(nb, generator=gen).to(torch.int32).view(b, -1).to(device)
     k = kp[table.long().flatten()].view(b, -1, hkv, d)[:, :seqlen_k]
     v = vp[table.long().flatten()].view(b, -1, hkv, d)[:, :seqlen_k]
@@ -131,7 +131,8 @@ def _kvcache_case(device, dtype, seqlen_q, seqlen_k, d, mha_type, page, rotary_f
     rotary_dim = math.floor(int(rotary_fraction * d) / 16) * 16
     hkv = nheads if mha_type == "mha" else (1 if mha_type == "mqa" else 3)
     window = (-1, -1) if not local else tuple(torch.randint(0, seqlen_k, (2,), generator=gen).tolist())
-    rn = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    dgen = torch.Generator(device=device).manual_seed(seed)  # the large tensors, drawn where they live
+    rn = lambda *s: torch.randn(*s, generator=dgen, device=device).to(dtype)  # noqa: E731
     q = rn(b, seqlen_q, nheads, d)
     if softcap > 0:
         q = q * softcap / 4  # scores large enough for the cap to matter (as flash-attn's tests do)
@@ -143,7 +144,7 @@ def _kvcache_case(device, dtype, seqlen_q, seqlen_k, d, mha_type, page, rotary_f
         block_table = None
     else:
         k_cache, v_cache, block_table, k_paged, v_paged, nb = _block_kvcache(seqlen_k, page, b, hkv, d, device,
-                                                                             dtype, gen)
+                                                                             dtype, gen, dgen)
     hi = (seqlen_k - (seqlen_q if (causal or local) and rotary_dim > 1 else seqlen_new) + 1) if new_kv else seqlen_k + 1
     cache_seqlens = torch.randint(0 if new_kv else 1, hi, (b,), generator=gen).to(torch.int32).to(device)
     leftpad = None
@@ -367,7 +368,8 @@ class PagedStep(torch.nn.Module):
                                        softcap=3.0, alibi_slopes=slopes, return_softmax_lse=True)
 
 
-def _step_inputs(device, dtype=torch.float32, b=2, hq=4, hkv=2, d=16, page=16, per=4, seed=0):
+def _step_inputs(device, dtype=torch.float32, b=2, hq=4, hkv=2, d=16, page=16, per=4, seed=0, lens=(37, 5),
+                 leftpad=(3, 0)):
     gen = torch.Generator().manual_seed(seed)
     rn = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
     nb = b * per + 1
@@ -375,8 +377,8 @@ def _step_inputs(device, dtype=torch.float32, b=2, hq=4, hkv=2, d=16, page=16, p
     table = torch.randperm(nb, generator=gen)[: b * per].view(b, per).to(torch.int32).to(device)
     ang = torch.rand(per * page, d // 4, generator=gen).to(device)
     return (rn(b, 1, hq, d), rn(b, 1, hkv, d), rn(b, 1, hkv, d), kp, vp, table,
-            torch.tensor([37, 5], dtype=torch.int32, device=device), ang.cos().to(dtype), ang.sin().to(dtype),
-            torch.linspace(0.05, 0.4, hq, device=device), torch.tensor([3, 0], dtype=torch.int32, device=device))
+            torch.tensor(lens, dtype=torch.int32, device=device), ang.cos().to(dtype), ang.sin().to(dtype),
+            torch.linspace(0.05, 0.4, hq, device=device), torch.tensor(leftpad, dtype=torch.int32, device=device))
 
 
 def test_paged_step_compiles_fullgraph_and_calls_the_ops():
@@ -464,10 +466,9 @@ def test_race_condition_gpu(page):
 def test_cuda_graph_paged_rotary_step_replayed(dtype):
     """A paged decode step (rotary on q and k, append into pages, windowed soft-capped ALiBi
     attention, lengths += 1) captured once and replayed 30 times equals the eager step bit for bit."""
-    args = _step_inputs("cuda", dtype, b=3, hq=32, hkv=8, d=128, page=16, per=80, seed=5)
+    args = _step_inputs("cuda", dtype, b=3, hq=32, hkv=8, d=128, page=16, per=80, seed=5, lens=(37, 5, 900),
+                        leftpad=(3, 0, 100))
     q, k, v, kp, vp, table, lens, cos, sin, slopes, lp = args
-    lens.copy_(torch.tensor([37, 5, 900], dtype=torch.int32))
-    lp = torch.tensor([3, 0, 100], dtype=torch.int32, device="cuda")
     e_kp, e_vp, e_lens = kp.clone(), vp.clone(), lens.clone()
     sq_, sk_, sv_ = q.clone(), k.clone(), v.clone()
     step = PagedStep()
@@ -508,8 +509,9 @@ def test_paged_decode_op_inside_cuda_graph():
     q, _, _, kp, vp, table, lens, *_ = args
     t3 = table[:, None, :]
     with torch.no_grad():
+        torch.ops.xoffload.paged_decode_attn_with_lse(q, kp, vp, t3, lens, None, None, True, 20, -1, 3.0)  # warm-up
+        torch.cuda.synchronize()
         g = torch.cuda.CUDAGraph()
-        ops.paged_decode_attn(q, kp, vp, t3, lens, None, check=False)
         with torch.cuda.graph(g):
             out = torch.ops.xoffload.paged_decode_attn_with_lse(q, kp, vp, t3, lens, None, None, True, 20, -1, 3.0)
         lens.add_(9)

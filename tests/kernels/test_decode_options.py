@@ -414,9 +414,12 @@ GPU_CASES = [  # (Sq, Hq, Hkv, D, dtype, page or None, options)
 @pytest.mark.cuda
 @pytest.mark.parametrize("sq,hq,hkv,d,dtype,page,opt", GPU_CASES)
 def test_options_gpu(sq, hq, hkv, d, dtype, page, opt):
+    _options_case("cuda", sq, hq, hkv, d, dtype, page, opt, [20000, 3001])
+
+
+def _options_case(dev, sq, hq, hkv, d, dtype, page, opt, lens):
     gen = torch.Generator().manual_seed(hq + d)
-    b, lens = 2, [20000, 3001]
-    dev = "cuda"
+    b = 2
     q = _rand(b, sq, hq, d, dtype=dtype, device=dev, gen=gen)
     kw = {x: opt[x] for x in ("window_size", "softcap", "causal") if x in opt}
     if "alibi" in opt:
