@@ -431,7 +431,7 @@ def apply_rotary(x, cos, sin, seqlen_offsets, *, interleaved=False, same_positio
     pos_t = isinstance(seqlen_offsets, torch.Tensor)
     pos = seqlen_offsets.reshape(-1).expand(b).contiguous() if pos_t else x
     block_d = next_pow2(max(d, 2))
-    block_h = max(1, min(next_pow2(h), 4096 // block_d))
+    block_h = max(1, min(next_pow2(h), 2048 // block_d))  # <= 16 fp32 elements per thread and tensor
     grid = (b * sq, triton.cdiv(h, block_h))
     _rotary_kernel[grid](
         x, cos, sin, pos, out,
