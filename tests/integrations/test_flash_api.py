@@ -188,26 +188,33 @@ def test_kvcache_int_seqlens_batch_idx_and_full_cache(device):
     ],
 )
 def test_unsupported_options_are_named(kwargs, option):
+    """The prefill entry points refuse the options their kernel does not run yet (named);
+    flash_attn_with_kvcache runs them (tests/integrations/test_flash_api_options.py)."""
     q = torch.randn(1, 2, 2, 8, dtype=torch.float16)
     with pytest.raises(NotImplementedError, match=option):
         flash_attn_func(q, q, q, **kwargs)
     with pytest.raises(NotImplementedError, match=option):
         cu = torch.tensor([0, 2], dtype=torch.int32)
         flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 2, 2, **kwargs)
-    if option != "dropout_p":
-        with pytest.raises(NotImplementedError, match=option):
-            flash_attn_with_kvcache(q, q, q, cache_seqlens=1, **kwargs)
 
 
-@pytest.mark.parametrize("option", ["rotary_cos", "rotary_sin", "cache_leftpad", "block_table"])
-def test_kvcache_unsupported_tensor_options(option):
+def test_varlen_block_table_unsupported():
     q = torch.randn(1, 1, 2, 8, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match=option):
-        flash_attn_with_kvcache(q, q, q, cache_seqlens=1, **{option: torch.zeros(1, dtype=torch.int32)})
-    if option == "block_table":
-        cu = torch.tensor([0, 1], dtype=torch.int32)
-        with pytest.raises(NotImplementedError, match="block_table"):
-            flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 1, 1, block_table=torch.zeros(1, 1, dtype=torch.int32))
+    cu = torch.tensor([0, 1], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 1, 1, block_table=torch.zeros(1, 1, dtype=torch.int32))
+
+
+def test_supported_table_turns_options_on_per_entry_point(monkeypatch):
+    """One entry of _SUPPORTED turns an option on for one entry point (the others still refuse)."""
+    from xoffload.integrations import flash_api
+
+    monkeypatch.setitem(flash_api._SUPPORTED, "flash_attn_func", frozenset({"softcap"}))
+    flash_api._unsupported("flash_attn_func", dropout_p=0.0, softcap=30.0)
+    with pytest.raises(NotImplementedError, match="softcap"):
+        flash_api._unsupported("flash_attn_varlen_func", softcap=30.0)
+    with pytest.raises(NotImplementedError, match="window_size"):
+        flash_api._unsupported("flash_attn_func", window_size=(3, 0))
 
 
 def test_bad_dtype_layout_and_shapes():

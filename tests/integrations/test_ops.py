@@ -22,13 +22,23 @@ def test_ops_registered_with_schemas():
     sch = torch.ops.xoffload.kvcache_append_.default._schema
     written = [a.name for a in sch.arguments if a.alias_info is not None and a.alias_info.is_write]
     assert written == ["k_cache", "v_cache"] and len(sch.returns) == 0
-    for name in ops.OP_NAMES[:-1]:  # the functional ops write nothing
+    assert ops.MUTATING_OPS == ("kvcache_append_",)
+    for name in ops.OP_NAMES:  # the functional ops write nothing
+        if name in ops.MUTATING_OPS:
+            continue
         sch = getattr(torch.ops.xoffload, name).default._schema
         assert all(a.alias_info is None for a in sch.arguments), name
     schema = str(torch.ops.xoffload.flash_attn_with_lse.default._schema)
     assert "bool causal" in schema and "float? softmax_scale" in schema and "-> (Tensor, Tensor)" in schema
     schema = str(torch.ops.xoffload.decode_attn_with_lse.default._schema)
     assert "Tensor cache_seqlens" in schema
+    for name in ("decode_attn_with_lse", "paged_decode_attn_with_lse"):
+        schema = str(getattr(torch.ops.xoffload, name).default._schema)
+        for arg in ("bool causal=False", "window_left=-1", "window_right=-1", "float softcap=0.",
+                    "Tensor? alibi_slopes=None", "Tensor? cache_leftpad=None", "num_splits=None"):
+            assert arg in schema, (name, arg, schema)
+    assert "Tensor? cache_batch_idx=None" in str(torch.ops.xoffload.decode_attn_with_lse.default._schema)
+    assert "Tensor? block_table=None" in str(torch.ops.xoffload.kvcache_append_.default._schema)
 
 
 def _op_cases(device="cpu", dtype=torch.float32):
@@ -41,11 +51,19 @@ def _op_cases(device="cpu", dtype=torch.float32):
     vc = _t(2, 8, 2, 16, dtype=dtype, device=device, seed=5)
     lens = torch.tensor([3, 8], dtype=torch.int32, device=device)
     lse = _t(2, 4, 3, device=device, seed=6)
+    kp = _t(4, 16, 2, 16, dtype=dtype, device=device, seed=11)  # block store [num_blocks, page, Hkv, D]
+    vp = _t(4, 16, 2, 16, dtype=dtype, device=device, seed=12)
+    table = torch.tensor([[[2, 0]], [[1, 3]]], dtype=torch.int32, device=device)
+    pos = torch.tensor([0, 5], dtype=torch.int32, device=device)
+    ang = _t(12, 4, device=device, seed=13)
     return {
         "flash_attn_with_lse": (q, k, v, True, None),
         "flash_attn_varlen_with_lse": (q.reshape(6, 4, 16), k.reshape(10, 2, 16), v.reshape(10, 2, 16),
                                        cu_q, cu_k, 4, 7, True, 0.25),
         "decode_attn_with_lse": (q[:, :1], kc, vc, lens, None),
+        "paged_decode_attn_with_lse": (q[:, :2], kp, vp, table, torch.tensor([20, 32], dtype=torch.int32,
+                                                                              device=device), None, None),
+        "rotary_emb": (q, ang.cos().to(dtype), ang.sin().to(dtype), pos, True, False),
         "merge_attention_states": (q, lse, q * 2, lse - 1),
         "kvcache_append_": (kc.clone(), vc.clone(), k[:, :2], v[:, :2], torch.tensor([1, 6], dtype=torch.int32,
                                                                                   device=device), None),
@@ -63,13 +81,36 @@ def test_fake_implementations_give_real_shapes():
             if name == "kvcache_append_":
                 assert res is None
                 continue
-            for f, r in zip(res, real[name]):
+            res, rr = (res, real[name]) if isinstance(res, tuple) else ((res,), (real[name],))
+            for f, r in zip(res, rr):
                 assert f.shape == r.shape and f.dtype == r.dtype and f.stride() == r.stride(), name
 
 
-@pytest.mark.parametrize("name", ops.OP_NAMES)
-def test_opcheck(name):
-    args = _op_cases()[name]
+def _option_cases(device="cpu", dtype=torch.float32):
+    """The decode ops with their options set (window, softcap, ALiBi, left pad, batch index, Sq > 1)."""
+    c = _op_cases(device, dtype)
+    q, kc, vc, lens, _ = c["decode_attn_with_lse"]
+    slopes = torch.tensor([0.1, 0.2, 0.3, 0.4], device=device)
+    lp = torch.tensor([1, 2], dtype=torch.int32, device=device)
+    bidx = torch.tensor([1, 0], dtype=torch.int32, device=device)
+    qq, kp, vp, table, plens, _, _ = c["paged_decode_attn_with_lse"]
+    return [
+        ("decode_attn_with_lse", (q, kc, vc, lens, 0.3, True, 3, -1, 5.0, slopes, lp, bidx, 2)),
+        ("decode_attn_with_lse", (c["flash_attn_with_lse"][0], kc, vc, lens, None, True, -1, 0, 0.0, slopes[None].expand(2, 4).contiguous(), None, None, None)),
+        ("paged_decode_attn_with_lse", (qq, kp, vp, table, plens, 16, None, True, 7, -1, 2.0, slopes, lp, 3)),
+        ("paged_decode_attn_with_lse", (qq[:, :1], kp.reshape(64, 2, 16), vp.reshape(64, 2, 16),
+                                        table * 16, plens, 16, None)),
+        ("kvcache_append_", (kp.clone(), vp.clone(), qq[:, :, :2], qq[:, :, :2], torch.tensor([3, 15], dtype=torch.int32,
+                                                                                         device=device), None,
+                             table[:, 0])),
+    ]
+
+
+@pytest.mark.parametrize("case", [(n, None) for n in ops.OP_NAMES] + [(n, i) for i, (n, _) in enumerate(_option_cases())],
+                         ids=lambda c: c[0] + ("" if c[1] is None else f"-options{c[1]}"))
+def test_opcheck(case):
+    name, i = case
+    args = _op_cases()[name] if i is None else _option_cases()[i][1]
     with cpu_backend("reference"):
         torch.library.opcheck(getattr(torch.ops.xoffload, name).default, args)
 

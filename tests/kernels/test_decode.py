@@ -144,11 +144,9 @@ def test_bad_inputs():
         decode_attn_with_lse(torch.randn(2, 1, 4, 288).half(), big, big, lens)
     with pytest.raises(ValueError, match="v_cache"):
         decode_attn_with_lse(q, k, v[:, :8], lens)
-    with pytest.raises(ValueError, match=r"q must have shape \[B, 1, Hq, D\]"):
-        decode_attn_with_lse(torch.randn(2, 2, 4, 64).half(), k, v, lens)
     with pytest.raises(ValueError, match="q must have 4 dims"):
         decode_attn_with_lse(q[:, 0], k, v, lens)
-    with pytest.raises(ValueError, match="k_cache batch"):
+    with pytest.raises(ValueError, match="k_cache batch.*cache_batch_idx"):
         decode_attn_with_lse(q[:1], k, v, lens[:1])
     with pytest.raises(TypeError, match="cache_seqlens must be int32"):
         decode_attn_with_lse(q, k, v, lens.long())

@@ -250,3 +250,74 @@ def test_cuda_realistic(dtype, n, hq, hkv, d, p0, norms):
     res2 = qkv_rope(qkv, cos, sin, pos, hq, hkv, d, *_outs(n, hq, hkv, d, dtype, "cuda"), q_norm=qn, k_norm=kn, eps=EPS)
     for a, b in zip(res, res2):
         assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------------------------
+# flash-attn's rotary embedding (apply_rotary: flash_attn_with_kvcache's rotary_cos / rotary_sin)
+# ----------------------------------------------------------------------------------------------
+from xoffload.kernels import apply_rotary  # noqa: E402
+from xoffload.kernels.rope import apply_rotary_ref  # noqa: E402
+
+
+def _rotate_half_formula(x, cos, sin, offsets, interleaved, same_position):
+    """flash-attn's apply_rotary_emb_torch written out: ``x * cos + rotate_half(x) * sin`` on the
+    first R dims with the half tables repeated ((2 d) or interleaved (d 2)), float64."""
+    b, s, h, d = x.shape
+    r = 2 * cos.shape[1]
+    out = x.double().clone()
+    for i in range(b):
+        for t in range(s):
+            p = int(offsets[i]) + (0 if same_position else t)
+            c, sn = cos[p].double(), sin[p].double()
+            xr = x[i, t, :, :r].double()
+            if interleaved:
+                cc, ss = c.repeat_interleave(2), sn.repeat_interleave(2)
+                rot = torch.stack((-xr[:, 1::2], xr[:, 0::2]), dim=-1).reshape(h, r)
+            else:
+                cc, ss = torch.cat((c, c)), torch.cat((sn, sn))
+                rot = torch.cat((-xr[:, r // 2:], xr[:, : r // 2]), dim=-1)
+            out[i, t, :, :r] = xr * cc + rot * ss
+    return out
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype,d,r,same", [(torch.float16, 64, 64, False), (torch.float32, 59, 32, False),
+                                            (torch.float16, 40, 16, True)])
+def test_apply_rotary_matches_formula(device, interleaved, dtype, d, r, same):
+    g = torch.Generator().manual_seed(d + r)
+    b, s, h, n = 2, 3, 5, 24
+    x = torch.randn(b, s, h + 1, d, generator=g).to(dtype)[:, :, 1:].to(device)  # strided heads
+    ang = torch.rand(n, r // 2, generator=g) * 6.283
+    cos, sin = ang.cos().to(dtype).to(device), ang.sin().to(dtype).to(device)
+    offs = torch.tensor([4, 17], dtype=torch.int32, device=device)
+    y = apply_rotary(x, cos, sin, offs, interleaved=interleaved, same_position=same)
+    exact = _rotate_half_formula(x.cpu(), cos.cpu(), sin.cpu(), offs.cpu(), interleaved, same)
+    # PyTorch in the input dtype (flash-attn's apply_rotary_emb_torch order) sets the tolerance
+    base = _rotate_half_formula(x.cpu(), cos.cpu(), sin.cpu(), offs.cpu(), interleaved, same).to(dtype)
+    assert max_err(y.cpu(), exact) <= out_tol(exact, base, dtype)
+    assert torch.equal(y[..., r:], x[..., r:])  # dims past rotary_dim copied
+    assert torch.equal(y.cpu(), apply_rotary_ref(x.cpu(), cos.cpu(), sin.cpu(), offs.cpu(), interleaved=interleaved,
+                                                 same_position=same))
+    # int offset, in place
+    z = x.clone()
+    apply_rotary(z, cos, sin, 4, interleaved=interleaved, same_position=same, out=z)
+    assert torch.equal(z[0], y[0])
+
+
+def test_apply_rotary_bad_inputs():
+    x = torch.randn(1, 2, 2, 16)
+    c = torch.randn(8, 4)
+    with pytest.raises(ValueError, match=r"rotary_dim = 2 \* rotary_cos.shape\[1\] = 18 must be in \[2, head_dim=16\]"):
+        apply_rotary(x, torch.randn(8, 9), torch.randn(8, 9), 0)
+    with pytest.raises(ValueError, match="rotary_cos has shape .* but rotary_sin has"):
+        apply_rotary(x, c, torch.randn(8, 3), 0)
+    with pytest.raises(ValueError, match="rotary_cos must have 2 dims"):
+        apply_rotary(x, c[None], c[None], 0)
+    with pytest.raises(TypeError, match="seqlen_offsets tensor must have an integer dtype"):
+        apply_rotary(x, c, c, torch.zeros(1))
+    with pytest.raises(ValueError, match=r"seqlen_offsets tensor must have shape \[B\] = \[1\]"):
+        apply_rotary(x, c, c, torch.zeros(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="seqlen_offsets must be >= 0"):
+        apply_rotary(x, c, c, -1)
+    with pytest.raises(ValueError, match="x must have 4 dims"):
+        apply_rotary(x[0], c, c, 0)

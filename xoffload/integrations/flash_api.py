@@ -14,41 +14,75 @@ Differences from flash-attn, all explicit:
 
 * Forward only. Inputs that require grad while grad mode is on raise ``NotImplementedError`` (use
   ``torch.no_grad()`` / ``torch.inference_mode()``).
-* Not supported (raise ``NotImplementedError`` naming the option): ``dropout_p > 0``,
-  ``window_size != (-1, -1)``, ``softcap != 0``, ``alibi_slopes``, ``block_table`` (paged KV),
-  ``rotary_cos``/``rotary_sin``, ``cache_leftpad``. ``deterministic`` and ``num_splits`` are
-  accepted and ignored (the forward pass is deterministic; the split count is chosen by the kernel).
+* Not supported (raise ``NotImplementedError`` naming the option): ``dropout_p > 0`` everywhere;
+  in ``flash_attn_func`` / ``flash_attn_varlen_func`` for now also ``window_size != (-1, -1)``,
+  ``softcap != 0``, ``alibi_slopes`` and (varlen) ``block_table`` (which options each entry point
+  runs is the table ``_SUPPORTED``). ``deterministic`` is accepted and ignored (the forward pass is
+  deterministic).
+* ``flash_attn_with_kvcache`` runs all of flash-attn's options: ``block_table`` (paged caches
+  ``[num_blocks, page_size, Hkv, D]``, any page size that is a multiple of 16, read in place by the
+  paged decode kernel), ``k``/``v`` appended in place (also into pages), ``rotary_cos`` /
+  ``rotary_sin`` / ``rotary_interleaved``, ``cache_leftpad`` (also with pages), ``cache_batch_idx``,
+  ``window_size``, ``softcap``, ``alibi_slopes`` and ``num_splits`` (0 = heuristic), with any
+  ``Sq`` (the decode kernels pack the Sq query tokens with the GQA group).
 * fp32 inputs are accepted as well as fp16/bf16; CPU tensors run the PyTorch reference (or the
   Triton code under ``TRITON_INTERPRET=1``).
 * A query row that sees no key returns output 0 and LSE ``-inf`` (flash-attn returns ``+inf``
   there); ``-inf`` is the log of the empty sum and merges correctly.
+* ALiBi under ``causal``: flash-attn's CUDA kernel adds ``slope * j`` (key index) where its
+  reference adds ``-slope * |i - j|``; both give the same output, we return the LSE of the latter
+  (flash-attn's LSE is larger by ``slope * i`` for the query at position i).
 """
 from __future__ import annotations
 
 import torch
 
-from xoffload.kernels.checks import check_bool, check_same, check_tensor
+from xoffload.kernels.checks import check_bool, check_int, check_lengths, check_same, check_tensor
+from xoffload.kernels.decode import decode_options
+from xoffload.kernels.rope import check_rotary_tables
 
 from . import ops
 
 __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 
+# The flash-attn options each entry point runs (the others raise NotImplementedError when set to
+# anything but their default). Turning an option on for an entry point is adding its name here.
+_SUPPORTED = {
+    "flash_attn_func": frozenset(),
+    "flash_attn_varlen_func": frozenset(),
+    "flash_attn_with_kvcache": frozenset({
+        "window_size", "softcap", "alibi_slopes", "rotary_cos", "rotary_sin", "cache_leftpad", "block_table",
+    }),
+}
 
-def _unsupported(fn: str, *, dropout_p=0.0, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, **others):
-    """Raise NotImplementedError naming the first option that is set to something unsupported."""
-    if dropout_p is not None and float(dropout_p) != 0.0:
-        raise NotImplementedError(f"{fn}: dropout_p={dropout_p} is not supported (xoffload is forward/inference only; use 0.0)")
-    if window_size is None or tuple(window_size) != (-1, -1):
-        raise NotImplementedError(
-            f"{fn}: window_size={window_size} (sliding-window / local attention) is not supported; use (-1, -1)"
-        )
-    if softcap is not None and float(softcap) != 0.0:
-        raise NotImplementedError(f"{fn}: softcap={softcap} is not supported; use 0.0")
-    if alibi_slopes is not None:
-        raise NotImplementedError(f"{fn}: alibi_slopes is not supported; pass None")
-    for name, val in others.items():
-        if val is not None:
-            raise NotImplementedError(f"{fn}: {name} is not supported; pass None")
+
+def _is_default(name, val) -> bool:
+    if name == "dropout_p":
+        return val is None or float(val) == 0.0
+    if name == "window_size":
+        return val is not None and tuple(int(x) for x in val) == (-1, -1)
+    if name == "softcap":
+        return val is None or float(val) == 0.0
+    return val is None
+
+
+_WHY = {
+    "dropout_p": "is not supported (xoffload is forward/inference only; use 0.0)",
+    "window_size": "(sliding-window / local attention) is not supported here yet; use (-1, -1)",
+    "softcap": "is not supported here yet; use 0.0",
+}
+
+
+def _unsupported(fn: str, **options):
+    """Raise NotImplementedError naming the first option set to a non-default value that ``fn``
+    does not run (see ``_SUPPORTED``)."""
+    supported = _SUPPORTED[fn]
+    for name, val in options.items():
+        if name in supported or _is_default(name, val):
+            continue
+        shown = f"={val}" if name in _WHY else ""
+        why = _WHY.get(name, "is not supported here yet; pass None")
+        raise NotImplementedError(f"{fn}: {name}{shown} {why}")
 
 
 def _prologue(fn: str, causal, tensors, **options) -> bool:
@@ -85,7 +119,8 @@ def flash_attn_func(
         dropout_p: must be 0.0 (else NotImplementedError).
         softmax_scale: scale of QK^T before the softmax; default ``1/sqrt(D)``.
         causal: bottom-right aligned causal mask (query i sees key j iff ``j <= i + Sk - Sq``).
-        window_size, softcap, alibi_slopes: only the defaults are supported.
+        window_size, softcap, alibi_slopes: only the defaults are supported for now
+            (NotImplementedError otherwise).
         deterministic: ignored (the forward pass is deterministic).
         return_attn_probs: if True return ``(out, softmax_lse, None)`` like flash-attn (which also
             returns None as the third element when dropout is off).
@@ -129,7 +164,7 @@ def flash_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` cumulative lengths (start at 0, end at total).
         max_seqlen_q, max_seqlen_k: int, the longest sequence in the batch.
         causal: bottom-right aligned per sequence.
-        block_table: paged KV is not supported (must be None).
+        block_table: paged KV is not supported here yet (must be None; NotImplementedError).
         Other options as :func:`flash_attn_func`.
 
     Returns:
@@ -147,20 +182,20 @@ def flash_attn_varlen_func(
     return (out, lse, None) if return_attn_probs else out
 
 
-def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx):
+def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table):
     """Validate flash_attn_with_kvcache's tensors (shapes/dtypes only: nothing is read on the host).
 
-    Returns the int32 ``[B]`` cache_seqlens tensor (``None`` means the whole cache is valid)."""
+    Returns ``(seqlens, capacity)``: the int32 ``[B]`` cache_seqlens tensor (``None`` means the
+    whole cache is valid) and the number of tokens a sequence can hold (``S_cache``, or
+    ``max_blocks * page_size`` with a block table)."""
     check_tensor("q", q, 4)
     check_tensor("k_cache", k_cache, 4)
     check_tensor("v_cache", v_cache, 4)
     b, sq, hq, d = q.shape
     bc, s_max, hkv, dk = k_cache.shape
     if tuple(v_cache.shape[:3]) != (bc, s_max, hkv):
-        raise ValueError(
-            f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}; "
-            "[batch_cache, seqlen_cache, nheads_k] must match"
-        )
+        dims = "[num_blocks, page_size, nheads_k]" if block_table is not None else "[batch_cache, seqlen_cache, nheads_k]"
+        raise ValueError(f"v_cache has shape {tuple(v_cache.shape)} but k_cache has {tuple(k_cache.shape)}; {dims} must match")
     if dk != d:
         raise ValueError(f"k_cache head_dim {dk} (shape {tuple(k_cache.shape)}) differs from q's {d} (shape {tuple(q.shape)})")
     check_same([("q", q), ("k_cache", k_cache), ("v_cache", v_cache)])
@@ -180,7 +215,23 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
             raise ValueError(
                 "flash_attn_with_kvcache: appending k/v needs cache_seqlens (where to write); got None"
             )
-    if cache_batch_idx is not None:
+    capacity = s_max
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise ValueError("flash_attn_with_kvcache: a paged cache (block_table) does not take cache_batch_idx "
+                             "(as in flash-attn); index the block table's rows instead")
+        if s_max < 16 or s_max % 16:
+            raise ValueError(f"paged k_cache {tuple(k_cache.shape)} = [num_blocks, page_size, nheads_k, headdim] has "
+                             f"page_size {s_max}; it must be a positive multiple of 16")
+        if not isinstance(block_table, torch.Tensor) or block_table.dtype != torch.int32:
+            what = block_table.dtype if isinstance(block_table, torch.Tensor) else type(block_table).__name__
+            raise TypeError(f"block_table must be an int32 tensor [batch, max_blocks], got {what}")
+        if block_table.dim() != 2 or block_table.shape[0] != b:
+            raise ValueError(f"block_table must have shape [batch={b}, max_blocks], got {tuple(block_table.shape)}")
+        if block_table.device != q.device:
+            raise ValueError(f"block_table is on {block_table.device} but q is on {q.device}")
+        capacity = block_table.shape[1] * s_max
+    elif cache_batch_idx is not None:
         if not isinstance(cache_batch_idx, torch.Tensor) or cache_batch_idx.dtype not in (torch.int32, torch.int64):
             raise TypeError("cache_batch_idx must be an int32 tensor of shape [batch]")
         if tuple(cache_batch_idx.shape) != (b,):
@@ -192,20 +243,38 @@ def _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_id
             f"k_cache has batch {bc} but q has batch {b}; they must match unless cache_batch_idx is given"
         )
     if cache_seqlens is None:
-        return None
+        return None, capacity
     if isinstance(cache_seqlens, bool) or not isinstance(cache_seqlens, (int, torch.Tensor)):
         raise TypeError(f"cache_seqlens must be an int or an int32 tensor [batch], got {type(cache_seqlens).__name__}")
     if isinstance(cache_seqlens, int):
-        if not 0 <= cache_seqlens <= s_max:
-            raise ValueError(f"cache_seqlens={cache_seqlens} is outside [0, seqlen_cache={s_max}]")
-        return torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+        if not 0 <= cache_seqlens <= capacity:
+            raise ValueError(f"cache_seqlens={cache_seqlens} is outside [0, seqlen_cache={capacity}]")
+        return torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device), capacity
     if cache_seqlens.dtype != torch.int32:
         raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
     if tuple(cache_seqlens.shape) != (b,):
         raise ValueError(f"cache_seqlens has shape {tuple(cache_seqlens.shape)}, expected ({b},)")
     if cache_seqlens.device != q.device:
         raise ValueError(f"cache_seqlens is on {cache_seqlens.device} but q is on {q.device}")
-    return cache_seqlens
+    return cache_seqlens, capacity
+
+
+def _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity):
+    """flash-attn's rotary arguments: both tables or neither, new k/v to rotate, tables
+    ``[seqlen_ro, rotary_dim / 2]`` covering the cache (``seqlen_ro >= capacity``). Returns
+    whether rotary is on."""
+    check_bool("rotary_interleaved", rotary_interleaved)
+    if rotary_cos is None and rotary_sin is None:
+        return False
+    if rotary_cos is None or rotary_sin is None:
+        raise ValueError("flash_attn_with_kvcache: pass both rotary_cos and rotary_sin or neither")
+    if k is None:
+        raise ValueError("flash_attn_with_kvcache: rotary_cos/rotary_sin rotate the new k, so k and v must be given")
+    check_rotary_tables(rotary_cos, rotary_sin, q.shape[-1], q.device)
+    if rotary_cos.shape[0] < capacity:
+        raise ValueError(f"rotary_cos/rotary_sin have {rotary_cos.shape[0]} positions (shape {tuple(rotary_cos.shape)}) "
+                         f"but the cache holds {capacity} tokens; the tables must cover the cache (as in flash-attn)")
+    return True
 
 
 def flash_attn_with_kvcache(
@@ -232,76 +301,139 @@ def flash_attn_with_kvcache(
     """Attention against a pre-allocated KV cache, flash-attn 2's ``flash_attn_with_kvcache``.
 
     If ``k``/``v`` are given they are first written **in place** into ``k_cache``/``v_cache`` at
-    positions ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1`` (of cache row
-    ``cache_batch_idx[b]``, default b); then q attends to the first ``cache_seqlens[b] +
-    seqlen_new`` cached tokens. ``cache_seqlens`` itself is not modified (as in flash-attn).
+    positions ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1`` of sequence b (cache row
+    ``cache_batch_idx[b]``, default b; or, with ``block_table``, the pages it lists); then q attends
+    to the first ``n = cache_seqlens[b] + seqlen_new`` cached tokens, query row i at position
+    ``n - Sq + i``. ``cache_seqlens`` itself is not modified (as in flash-attn).
 
     Args:
         q: ``[B, Sq, Hq, D]``, any ``Sq >= 1``.
-        k_cache, v_cache: ``[B_cache, S_cache, Hkv, D]`` (last dim contiguous; same dtype as q).
+        k_cache, v_cache: ``[B_cache, S_cache, Hkv, D]``, or with ``block_table`` paged caches
+            ``[num_blocks, page_size, Hkv, D]`` (page_size a multiple of 16: 16, 256, 1024, ...),
+            last dim contiguous, same dtype as q.
         k, v: optional ``[B, seqlen_new, Hkv, D]`` new tokens to append.
+        rotary_cos, rotary_sin: optional ``[seqlen_ro, rotary_dim / 2]`` tables (``rotary_dim <=
+            D``, ``seqlen_ro`` >= the cache's capacity; needs k/v): the new k are rotated at
+            positions ``cache_seqlens[b] + i`` before the append; q too, at the same positions when
+            causal or local, else every q token at ``cache_seqlens[b]`` (flash-attn's convention).
         cache_seqlens: int, or int32 ``[B]``: tokens already in the cache. None = the whole cache
             (not allowed together with ``k``/``v``).
-        cache_batch_idx: optional int32 ``[B]``: cache row of each batch item.
-        causal: bottom-right aligned over the ``cache_seqlens + seqlen_new`` keys (for ``Sq == 1``
-            it changes nothing).
-        rotary_cos, rotary_sin, cache_leftpad, block_table, alibi_slopes, window_size, softcap:
-            not supported (NotImplementedError naming the option); ``rotary_interleaved`` and
-            ``num_splits`` are ignored.
+        cache_batch_idx: optional int32 ``[B]``: cache row of each batch item (not with
+            ``block_table``).
+        cache_leftpad: optional int32 ``[B]``: keys before ``cache_leftpad[b]`` are not attended.
+        block_table: optional int32 ``[B, max_blocks]``: the cache blocks of sequence b in order
+            (token t in block ``block_table[b, t // page_size]``, row ``t % page_size``).
+        softmax_scale: default ``1/sqrt(D)``.
+        causal: bottom-right aligned over the n keys (for ``Sq == 1`` it changes nothing).
+        window_size: ``(left, right)``, -1 = unlimited: row i sees keys ``pos_i - left ..
+            pos_i + right`` (right = 0 with causal); keys outside every row's window are not read.
+        softcap: 0 or > 0: ``softcap * tanh(s / softcap)`` on the scaled scores.
+        rotary_interleaved: GPT-J layout (pairs ``2i, 2i+1``) if True, else GPT-NeoX (``i, i + R/2``).
+        alibi_slopes: optional fp32 ``[Hq]`` or ``[B, Hq]``: ``-slope * |pos_i - j|`` added to the
+            score of key j.
+        num_splits: 0 = heuristic (from shapes only), else the number of key splits per sequence.
         return_softmax_lse: also return softmax_lse ``[B, Hq, Sq]`` fp32.
 
     Returns:
         out ``[B, Sq, Hq, D]`` in q's dtype, or ``(out, softmax_lse)``.
 
-    Device syncs: the ``Sq == 1`` path without ``cache_batch_idx`` runs entirely on the device
-    (append + split-KV decode kernel) and can be captured in a CUDA graph; host validation of the
-    lengths is skipped while a graph is being captured or ``torch.compile`` traces. ``Sq > 1`` or
-    ``cache_batch_idx`` read ``cache_seqlens`` on the host (one sync) and run the dense kernel on
-    each item's cache prefix.
+    Device syncs: every call that runs the decode kernels (``Sq == 1``; a paged cache; window,
+    softcap, ALiBi or left padding; any Sq) runs entirely on the device (rotary + append + split-KV
+    decode) and can be captured in a CUDA graph; the host validation of the per-sequence values
+    (lengths, batch indices, left pads, visited block-table entries) is skipped while a graph is
+    being captured or ``torch.compile`` traces. A contiguous cache with ``Sq > 1`` and none of those
+    options reads ``cache_seqlens`` on the host (one sync) and runs the dense kernel on each item's
+    cache prefix.
 
     Raises:
-        NotImplementedError: an unsupported option, or inputs requiring grad under grad mode.
-        TypeError / ValueError: bad dtypes, shapes, devices or cache lengths.
+        NotImplementedError: inputs requiring grad under grad mode.
+        TypeError / ValueError: bad dtypes, shapes, devices, cache lengths past the cache or the
+            block table, block-table entries outside the cache, a page size that is not a
+            multiple of 16, a window value < -1, softcap < 0, alibi_slopes of the wrong shape,
+            rotary tables of the wrong shape or too short (each error names the value).
     """
-    causal = _prologue("flash_attn_with_kvcache", causal, (q, k_cache, v_cache, k, v), window_size=window_size,
-                       softcap=softcap, alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+    fn = "flash_attn_with_kvcache"
+    causal = _prologue(fn, causal, (q, k_cache, v_cache, k, v), window_size=window_size, softcap=softcap,
+                       alibi_slopes=alibi_slopes, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                        cache_leftpad=cache_leftpad, block_table=block_table)
-    seqlens = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx)
+    seqlens, capacity = _check_kvcache_args(q, k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
+    opts = decode_options(q, causal, window_size, softcap, alibi_slopes)
+    rotary = _check_rotary(q, k, rotary_cos, rotary_sin, rotary_interleaved, capacity)
+    if cache_leftpad is not None:
+        check_lengths("cache_leftpad", cache_leftpad, q.shape[0], q.device)
+    num_splits = check_int("num_splits", num_splits, 0) or None
     b, sq = q.shape[:2]
+    paged = block_table is not None
     s_new = 0 if k is None else k.shape[1]
-    fast = sq == 1 and cache_batch_idx is None
+    # the decode kernels take every option and any Sq; the dense kernel (per item, host lengths)
+    # stays the path of a contiguous cache with several query tokens and no option
+    kernel = sq == 1 or paged or cache_leftpad is not None or opts.has_left or opts.softcap > 0 \
+        or opts.alibi is not None or (opts.right >= 0 and not causal)
     lens = rows = None
-    if not fast or not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
-        # validate before writing anything (one host read); skipped while compiling / capturing
-        lens, rows = _host_lengths(k_cache, seqlens, s_new, cache_batch_idx, b)
-    if k is not None:
-        ops.kvcache_append(k_cache, v_cache, k, v, seqlens, cache_batch_idx)
+    if not kernel or not (torch.compiler.is_compiling() or (q.is_cuda and torch.cuda.is_current_stream_capturing())):
+        # validate before writing anything (small host reads); skipped while compiling / capturing
+        lens, rows = _host_lengths(k_cache, seqlens, s_new, cache_batch_idx, b, capacity, paged)
+        _host_checks(k_cache, lens, cache_leftpad, block_table)
     if seqlens is None:
-        seqlens = torch.full((b,), k_cache.shape[1], dtype=torch.int32, device=q.device)
+        seqlens = torch.full((b,), capacity, dtype=torch.int32, device=q.device)
+    if rotary:
+        # flash-attn: q rotated at its own positions when causal or local, else all at cache_seqlens
+        cap = capacity
+        local = (0 <= opts.left < cap) or (0 <= int(window_size[1]) < cap)
+        q = ops.rotary(q, rotary_cos, rotary_sin, seqlens, rotary_interleaved, not (causal or local))
+        k = ops.rotary(k, rotary_cos, rotary_sin, seqlens, rotary_interleaved, False)
+    if k is not None:
+        ops.kvcache_append(k_cache, v_cache, k, v, seqlens, cache_batch_idx, block_table)
     total = seqlens + s_new if s_new else seqlens
-    if fast:
-        out, lse = ops.decode_attn(q, k_cache, v_cache, total, softmax_scale, check=False)
-    else:
+    if not kernel:
         out, lse = _kvcache_general(q, k_cache, v_cache, lens, rows, causal, softmax_scale)
+        return (out, lse) if return_softmax_lse else out
+    kw = dict(causal=causal, window_size=(opts.left, int(window_size[1])), softcap=opts.softcap,
+              alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad, num_splits=num_splits)
+    if paged:
+        out, lse = ops.paged_decode_attn(q, k_cache, v_cache, block_table[:, None, :], total, softmax_scale,
+                                         check=False, **kw)
+    else:
+        bidx = None if cache_batch_idx is None else cache_batch_idx.to(torch.int32)
+        out, lse = ops.decode_attn(q, k_cache, v_cache, total, softmax_scale, check=False, cache_batch_idx=bidx, **kw)
     return (out, lse) if return_softmax_lse else out
 
 
-def _host_lengths(k_cache, seqlens, s_new, cache_batch_idx, b):
+def _host_lengths(k_cache, seqlens, s_new, cache_batch_idx, b, capacity, paged=False):
     """Per item (keys after the append, cache row), read on the host and range-checked."""
-    bc, s_max = k_cache.shape[:2]
-    base = [s_max] * b if seqlens is None else seqlens.tolist()
+    bc = k_cache.shape[0]
+    base = [capacity] * b if seqlens is None else seqlens.tolist()
     rows = list(range(b)) if cache_batch_idx is None else cache_batch_idx.tolist()
     lens = []
     for i, (n, r) in enumerate(zip(base, rows)):
-        if n < 0 or n + s_new > s_max:
+        if n < 0 or n + s_new > capacity:
+            where = "the block table's capacity max_blocks * page_size" if paged else "seqlen_cache"
             raise ValueError(
                 f"cache_seqlens[{i}] = {n} must be >= 0 and, plus seqlen_new = {s_new}, at most "
-                f"seqlen_cache = {s_max}"
+                f"{where} = {capacity}"
             )
         if not 0 <= r < bc:
             raise ValueError(f"cache_batch_idx[{i}] = {r} is outside [0, batch_cache={bc})")
         lens.append(n + s_new)
     return lens, rows
+
+
+def _host_checks(k_cache, lens, cache_leftpad, block_table):
+    """Host checks of the values the kernels would otherwise clamp: left pads in ``[0, n]``, the
+    block-table entries of the visited pages in ``[0, num_blocks)``."""
+    if cache_leftpad is not None:
+        for i, (p, n) in enumerate(zip(cache_leftpad.tolist(), lens)):
+            if not 0 <= p <= n:
+                raise ValueError(f"cache_leftpad[{i}] = {p} must be in [0, {n}] (the sequence's keys after the append)")
+    if block_table is not None:
+        page, nb = k_cache.shape[1], k_cache.shape[0]
+        tab = block_table.cpu()
+        for i, n in enumerate(lens):
+            used = tab[i, :-(-n // page)]
+            if used.numel() and (int(used.min()) < 0 or int(used.max()) >= nb):
+                j = int(((used < 0) | (used >= nb)).nonzero()[0, 0])
+                raise ValueError(f"block_table[{i}, {j}] = {int(used[j])} points outside the paged cache "
+                                 f"(num_blocks = {nb}, k_cache {tuple(k_cache.shape)})")
 
 
 def _kvcache_general(q, k_cache, v_cache, lens, rows, causal, softmax_scale):

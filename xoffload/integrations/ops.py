@@ -9,15 +9,27 @@ softmax_scale)``                            (out ``[B, Sq, Hq, Dv]`` in q's dtyp
 ``flash_attn_varlen_with_lse(q, k, v,       packed q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, int32
 cu_seqlens_q, cu_seqlens_k, max_seqlen_q,   ``cu_seqlens_*`` ``[B+1]`` -> (out ``[Tq, Hq, Dv]``,
 max_seqlen_k, causal, softmax_scale)``      lse ``[Hq, Tq]`` fp32)
-``decode_attn_with_lse(q, k_cache,          q ``[B, 1, Hq, D]``, caches ``[B, S_max, Hkv, D]``,
-v_cache, cache_seqlens, softmax_scale)``    int32 ``cache_seqlens [B]`` -> (out ``[B, 1, Hq, Dv]``,
-                                            lse ``[B, Hq, 1]`` fp32). Never reads
-                                            ``cache_seqlens`` on the host (CUDA-graph safe).
+``decode_attn_with_lse(q, k_cache,          q ``[B, Sq, Hq, D]``, caches ``[B_cache, S_max, Hkv,
+v_cache, cache_seqlens, softmax_scale,      D]``, int32 ``cache_seqlens [B]`` -> (out ``[B, Sq,
+causal=False, window_left=-1,               Hq, Dv]``, lse ``[B, Hq, Sq]`` fp32); the options of
+window_right=-1, softcap=0.0,               :func:`xoffload.kernels.decode_attn_with_lse`
+alibi_slopes=None, cache_leftpad=None,      (window as two ints). Never reads the lengths on
+cache_batch_idx=None, num_splits=None)``    the host (CUDA-graph safe).
+``paged_decode_attn_with_lse(q, k_pages,    q ``[B, Sq, Hq, D]``, row store ``[R, Hkv, D]`` or
+v_pages, page_table, seqlens, page_size,    block store ``[num_blocks, page, Hkv, D]``, int32
+softmax_scale, causal=False, ...,           ``page_table [B, 1 or Hkv, P]``, ``seqlens [B]`` ->
+num_splits=None)``                          (out, lse) as above; same options (no batch index)
+``rotary_emb(x, cos, sin, seqlen_offsets,   flash-attn's rotary embedding of x ``[B, S, H, D]``
+interleaved, same_position)``               with tables ``[N, R/2]`` at int32 ``[B]`` start
+                                            positions -> rotated copy of x
 ``merge_attention_states(o_a, lse_a, o_b,   o ``[..., S, H, D]``, lse ``[..., H, S]`` fp32 ->
 lse_b)``                                    merged (o, lse), exact by LSE
 ``kvcache_append_(k_cache!, v_cache!, k,    writes k/v ``[B, S_new, Hkv, D]`` into the caches at
-v, cache_seqlens, cache_batch_idx)``        rows ``cache_batch_idx`` (or 0..B-1), positions
-                                            ``cache_seqlens[b] + i``; in place, returns nothing
+v, cache_seqlens, cache_batch_idx,          rows ``cache_batch_idx`` (or 0..B-1), positions
+block_table=None)``                         ``cache_seqlens[b] + i``; with ``block_table`` int32
+                                            ``[B, max_blocks]`` into a paged cache ``[num_blocks,
+                                            page, Hkv, D]`` (block ``block_table[b, pos // page]``,
+                                            row ``pos % page``); in place, returns nothing
 ==========================================  =====================================================
 
 Each op has a fake (meta) implementation giving output shapes/dtypes without running a kernel, so
@@ -27,7 +39,7 @@ the inputs). The ops are forward-only (no autograd formula): calling them on ten
 grad and then calling ``backward`` raises.
 
 The Python helpers at the bottom (:func:`flash_attn`, :func:`flash_attn_varlen`, :func:`decode_attn`,
-:func:`merge`, :func:`kvcache_append`) call the kernels directly in eager mode (no dispatcher
+:func:`paged_decode_attn`, :func:`rotary`, :func:`merge`, :func:`kvcache_append`) call the kernels directly in eager mode (no dispatcher
 overhead) and the custom ops while ``torch.compile`` traces; the rest of
 :mod:`xoffload.integrations` uses them.
 """
@@ -42,6 +54,8 @@ __all__ = [
     "flash_attn",
     "flash_attn_varlen",
     "decode_attn",
+    "paged_decode_attn",
+    "rotary",
     "merge",
     "kvcache_append",
     "OP_NAMES",
@@ -51,9 +65,12 @@ OP_NAMES = (
     "flash_attn_with_lse",
     "flash_attn_varlen_with_lse",
     "decode_attn_with_lse",
+    "paged_decode_attn_with_lse",
+    "rotary_emb",
     "merge_attention_states",
     "kvcache_append_",
 )
+MUTATING_OPS = ("kvcache_append_",)
 
 
 def _fresh(t: Tensor, inputs) -> Tensor:
@@ -68,9 +85,23 @@ def _fresh(t: Tensor, inputs) -> Tensor:
     return t
 
 
-def _decode_kernel(q, k_cache, v_cache, cache_seqlens, softmax_scale):
-    """The decode kernel without host-side validation of ``cache_seqlens`` (no device sync)."""
-    return _K.decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale, check=False)
+def _decode_kernel(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal=False, window_left=-1, window_right=-1,
+                   softcap=0.0, alibi_slopes=None, cache_leftpad=None, cache_batch_idx=None, num_splits=None):
+    """The decode kernel without host-side validation of the per-sequence tensors (no device sync)."""
+    return _K.decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale, check=False,
+                                   causal=causal, window_size=(window_left, window_right), softcap=softcap,
+                                   alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad,
+                                   cache_batch_idx=cache_batch_idx, num_splits=num_splits)
+
+
+def _paged_kernel(q, k_pages, v_pages, page_table, seqlens, page_size, softmax_scale, causal=False, window_left=-1,
+                  window_right=-1, softcap=0.0, alibi_slopes=None, cache_leftpad=None, num_splits=None):
+    """The paged decode kernel without host-side validation (no device sync)."""
+    return _K.paged_decode_attn_with_lse(q, k_pages, v_pages, page_table, seqlens, page_size=page_size,
+                                         softmax_scale=softmax_scale, check=False, causal=causal,
+                                         window_size=(window_left, window_right), softcap=softcap,
+                                         alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad,
+                                         num_splits=num_splits)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -117,17 +148,72 @@ def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, s
 
 @torch.library.custom_op("xoffload::decode_attn_with_lse", mutates_args=())
 def _decode_attn_with_lse_op(
-    q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, softmax_scale: Optional[float]
+    q: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    cache_seqlens: Tensor,
+    softmax_scale: Optional[float],
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
+    cache_batch_idx: Optional[Tensor] = None,
+    num_splits: Optional[int] = None,
 ) -> Tuple[Tensor, Tensor]:
-    out, lse = _decode_kernel(q, k_cache, v_cache, cache_seqlens, softmax_scale)
+    out, lse = _decode_kernel(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, window_left, window_right,
+                              softcap, alibi_slopes, cache_leftpad, cache_batch_idx, num_splits)
     ins = (q, k_cache, v_cache)
     return _fresh(out, ins), _fresh(lse, ins)
 
 
 @_decode_attn_with_lse_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, softmax_scale):
+def _(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal=False, window_left=-1, window_right=-1, softcap=0.0,
+      alibi_slopes=None, cache_leftpad=None, cache_batch_idx=None, num_splits=None):
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v_cache.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("xoffload::paged_decode_attn_with_lse", mutates_args=())
+def _paged_decode_attn_with_lse_op(
+    q: Tensor,
+    k_pages: Tensor,
+    v_pages: Tensor,
+    page_table: Tensor,
+    seqlens: Tensor,
+    page_size: Optional[int],
+    softmax_scale: Optional[float],
+    causal: bool = False,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    cache_leftpad: Optional[Tensor] = None,
+    num_splits: Optional[int] = None,
+) -> Tuple[Tensor, Tensor]:
+    out, lse = _paged_kernel(q, k_pages, v_pages, page_table, seqlens, page_size, softmax_scale, causal, window_left,
+                             window_right, softcap, alibi_slopes, cache_leftpad, num_splits)
+    ins = (q, k_pages, v_pages)
+    return _fresh(out, ins), _fresh(lse, ins)
+
+
+@_paged_decode_attn_with_lse_op.register_fake
+def _(q, k_pages, v_pages, page_table, seqlens, page_size, softmax_scale, causal=False, window_left=-1,
+      window_right=-1, softcap=0.0, alibi_slopes=None, cache_leftpad=None, num_splits=None):
+    b, sq, hq, _ = q.shape
+    return q.new_empty((b, sq, hq, v_pages.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("xoffload::rotary_emb", mutates_args=())
+def _rotary_emb_op(x: Tensor, cos: Tensor, sin: Tensor, seqlen_offsets: Tensor, interleaved: bool,
+                   same_position: bool) -> Tensor:
+    return _K.apply_rotary(x, cos, sin, seqlen_offsets, interleaved=interleaved, same_position=same_position)
+
+
+@_rotary_emb_op.register_fake
+def _(x, cos, sin, seqlen_offsets, interleaved, same_position):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("xoffload::merge_attention_states", mutates_args=())
@@ -150,22 +236,37 @@ def _kvcache_append_op(
     v: Tensor,
     cache_seqlens: Tensor,
     cache_batch_idx: Optional[Tensor],
+    block_table: Optional[Tensor] = None,
 ) -> None:
-    _append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx)
+    _append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
 
 
 @_kvcache_append_op.register_fake
-def _(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx):
+def _(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table=None):
     return None
 
 
-def _append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx):
-    """Device-side scatter (no host read): ``cache[row_b, cache_seqlens[b] + i] = new[b, i]``."""
+def _append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table=None):
+    """Device-side scatter (no host read): ``cache[row_b, cache_seqlens[b] + i] = new[b, i]``, or
+    for a paged cache ``cache[block_table[b, p // page], p % page] = new[b, i]`` with
+    ``p = cache_seqlens[b] + i``."""
     b, s_new = k.shape[:2]
     if b == 0 or s_new == 0:
         return
     dev = k_cache.device
     pos = cache_seqlens.to(device=dev, dtype=torch.long)[:, None] + torch.arange(s_new, device=dev)[None, :]
+    if block_table is not None:
+        page = k_cache.shape[1]
+        # a negative position or block id would wrap around (Python indexing): send it past the end
+        # instead, so it fails like any other out-of-range index (an error on the CPU, a device
+        # assert on CUDA)
+        pos = torch.where(pos < 0, block_table.shape[1] * page, pos)
+        blk = torch.gather(block_table.to(device=dev, dtype=torch.long), 1, pos // page)
+        blk = torch.where(blk < 0, k_cache.shape[0], blk)
+        off = pos % page
+        k_cache[blk, off] = k.to(k_cache.dtype)
+        v_cache[blk, off] = v.to(v_cache.dtype)
+        return
     # a negative position would wrap around (Python indexing): send it past the end instead, so it
     # fails like any other out-of-range position (IndexError on the CPU, device assert on CUDA)
     pos = torch.where(pos < 0, k_cache.shape[1], pos)
@@ -202,15 +303,52 @@ def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seq
     )
 
 
-def decode_attn(q, k_cache, v_cache, cache_seqlens, softmax_scale, check: bool = True):
-    """Decode attention with LSE (:func:`xoffload.kernels.decode_attn_with_lse`); compile- and
-    CUDA-graph-safe. ``check=False`` (forced while compiling or capturing a CUDA graph) skips the
-    host-side validation of ``cache_seqlens`` values, so nothing syncs with the device."""
+def decode_attn(q, k_cache, v_cache, cache_seqlens, softmax_scale, check: bool = True, *, causal=False,
+                window_size=(-1, -1), softcap=0.0, alibi_slopes=None, cache_leftpad=None, cache_batch_idx=None,
+                num_splits=None):
+    """Decode attention with LSE (:func:`xoffload.kernels.decode_attn_with_lse`, all its options);
+    compile- and CUDA-graph-safe. ``check=False`` (forced while compiling or capturing a CUDA graph)
+    skips the host-side validation of the per-sequence tensors' values, so nothing syncs with the
+    device."""
+    wl, wr = int(window_size[0]), int(window_size[1])
     if _compiling():
-        return torch.ops.xoffload.decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, softmax_scale)
+        return torch.ops.xoffload.decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, wl,
+                                                        wr, float(softcap), alibi_slopes, cache_leftpad,
+                                                        cache_batch_idx, num_splits)
     if check and not _capturing(q):
-        return _K.decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale)
-    return _decode_kernel(q, k_cache, v_cache, cache_seqlens, softmax_scale)
+        return _K.decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, softmax_scale=softmax_scale, causal=causal,
+                                       window_size=(wl, wr), softcap=softcap, alibi_slopes=alibi_slopes,
+                                       cache_leftpad=cache_leftpad, cache_batch_idx=cache_batch_idx,
+                                       num_splits=num_splits)
+    return _decode_kernel(q, k_cache, v_cache, cache_seqlens, softmax_scale, causal, wl, wr, softcap, alibi_slopes,
+                          cache_leftpad, cache_batch_idx, num_splits)
+
+
+def paged_decode_attn(q, k_pages, v_pages, page_table, seqlens, softmax_scale, check: bool = True, *, page_size=None,
+                      causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, cache_leftpad=None,
+                      num_splits=None):
+    """Paged decode attention with LSE (:func:`xoffload.kernels.paged_decode_attn_with_lse`, all
+    its options); compile- and CUDA-graph-safe (``check`` as :func:`decode_attn`)."""
+    wl, wr = int(window_size[0]), int(window_size[1])
+    if _compiling():
+        return torch.ops.xoffload.paged_decode_attn_with_lse(q, k_pages, v_pages, page_table, seqlens, page_size,
+                                                              softmax_scale, causal, wl, wr, float(softcap),
+                                                              alibi_slopes, cache_leftpad, num_splits)
+    if check and not _capturing(q):
+        return _K.paged_decode_attn_with_lse(q, k_pages, v_pages, page_table, seqlens, page_size=page_size,
+                                             softmax_scale=softmax_scale, causal=causal, window_size=(wl, wr),
+                                             softcap=softcap, alibi_slopes=alibi_slopes, cache_leftpad=cache_leftpad,
+                                             num_splits=num_splits)
+    return _paged_kernel(q, k_pages, v_pages, page_table, seqlens, page_size, softmax_scale, causal, wl, wr, softcap,
+                         alibi_slopes, cache_leftpad, num_splits)
+
+
+def rotary(x, cos, sin, seqlen_offsets, interleaved: bool, same_position: bool = False):
+    """flash-attn's rotary embedding (:func:`xoffload.kernels.rope.apply_rotary`) into a new tensor;
+    compile-safe (``seqlen_offsets`` an int32 ``[B]`` tensor, read on the device)."""
+    if _compiling():
+        return torch.ops.xoffload.rotary_emb(x, cos, sin, seqlen_offsets, interleaved, same_position)
+    return _K.apply_rotary(x, cos, sin, seqlen_offsets, interleaved=interleaved, same_position=same_position)
 
 
 def merge(o_a, lse_a, o_b, lse_b):
@@ -220,14 +358,16 @@ def merge(o_a, lse_a, o_b, lse_b):
     return _K.merge_attention_states(o_a, lse_a, o_b, lse_b)
 
 
-def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None) -> None:
+def kvcache_append(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx=None, block_table=None) -> None:
     """Write ``k``/``v`` ``[B, S_new, Hkv, D]`` into the caches in place at ``cache_seqlens`` (no
-    host sync); compile- and CUDA-graph-safe. Out-of-range positions raise an IndexError on the
+    host sync), contiguous ``[B_cache, S, Hkv, D]`` caches (rows ``cache_batch_idx``) or paged
+    ``[num_blocks, page, Hkv, D]`` ones through ``block_table`` int32 ``[B, max_blocks]``; compile-
+    and CUDA-graph-safe. Out-of-range positions or blocks raise an IndexError / RuntimeError on the
     CPU and a device-side assert on CUDA."""
     if _compiling():
-        torch.ops.xoffload.kvcache_append_(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx)
+        torch.ops.xoffload.kvcache_append_(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
     else:
-        _append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx)
+        _append_impl(k_cache, v_cache, k, v, cache_seqlens, cache_batch_idx, block_table)
 
 
 def _capturing(t: Tensor) -> bool:

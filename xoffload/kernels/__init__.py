@@ -7,12 +7,14 @@ run the reference (:mod:`xoffload.kernels.reference`), or the Triton code under 
 
 One op per module: ``flash_attn`` (dense prefill, padded and varlen), ``decode`` (split-KV decode),
 ``merge`` (LSE merge), ``block_sparse`` (block-sparse prefill), ``block_index`` (its mask ->
-index lists), ``xattn``
-(XAttention's strided estimate), ``norm`` / ``swiglu`` / ``rope`` (fused per-token layer ops),
-``paged_decode`` (decode over a page list per KV head, pages on the GPU or in pinned host memory),
-``gather`` (block copy out of pinned host memory), ``attention_dispatch`` (picks cuDNN or ours for
-whole-prompt causal attention); ``checks`` holds the shared input checks and dispatch rules,
-``launch`` the launch-config type and the one override hook (:func:`launch_override`).
+index lists), ``xattn`` (XAttention's strided estimate), ``norm`` / ``swiglu`` / ``rope`` (fused
+per-token layer ops; ``rope`` also has flash-attn's ``apply_rotary``), ``paged_decode`` (decode
+over a page list per KV head, pages on the GPU or in pinned host memory, row stores or flash-attn's
+block stores; ``decode`` and ``paged_decode`` take flash-attn's inference options: several query
+tokens, causal, window, softcap, ALiBi, left padding), ``gather`` (block copy out of pinned host
+memory), ``attention_dispatch`` (picks cuDNN or ours for whole-prompt causal attention); ``checks``
+holds the shared input checks and dispatch rules, ``launch`` the launch-config type and the one
+override hook (:func:`launch_override`).
 """
 from __future__ import annotations
 
@@ -27,12 +29,12 @@ from .launch import LaunchConfig, launch_override
 from .merge import merge_attention_states, merge_attention_states_, merge_attention_states_n
 from .paged_decode import paged_decode_attn_with_lse
 from .norm import rms_norm
-from .rope import qkv_rope
+from .rope import apply_rotary, qkv_rope
 from .swiglu import silu_mul
 from .xattn import XAttnChunkStats, xattn_block_scores, xattn_chunk_stats, xattn_estimate, xattn_merge_stats
 
 __all__ = [
-    "BlockIndex", "LaunchConfig", "XAttnChunkStats", "block_mask_to_indices", "block_sparse_attn_with_lse",
+    "BlockIndex", "LaunchConfig", "XAttnChunkStats", "apply_rotary", "block_mask_to_indices", "block_sparse_attn_with_lse",
     "causal_attention", "causal_attention_backend", "cpu_backend", "decode_attn_with_lse",
     "flash_attn_varlen_with_lse", "flash_attn_with_lse", "gather_blocks", "interpreter_on", "launch_override",
     "merge_attention_states", "merge_attention_states_", "merge_attention_states_n", "paged_decode_attn_with_lse",

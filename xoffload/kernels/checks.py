@@ -3,8 +3,10 @@
 The check vocabulary (each raises a one-line ``TypeError`` / ``ValueError`` naming the argument and
 the offending value, shape or dtype): :func:`check_tensor`, :func:`check_same`, :func:`check_heads`,
 :func:`check_qkv` (q/k/v of an attention call), :func:`check_out` (a caller's output buffer),
-:func:`check_int`, :func:`check_pow2`, :func:`is_int`, :func:`check_eps`, :func:`check_bool`, :func:`check_cu_seqlens`. The runtime, the sparse policies
-and the integrations use the same functions.
+:func:`check_int`, :func:`check_pow2`, :func:`is_int`, :func:`check_eps`, :func:`check_bool`, :func:`check_cu_seqlens`,
+and flash-attn's attention options :func:`check_window`, :func:`check_softcap`,
+:func:`check_alibi_slopes`. The runtime, the sparse policies and the integrations use the same
+functions.
 
 Dispatch rule (DESIGN.md): a CUDA tensor runs the Triton kernel; a CPU tensor runs the PyTorch
 reference, unless Triton's interpreter is on (``TRITON_INTERPRET=1`` set before Triton is
@@ -295,3 +297,75 @@ def check_bool(name: str, x) -> bool:
     if not isinstance(x, bool):
         raise TypeError(f"{name} must be a bool, got {type(x).__name__} {x!r}")
     return x
+
+
+# ----------------------------------------------------------------------------------------------
+# attention options shared by the kernels (flash-attn semantics): local window, soft-capping, ALiBi
+# ----------------------------------------------------------------------------------------------
+def _as_int(name: str, x) -> int:
+    """``x`` as an int: a Python/numpy int or an integer tensor of one element (flash-attn's own
+    tests pass ``torch.randint(...)`` windows). Raises TypeError otherwise."""
+    if isinstance(x, torch.Tensor) and x.numel() == 1 and not (x.dtype.is_floating_point or x.dtype.is_complex
+                                                               or x.dtype == torch.bool):
+        return int(x)
+    if not is_int(x):
+        raise TypeError(f"{name} must be an int, got {type(x).__name__} {x!r}")
+    return int(x)
+
+
+def check_window(window_size) -> tuple:
+    """``window_size = (left, right)`` of a local (sliding-window) attention, flash-attn's
+    convention: query at position ``i`` sees key ``j`` iff ``i - left <= j <= i + right`` (positions
+    bottom-right aligned), ``-1`` = no limit on that side. Returns ``(left, right)`` as ints.
+    Raises TypeError (not a pair of ints) or ValueError (a value < -1)."""
+    if isinstance(window_size, torch.Tensor):
+        window_size = window_size.tolist() if window_size.dim() == 1 else window_size
+    if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    left = _as_int("window_size[0] (left)", window_size[0])
+    right = _as_int("window_size[1] (right)", window_size[1])
+    for side, v in (("left", left), ("right", right)):
+        if v < -1:
+            raise ValueError(f"window_size {side} must be >= -1 (-1: no limit), got {v} in window_size={tuple(window_size)}")
+    return left, right
+
+
+def check_softcap(softcap) -> float:
+    """``softcap`` as a float: 0 = off, > 0 caps the scaled scores as ``softcap * tanh(s / softcap)``.
+    Raises TypeError (not a real number) or ValueError (negative, NaN or infinite)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        try:
+            import numpy as np
+            ok = isinstance(softcap, np.floating) or isinstance(softcap, np.integer)
+        except ImportError:  # pragma: no cover
+            ok = False
+        if not ok:
+            raise TypeError(f"softcap must be a float, got {type(softcap).__name__} {softcap!r}")
+    s = float(softcap)
+    if not math.isfinite(s) or s < 0:
+        raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap!r}")
+    return s
+
+
+def check_alibi_slopes(alibi_slopes, batch: int, heads: int, device):
+    """ALiBi slopes as flash-attn takes them: fp32 ``[Hq]`` or ``[B, Hq]`` on ``device``, last dim
+    contiguous (or None). Query head h of item b adds ``-slope[b, h] * |i - j|`` to the scaled
+    score of key j (query at position i, bottom-right aligned). Returns the tensor viewed as
+    ``[B or 1, Hq]`` (None stays None). Raises TypeError (not a tensor, not fp32) or ValueError
+    (shape, device, non-finite values are not checked: no host read)."""
+    if alibi_slopes is None:
+        return None
+    if not isinstance(alibi_slopes, torch.Tensor):
+        raise TypeError(f"alibi_slopes must be a torch.Tensor or None, got {type(alibi_slopes).__name__}")
+    if alibi_slopes.dtype != torch.float32:
+        raise TypeError(f"alibi_slopes must be fp32 (as in flash-attn), got {alibi_slopes.dtype}")
+    shape = tuple(alibi_slopes.shape)
+    if shape not in ((heads,), (batch, heads)):
+        raise ValueError(f"alibi_slopes must have shape [Hq] = [{heads}] or [B, Hq] = [{batch}, {heads}], got {shape}")
+    if alibi_slopes.device != torch.device(device):
+        raise ValueError(f"alibi_slopes is on {alibi_slopes.device} but q is on {device}")
+    if alibi_slopes.shape[-1] > 1 and alibi_slopes.stride(-1) != 1:
+        raise ValueError(f"alibi_slopes must have a contiguous last dim, got strides {tuple(alibi_slopes.stride())}")
+    return alibi_slopes if alibi_slopes.dim() == 2 else alibi_slopes[None]

@@ -164,19 +164,109 @@ def varlen_attention_ref(q, k, v, cu_seqlens_q, cu_seqlens_k, *, causal=False, s
     return out, lse
 
 
-def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, *, softmax_scale=None):
+def kvcache_visible_ref(sq: int, n: int, *, causal=False, window_size=(-1, -1), leftpad: int = 0,
+                        device=None) -> torch.Tensor:
+    """Bool ``[sq, n]`` visibility of the decode kernels (flash-attn's kvcache semantics): query row
+    i sits at position ``n - sq + i`` (bottom-right aligned) and sees key j iff ``leftpad <= j < n``,
+    ``j <= pos + right`` (right = 0 with causal) when right >= 0 and ``j >= pos - left`` when
+    left >= 0 (-1: no limit on that side)."""
+    left, right = int(window_size[0]), int(window_size[1])
+    if causal:
+        right = 0
+    i = torch.arange(sq, device=device)[:, None]
+    j = torch.arange(n, device=device)[None, :]
+    pos = n - sq + i
+    ok = (j >= leftpad).expand(sq, n).clone()
+    if right >= 0:
+        ok &= j <= pos + right
+    if left >= 0:
+        ok &= j >= pos - left
+    return ok
+
+
+def alibi_bias_ref(slopes: torch.Tensor, sq: int, n: int) -> torch.Tensor:
+    """fp32 ``[Hq, sq, n]``: ALiBi bias ``-slope[h] * |pos_i - j|`` with query row i at position
+    ``n - sq + i`` (flash-attn's sign and position convention; slopes ``[Hq]``)."""
+    i = torch.arange(sq, device=slopes.device)[:, None]
+    j = torch.arange(n, device=slopes.device)[None, :]
+    dist = (n - sq + i - j).abs().float()
+    return -slopes.float()[:, None, None] * dist[None]
+
+
+def scored_attention_ref(q, k, v, allowed=None, bias=None, softcap=0.0, softmax_scale=None):
+    """Attention of one batch item with soft-capping and an additive bias, in fp32, in flash-attn's
+    order: ``s = softmax_scale * q k^T``; ``s = softcap * tanh(s / softcap)`` when softcap > 0; then
+    ``s + bias`` on the allowed keys (others -inf); softmax.
+
+    q ``[Sq, Hq, D]``, k/v ``[Sk, Hkv, D]``; allowed bool broadcastable to ``[Hq, Sq, Sk]`` (None:
+    all); bias fp32 broadcastable to ``[Hq, Sq, Sk]`` (None: 0). Returns (out ``[Sq, Hq, D]`` fp32,
+    lse ``[Hq, Sq]`` fp32); rows with no allowed key give out 0 and lse -inf.
+    """
+    sq, hq, d = q.shape
+    sk, hkv, dv = v.shape
+    group = hq // hkv
+    scale = _scale(d, softmax_scale)
+    if sk == 0 or sq == 0:
+        return (torch.zeros(sq, hq, dv, device=q.device), torch.full((hq, sq), NEG_INF, device=q.device))
+    qf = q.float().permute(1, 0, 2)
+    kf = k.float().permute(1, 0, 2).repeat_interleave(group, dim=0)
+    vf = v.float().permute(1, 0, 2).repeat_interleave(group, dim=0)
+    s = torch.matmul(qf, kf.transpose(1, 2)) * scale  # [Hq, Sq, Sk]
+    if softcap and softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.to(s.device)
+    if allowed is not None:
+        s = s.masked_fill(~allowed.to(s.device).expand(hq, sq, sk), NEG_INF)
+    lse = torch.logsumexp(s, dim=-1)
+    p = torch.nan_to_num(torch.exp(s - lse[..., None]), nan=0.0)
+    return torch.matmul(p, vf).permute(1, 0, 2).contiguous(), lse
+
+
+def _options_set(causal, window_size, softcap, alibi_slopes, cache_leftpad):
+    return bool(causal) or tuple(int(x) for x in window_size) != (-1, -1) or bool(softcap) \
+        or alibi_slopes is not None or cache_leftpad is not None
+
+
+def _kvcache_item_ref(q_i, k_i, v_i, n, lp, slopes, *, causal, window_size, softcap, softmax_scale):
+    """One item of the decode references: q_i ``[Sq, Hq, D]`` over keys ``k_i/v_i[:n]``."""
+    sq = q_i.shape[0]
+    allowed = kvcache_visible_ref(sq, n, causal=causal, window_size=window_size, leftpad=lp, device=q_i.device)
+    bias = alibi_bias_ref(slopes.to(q_i.device), sq, n) if slopes is not None else None
+    return scored_attention_ref(q_i, k_i[:n], v_i[:n], allowed[None], bias, softcap, softmax_scale)
+
+
+def decode_attention_ref(q, k_cache, v_cache, cache_seqlens, *, softmax_scale=None, causal=False,
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, cache_leftpad=None,
+                         cache_batch_idx=None):
     """Reference for :func:`decode_attn_with_lse`.
 
-    q ``[B, 1, Hq, D]``, caches ``[B, S_max, Hkv, D]``, cache_seqlens int ``[B]``: item b attends to
-    its first ``cache_seqlens[b]`` cached tokens. Returns (out ``[B, 1, Hq, D]`` fp32, lse
-    ``[B, Hq, 1]`` fp32).
+    q ``[B, Sq, Hq, D]``, caches ``[B_cache, S_max, Hkv, D]``, cache_seqlens int ``[B]``: item b
+    attends to the first ``cache_seqlens[b]`` tokens of cache row ``cache_batch_idx[b]`` (default
+    b), keys before ``cache_leftpad[b]`` excluded, with the visibility of
+    :func:`kvcache_visible_ref` (query row i at position ``n - Sq + i``), soft-capping and ALiBi
+    (``alibi_slopes`` fp32 ``[Hq]`` or ``[B, Hq]``) as :func:`scored_attention_ref`. Returns
+    (out ``[B, Sq, Hq, D]`` fp32, lse ``[B, Hq, Sq]`` fp32).
     """
-    lens = cache_seqlens.tolist()
+    lens = [int(x) for x in cache_seqlens.tolist()]
+    rows = list(range(len(lens))) if cache_batch_idx is None else [int(x) for x in cache_batch_idx.tolist()]
+    plain = not _options_set(causal, window_size, softcap, alibi_slopes, cache_leftpad)
+    lps = [0] * len(lens) if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
     outs, lses = [], []
-    for i, n in enumerate(lens):
-        o, l = masked_attention_ref(q[i], k_cache[i, :n], v_cache[i, :n], None, softmax_scale)
+    for i, (n, r) in enumerate(zip(lens, rows)):
+        if plain and q.shape[1] == 1:
+            o, l = masked_attention_ref(q[i], k_cache[r, :n], v_cache[r, :n], None, softmax_scale)
+        else:
+            sl = None
+            if alibi_slopes is not None:
+                sl = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i]
+            o, l = _kvcache_item_ref(q[i], k_cache[r], v_cache[r], n, lps[i], sl, causal=causal,
+                                     window_size=window_size, softcap=softcap, softmax_scale=softmax_scale)
         outs.append(o)
         lses.append(l)
+    if not outs:
+        return (torch.zeros(q.shape[:3] + (v_cache.shape[-1],), device=q.device),
+                torch.zeros(0, q.shape[2], q.shape[1], device=q.device))
     return torch.stack(outs), torch.stack(lses)
 
 
@@ -189,37 +279,69 @@ def paged_rows_ref(page_table_row, n: int, page_size: int) -> torch.Tensor:
     return rows.reshape(-1)[:n]
 
 
-def paged_decode_attn_ref(q, k_pages, v_pages, page_table, seqlens, *, page_size, softmax_scale=None):
-    """Reference for :func:`paged_decode_attn_with_lse`: gather each (batch, KV head)'s token rows,
-    then plain attention in fp32.
+def paged_gather_ref(k_pages, v_pages, page_table, b: int, n: int, page_size: int):
+    """The first ``n`` tokens of item b along its page list(s) as ``[n, Hkv, D]`` K and V (on the
+    store's device). Row store ``[R, Hkv, D]``: entry = row of the page's first token; block store
+    ``[num_blocks, page_size, Hkv, D]`` (flash-attn's paged layout): entry = block index."""
+    hkv = k_pages.shape[-2]
+    table = page_table.cpu()
+    ks, vs = [], []
+    for h in range(hkv):
+        row = table[b, h if table.shape[1] > 1 else 0]
+        if k_pages.dim() == 4:
+            t = torch.arange(n)
+            blk = row[:max(-(-n // page_size), 0)].to(torch.int64)[t // page_size].to(k_pages.device)
+            off = (t % page_size).to(k_pages.device)
+            ks.append(k_pages[blk, off, h])
+            vs.append(v_pages[blk, off, h])
+        else:
+            rows = paged_rows_ref(row, n, page_size).to(k_pages.device)
+            ks.append(k_pages[rows, h])
+            vs.append(v_pages[rows, h])
+    return torch.stack(ks, 1), torch.stack(vs, 1)
 
-    q ``[B, 1, Hq, D]``; k/v_pages ``[R, Hkv, D]`` row stores (any device; rows are gathered there
-    and moved to q's device); page_table int ``[B, Hkv, P]`` or ``[B, 1, P]`` (shared by the KV
-    heads): entry j = row of the first token of the j-th page of (b, h); seqlens int ``[B]``.
-    Returns (out ``[B, 1, Hq, D]`` fp32, lse ``[B, Hq, 1]`` fp32); a length of 0 gives out 0 and
+
+def paged_decode_attn_ref(q, k_pages, v_pages, page_table, seqlens, *, page_size, softmax_scale=None, causal=False,
+                          window_size=(-1, -1), softcap=0.0, alibi_slopes=None, cache_leftpad=None):
+    """Reference for :func:`paged_decode_attn_with_lse`: gather each (batch, KV head)'s token rows,
+    then plain attention in fp32 (with the options of :func:`decode_attention_ref`).
+
+    q ``[B, Sq, Hq, D]``; k/v_pages ``[R, Hkv, D]`` row stores or ``[num_blocks, page_size, Hkv, D]``
+    block stores (any device; rows are gathered there and moved to q's device); page_table int
+    ``[B, Hkv, P]`` or ``[B, 1, P]`` (shared by the KV heads): entry j = row of the first token (row
+    store) or block index (block store) of the j-th page of (b, h); seqlens int ``[B]``.
+    Returns (out ``[B, Sq, Hq, D]`` fp32, lse ``[B, Hq, Sq]`` fp32); a length of 0 gives out 0 and
     LSE -inf.
     """
-    b, _, hq, d = q.shape
-    hkv = k_pages.shape[1]
+    b, sq, hq, d = q.shape
+    hkv = k_pages.shape[-2]
     g = hq // hkv
     scale = _scale(d, softmax_scale)
-    out = torch.zeros(b, 1, hq, v_pages.shape[-1], dtype=torch.float32, device=q.device)
-    lse = torch.full((b, hq, 1), NEG_INF, dtype=torch.float32, device=q.device)
-    table = page_table.cpu()
-    lens = seqlens.tolist()
+    out = torch.zeros(b, sq, hq, v_pages.shape[-1], dtype=torch.float32, device=q.device)
+    lse = torch.full((b, hq, sq), NEG_INF, dtype=torch.float32, device=q.device)
+    lens = [int(x) for x in seqlens.tolist()]
+    plain = sq == 1 and not _options_set(causal, window_size, softcap, alibi_slopes, cache_leftpad)
+    lps = [0] * b if cache_leftpad is None else [int(x) for x in cache_leftpad.tolist()]
     for i, n in enumerate(lens):
         if n <= 0:
             continue
-        for h in range(hkv):
-            rows = paged_rows_ref(table[i, h if table.shape[1] > 1 else 0], n, page_size)
-            rows = rows.to(k_pages.device)
-            kf = k_pages[rows, h].to(q.device).float()  # [n, D]
-            vf = v_pages[rows, h].to(q.device).float()
-            qf = q[i, 0, h * g:(h + 1) * g].float()  # [g, D]
-            s = (qf @ kf.T) * scale
-            l = torch.logsumexp(s, dim=-1)
-            out[i, 0, h * g:(h + 1) * g] = torch.exp(s - l[:, None]) @ vf
-            lse[i, h * g:(h + 1) * g, 0] = l
+        kf, vf = paged_gather_ref(k_pages, v_pages, page_table, i, n, page_size)
+        kf, vf = kf.to(q.device), vf.to(q.device)
+        if plain:
+            for h in range(hkv):
+                qf = q[i, 0, h * g:(h + 1) * g].float()  # [g, D]
+                s = (qf @ kf[:, h].float().T) * scale
+                l = torch.logsumexp(s, dim=-1)
+                out[i, 0, h * g:(h + 1) * g] = torch.exp(s - l[:, None]) @ vf[:, h].float()
+                lse[i, h * g:(h + 1) * g, 0] = l
+            continue
+        sl = None
+        if alibi_slopes is not None:
+            sl = alibi_slopes if alibi_slopes.dim() == 1 else alibi_slopes[i]
+        o, l = _kvcache_item_ref(q[i], kf, vf, n, lps[i], sl, causal=causal, window_size=window_size,
+                                 softcap=softcap, softmax_scale=softmax_scale)
+        out[i] = o
+        lse[i] = l
     return out, lse
 
 

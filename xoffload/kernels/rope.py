@@ -17,6 +17,11 @@ With a norm weight, ``x`` is first replaced by ``w * (x * rsqrt(mean(x^2) + eps)
 
 CUDA tensors run the Triton kernel; CPU tensors run :func:`qkv_rope_ref`, or the Triton code under
 ``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels.checks`).
+
+:func:`apply_rotary` is flash-attn's rotary embedding (the one ``flash_attn_with_kvcache`` applies
+to q and the new k): half tables ``cos/sin [N, R/2]`` over the first ``R = rotary_dim`` dims, in
+the GPT-NeoX layout (pairs ``(i, i + R/2)``) or the GPT-J interleaved one (pairs ``(2i, 2i+1)``),
+at per-sequence start positions read on the device (CUDA-graph safe).
 """
 from __future__ import annotations
 
@@ -27,7 +32,7 @@ import triton.language as tl
 
 from .checks import MAX_HEAD_DIM, check_eps, check_int, check_out, check_tensor, next_pow2, use_triton
 
-__all__ = ["qkv_rope", "qkv_rope_ref"]
+__all__ = ["apply_rotary", "apply_rotary_ref", "qkv_rope", "qkv_rope_ref"]
 
 
 @triton.jit
@@ -276,3 +281,164 @@ def qkv_rope(qkv, cos, sin, positions_start, num_heads, num_kv_heads, head_dim, 
         v_out.copy_(v)
     return q_out, k_out, v_out
 
+
+
+# ----------------------------------------------------------------------------------------------
+# flash-attn's rotary embedding (flash_attn_with_kvcache's rotary_cos / rotary_sin)
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _rotary_kernel(
+    X, COS, SIN, POS, OUT,
+    S, H, D, N, HALF_R, pos0,
+    s_xb, s_xs, s_xh, s_ob, s_os, s_oh, s_cos, s_sin,
+    POS_PTR: tl.constexpr, SAME_POS: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (token b*S + s, head block): ``[BLOCK_H, BLOCK_D]`` of x rotated at position
+    ``POS[b] (+ s)``: ``y[d] = x[d] * cos[c(d)] + sign(d) * x[partner(d)] * sin[c(d)]`` for
+    ``d < 2 * HALF_R``, ``y[d] = x[d]`` beyond. All loads precede the stores (in place is safe)."""
+    pid = tl.program_id(0)
+    b = (pid // S).to(tl.int64)
+    s = pid % S
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < H
+    d = tl.arange(0, BLOCK_D)
+    dmask = d < D
+    if POS_PTR:
+        p = tl.load(POS + b).to(tl.int64)
+    else:
+        p = pos0 + 0 * b
+    if not SAME_POS:
+        p = p + s
+    p = tl.minimum(tl.maximum(p, 0), N - 1)
+    rot = d < 2 * HALF_R
+    if INTERLEAVED:
+        partner = d ^ 1
+        ci = d // 2
+        sign = tl.where(d % 2 == 0, -1.0, 1.0)
+    else:
+        first = d < HALF_R
+        partner = tl.where(first, d + HALF_R, d - HALF_R)
+        ci = tl.where(first, d, d - HALF_R)
+        sign = tl.where(first, -1.0, 1.0)
+    m2 = hmask[:, None] & dmask[None, :]
+    src = X + b * s_xb + s * s_xs + h[:, None].to(tl.int64) * s_xh
+    x = tl.load(src + d[None, :], mask=m2, other=0.0).to(tl.float32)
+    xp = tl.load(src + partner[None, :], mask=m2 & rot[None, :], other=0.0).to(tl.float32)
+    c = tl.load(COS + p * s_cos + ci, mask=rot & dmask, other=1.0).to(tl.float32)
+    sn = tl.load(SIN + p * s_sin + ci, mask=rot & dmask, other=0.0).to(tl.float32)
+    y = x * c[None, :] + sign[None, :] * xp * sn[None, :]
+    dst = OUT + b * s_ob + s * s_os + h[:, None].to(tl.int64) * s_oh + d[None, :]
+    tl.store(dst, y.to(OUT.dtype.element_ty), mask=m2)
+
+
+def apply_rotary_ref(x, cos, sin, seqlen_offsets, *, interleaved=False, same_position=False):
+    """PyTorch version of :func:`apply_rotary` (fp32, rounded once to x's dtype; positions clamped
+    to ``[0, N - 1]`` as in the kernel)."""
+    b, sq, h, d = x.shape
+    r = 2 * cos.shape[1]
+    if isinstance(seqlen_offsets, torch.Tensor):
+        off = seqlen_offsets.to(device=x.device, dtype=torch.int64).reshape(-1).expand(b)
+    else:
+        off = torch.full((b,), int(seqlen_offsets), dtype=torch.int64, device=x.device)
+    steps = torch.zeros(sq, dtype=torch.int64, device=x.device) if same_position else torch.arange(sq, device=x.device)
+    pos = (off[:, None] + steps[None, :]).clamp(0, cos.shape[0] - 1)  # [B, S]
+    c = cos.float()[pos][:, :, None, :]  # [B, S, 1, R/2]
+    s_ = sin.float()[pos][:, :, None, :]
+    xf = x.float()
+    xr = xf[..., :r]
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+        y = torch.stack((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1).reshape(b, sq, h, r)
+    else:
+        x1, x2 = xr[..., : r // 2], xr[..., r // 2:]
+        y = torch.cat((x1 * c - x2 * s_, x2 * c + x1 * s_), dim=-1)
+    return torch.cat((y, xf[..., r:]), dim=-1).to(x.dtype)
+
+
+def check_rotary_tables(cos, sin, head_dim: int, device) -> int:
+    """flash-attn's rotary tables: ``cos`` and ``sin`` of one shape ``[N, R/2]`` (``R =
+    rotary_dim``, ``0 < R <= head_dim``), a supported float dtype, on ``device``, last dim
+    contiguous. Returns R. Raises TypeError / ValueError naming the table and its shape."""
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        check_tensor(name, t, ndim=2)
+        if t.device != torch.device(device):
+            raise ValueError(f"{name} is on {t.device} but q is on {device}")
+    if tuple(cos.shape) != tuple(sin.shape):
+        raise ValueError(f"rotary_cos has shape {tuple(cos.shape)} but rotary_sin has {tuple(sin.shape)}; they must match")
+    r = 2 * cos.shape[1]
+    if r == 0 or r > head_dim:
+        raise ValueError(f"rotary_dim = 2 * rotary_cos.shape[1] = {r} must be in [2, head_dim={head_dim}] "
+                         f"(rotary_cos {tuple(cos.shape)})")
+    if cos.shape[0] == 0:
+        raise ValueError(f"rotary_cos has no position (shape {tuple(cos.shape)})")
+    return r
+
+
+def apply_rotary(x, cos, sin, seqlen_offsets, *, interleaved=False, same_position=False, out=None):
+    """flash-attn's rotary embedding of ``x``, computed in fp32 and rounded once (one launch).
+
+    Token i of item b sits at position ``seqlen_offsets[b] + i`` (or ``seqlen_offsets[b]`` for
+    every token with ``same_position``, flash-attn's convention for a non-causal q in
+    ``flash_attn_with_kvcache``). With ``R = rotary_dim = 2 * cos.shape[1]`` and ``p`` the
+    position, the first R dims are rotated, the rest copied:
+
+    * non-interleaved (GPT-NeoX, ``rotate_half``): ``y[i] = x[i] cos[p,i] - x[i+R/2] sin[p,i]``,
+      ``y[i+R/2] = x[i+R/2] cos[p,i] + x[i] sin[p,i]`` for ``i < R/2``;
+    * interleaved (GPT-J): ``y[2i] = x[2i] cos[p,i] - x[2i+1] sin[p,i]``,
+      ``y[2i+1] = x[2i+1] cos[p,i] + x[2i] sin[p,i]``.
+
+    Args:
+        x: ``[B, S, H, D]`` fp16/bf16/fp32, last dim contiguous (other strides free).
+        cos, sin: ``[N, R/2]`` tables (any supported float dtype), on x's device, ``R <= D``.
+        seqlen_offsets: an int, or an integer tensor ``[B]`` (or of one element) on x's device,
+            read by the kernel (no host sync). Positions past ``N - 1`` are clamped to it; the
+            caller guarantees ``offset + S <= N`` (flash-attn: the tables cover the cache).
+        interleaved: the GPT-J layout (flash-attn's default in ``flash_attn_with_kvcache``).
+        same_position: every token of item b at ``seqlen_offsets[b]``.
+        out: optional ``[B, S, H, D]`` buffer in x's dtype (may be x itself: in place).
+
+    Returns:
+        ``out`` (a new tensor when not given).
+
+    Raises:
+        TypeError: non-tensors, unsupported dtypes, a non-integer offset tensor.
+        ValueError: x not 4-D, tables of the wrong shape (rotary_dim odd, 0 or > D), tensors on
+            another device, a negative int offset, a non-contiguous last dim.
+    """
+    check_tensor("x", x, ndim=4)
+    b, sq, h, d = x.shape
+    r = check_rotary_tables(cos, sin, d, x.device)
+    if isinstance(seqlen_offsets, torch.Tensor):
+        t = seqlen_offsets
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise TypeError(f"seqlen_offsets tensor must have an integer dtype, got {t.dtype}")
+        if t.numel() not in (1, b):
+            raise ValueError(f"seqlen_offsets tensor must have shape [B] = [{b}] or one element, got {tuple(t.shape)}")
+        if t.device != x.device:
+            raise ValueError(f"seqlen_offsets is on {t.device} but x is on {x.device}")
+    else:
+        check_int("seqlen_offsets", seqlen_offsets, 0)
+    if out is None:
+        out = torch.empty_like(x)
+    else:
+        check_out("out", out, tuple(x.shape), x.dtype, x.device)
+    if out.numel() == 0:
+        return out
+    if not use_triton(x):
+        out.copy_(apply_rotary_ref(x, cos, sin, seqlen_offsets, interleaved=interleaved, same_position=same_position))
+        return out
+    pos_t = isinstance(seqlen_offsets, torch.Tensor)
+    pos = seqlen_offsets.reshape(-1).expand(b).contiguous() if pos_t else x
+    block_d = next_pow2(max(d, 2))
+    block_h = max(1, min(next_pow2(h), 2048 // block_d))  # <= 16 fp32 elements per thread and tensor
+    grid = (b * sq, triton.cdiv(h, block_h))
+    _rotary_kernel[grid](
+        x, cos, sin, pos, out,
+        sq, h, d, cos.shape[0], r // 2, 0 if pos_t else int(seqlen_offsets),
+        x.stride(0), x.stride(1), x.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        cos.stride(0), sin.stride(0),
+        POS_PTR=pos_t, SAME_POS=bool(same_position), INTERLEAVED=bool(interleaved),
+        BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+    )
+    return out
