@@ -85,8 +85,12 @@ def test_per_sequence_sampling_and_stop_ids_do_not_stall_others():
         assert [o.token_ids for o in outs] == ref, mode
         assert outs[2].finish_reason == "stop" and outs[2].token_ids[-1] == stop and len(outs[2].token_ids) <= 4
         assert [len(o.token_ids) for o in (outs[0], outs[1], outs[3])] == [12, 12, 9]
+    # the one-request path takes the list too
+    assert [o.token_ids for o in LLM(m, max_model_len=128).generate(prompts, sps)] == ref
     with pytest.raises(ValueError, match="list of 3, but there are 4 prompts"):
         LLM(m, max_model_len=128, max_num_seqs=2).generate(prompts, sps[:3])
+    with pytest.raises(TypeError, match=r"sampling_params\[1\] must be SamplingParams"):
+        LLM(m, max_model_len=128).generate(prompts[:2], [sps[0], {"max_tokens": 3}])
 
 
 def test_admission_waits_for_room_and_refuses_a_prompt_that_never_fits():

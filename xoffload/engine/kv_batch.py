@@ -141,6 +141,7 @@ class RowPool:
         return self.alloc.table(sid)
 
     def free(self, sid: int) -> None:
+        """Return sequence ``sid``'s blocks (nothing if it holds none)."""
         if self.alloc.has(sid):
             self.alloc.free(sid)
 
@@ -357,7 +358,8 @@ class ResidentBatchKV(BatchKV):
             r0 = table[0] * self.block
             return _StagedSink(lambda layer, t: (self.pool.k[layer, r0:r0 + t], self.pool.v[layer, r0:r0 + t]),
                                lambda layer, k, v: None)
-        rows = self.pool.rows(table, T).to(self.device)
+        rows = torch.empty(T, dtype=torch.int64, device=self.device)
+        _to_device(rows, self.pool.rows(table, T))
 
         def buffers(layer, t):
             shape = (t, self.cfg.num_kv_heads, self.cfg.head_dim)
