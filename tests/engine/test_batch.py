@@ -9,6 +9,7 @@ import torch
 
 from xoffload.engine import LLM, SamplingParams
 from xoffload.models import random_model
+from xoffload.sparse import QuestDecode
 
 from .llm_helpers import tiny_random
 
@@ -68,6 +69,25 @@ def test_join_mid_batch_finish_after_one_token_every_store(mode, kw):
     assert sum(seqs) == 13 + 0 + 3 + 5
     if llm.engine is not None:
         assert llm.engine.sequences() == []
+
+
+def test_quest_page_cache_and_prefetch_in_a_batch():
+    """Offload + Quest with its page cache and next-layer prefetch, three sequences through two
+    places: each gives its tokens alone (pages selected per sequence; the batch hands each store its
+    row of the next layer's query estimate), and the cache's figures reach each request's timings."""
+    m = tiny_random()
+    prompts = _prompts([200, 150, 260], seed=9)
+    pol = QuestDecode(token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,),
+                      prefetch=True)
+    sps = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (8, 3, 6)]
+    kw = dict(mode="offload", max_model_len=300, kv_block_size=32, sparse_decode=pol)
+    alone = LLM(m, **kw)
+    ref = [alone.generate(p, sp)[0] for p, sp in zip(prompts, sps)]
+    outs = LLM(m, max_num_seqs=2, **kw).generate(prompts, sps)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    for o, r in zip(outs, ref):
+        assert o.timings["cache_hit_rate"] == r.timings["cache_hit_rate"]
+        assert o.timings["h2d_bytes_per_token"] == r.timings["h2d_bytes_per_token"] > 0
 
 
 def test_per_sequence_sampling_and_stop_ids_do_not_stall_others():

@@ -258,6 +258,10 @@ class BatchKV:
         """Bytes one decode step reads from host memory for ``seq`` (None: none)."""
         return None
 
+    def decode_stats(self, seq) -> dict:
+        """Extra figures of ``seq``'s decode steps for its timings (read before it is released)."""
+        return {}
+
     # decode
     def _set_positions(self, seqs, rows: int) -> None:
         pos = torch.zeros(rows, dtype=torch.int64)
@@ -550,6 +554,7 @@ class SerialBatchKV(BatchKV):
         self._reserved = 0
         self._seqs: list = []
         self._admitted: list = []
+        self.lookahead = frozenset()
 
     @classmethod
     def open(cls, model, config, shared, seqs, store_cls=None) -> "SerialBatchKV":
@@ -585,11 +590,22 @@ class SerialBatchKV(BatchKV):
     def h2d_bytes_per_step(self, seq):
         return seq.kv.h2d_bytes_per_step if seq.kv is not None else None
 
+    def decode_stats(self, seq) -> dict:
+        return seq.kv.decode_stats() if seq.kv is not None else {}
+
     def set_batch(self, seqs) -> int:
         self._seqs = list(seqs)
         self._set_positions(seqs, len(seqs))
         self.n = len(seqs)
+        # layers whose query estimate some sequence's store wants one layer ahead (its prefetch)
+        self.lookahead = frozenset().union(*(getattr(s.kv, "lookahead", frozenset()) for s in self._seqs))
         return self.n
+
+    def prefetch(self, layer, q_est):
+        """Hand row b of ``q_est`` ``[rows, Hq, D]`` to the stores that prefetch ``layer``."""
+        for b, s in enumerate(self._seqs):
+            if layer in getattr(s.kv, "lookahead", ()):
+                s.kv.prefetch(layer, q_est[b:b + 1])
 
     def begin_step(self):
         for s in self._seqs:  # the host knows each position (sampling advances it)

@@ -141,7 +141,7 @@ class BatchRunner:
                     host["prefill_tok"] += s.prompt_len
                 host["prefill_s"] += time.perf_counter() - t
                 log.poll(lag)
-                self._retire(sched, clock)
+                self._retire(sched, store, clock)
                 running = list(sched.running)
                 if running:
                     t = time.perf_counter()
@@ -167,7 +167,7 @@ class BatchRunner:
                     host["decode_s"] += time.perf_counter() - t
                     host["decode_tok"] += len(running)
                 done_before = len(sched.finished)
-                self._retire(sched, clock)
+                self._retire(sched, store, clock)
                 if bar is not None:
                     bar.update(len(sched.finished) - done_before)
                     bar.set_postfix_str(
@@ -192,14 +192,15 @@ class BatchRunner:
         s.marks["first"] = clock.mark()
         s.last_tok, s.n_out = tok, 1
         self._prefills.append((s.prompt_len, a, b))
-        s.h2d = store.h2d_bytes_per_step(s)
         log.publish(tok, [s])
 
-    def _retire(self, sched: Scheduler, clock: Clock) -> None:
-        """Finish every running sequence that has all its tokens or whose stop id was read."""
+    def _retire(self, sched: Scheduler, store, clock: Clock) -> None:
+        """Finish every running sequence that has all its tokens or whose stop id was read (its
+        store's figures are read first: the KV goes with it)."""
         for s in list(sched.running):
             if s.done_sampling:
                 s.marks["end"] = clock.mark()
+                s.h2d, s.stats = store.h2d_bytes_per_step(s), store.decode_stats(s)
                 sched.finish(s, "stop" if s.stopped else "length")
 
     # ------------------------------------------------------------------ results
@@ -209,6 +210,7 @@ class BatchRunner:
         t["queue_ms"] = clock.ms(start, s.marks["t0"])
         if s.h2d is not None:
             t["h2d_bytes_per_token"] = int(s.h2d)
+        t.update(s.stats)
         return RequestOutput(prompt_token_ids=list(s.req.ids), token_ids=out_ids, text=self.llm.decode(out_ids),
                              finish_reason=reason, timings=t, peak_gpu_memory_bytes=peak)
 

@@ -48,9 +48,10 @@ class Sequence:
         finish_reason: ``"stop"`` or ``"length"`` once finished.
         last_tok: int64 ``[1]`` device tensor, the last sampled token (the next decode input).
         kv: what the KV store keeps for this sequence (the store's own record).
-        marks, steps, densities, h2d: timestamps (:class:`~xoffload.engine.request.Clock` marks),
-            decode steps taken, the sparse prefill's per-layer densities and the bytes a decode
-            step reads from host memory, for the request's timings.
+        marks, steps, densities, h2d, stats: timestamps (:class:`~xoffload.engine.request.Clock`
+            marks), decode steps taken, the sparse prefill's per-layer densities, the bytes a
+            decode step reads from host memory and the store's decode figures, for the request's
+            timings.
     """
 
     def __init__(self, index: int, req: Request):
@@ -66,6 +67,7 @@ class Sequence:
         self.steps = 0
         self.densities = None
         self.h2d = None
+        self.stats: dict = {}
 
     @property
     def prompt_len(self) -> int:
