@@ -27,4 +27,5 @@ def test_api_tour_runs(capsys):
     assert torch.allclose(ns["o"].float(), full.float(), atol=1e-4) and torch.allclose(ns["l"], full_lse, atol=1e-4)
     assert torch.allclose(ns["d1"].float(), ns["d2"].float(), atol=1e-5)  # paged == contiguous decode
     assert len(ns["res"].token_ids) == 8 and ns["out"].timings["h2d_bytes_per_token"] > 0
+    assert [len(o.token_ids) for o in ns["outs"]] == [8, 1, 8] and ns["batched"].batch_stats["max_running"] == 3
     assert "tok" not in capsys.readouterr().err

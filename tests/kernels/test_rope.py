@@ -124,6 +124,27 @@ def test_only_k_norm_and_2d_tables_and_tensor_position(device):
     _check(outs, qkv, cos, sin, p0, hq, hkv, d, None, kn, torch.float16)
 
 
+def test_per_row_positions_equal_one_row_at_a_time(device):
+    """A position tensor of N elements puts row i at position pos[i] (batched decode): each row
+    equals that row alone at its position, in the Triton code and the reference."""
+    n, hq, hkv, d = 6, 4, 2, 32
+    qkv, qn, kn = _data(n, hq, hkv, d, torch.float32, device, seed=21, norms=True)
+    cos, sin = _tables(64, d, torch.float32, device)
+    pos = torch.tensor([0, 63, 5, 5, 17, 1], dtype=torch.int64, device=device)
+    for backend in ("triton", "reference"):
+        outs = _outs(n, hq, hkv, d, torch.float32, device)
+        ctx = cpu_backend("reference") if backend == "reference" else torch.no_grad()
+        with ctx:
+            qkv_rope(qkv, cos, sin, pos, hq, hkv, d, *outs, q_norm=qn, k_norm=kn, eps=EPS)
+            for i, p in enumerate(pos.tolist()):
+                one = _outs(1, hq, hkv, d, torch.float32, device)
+                qkv_rope(qkv[i:i + 1], cos, sin, p, hq, hkv, d, *one, q_norm=qn, k_norm=kn, eps=EPS)
+                for a, b in zip(outs, one):
+                    assert torch.equal(a[i:i + 1], b), (backend, i)
+    with pytest.raises(ValueError, match="one per row"):
+        qkv_rope(qkv, cos, sin, pos[:3], hq, hkv, d, *_outs(n, hq, hkv, d, torch.float32, device))
+
+
 def test_arbitrary_tables(device):
     # x * cos + rotate_half(x) * sin holds for any table, not only HF's duplicated halves
     n, hq, hkv, d = 5, 2, 1, 64

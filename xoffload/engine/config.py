@@ -67,6 +67,20 @@ class EngineConfig:
             attention kernel reads the pages in place over PCIe, serialised with the compute; with
             ``sparse_decode`` the same as ``"direct"``) or ``"ring"`` (the engine copies each layer
             into a ring of ``num_kv_buffers`` GPU buffers ahead of its compute; eager; dense only).
+        max_num_seqs: most sequences decoded together (default 1: prompts are served one after
+            another, each with its own KV store and CUDA graph). Above 1, ``generate`` batches its
+            prompts (:mod:`xoffload.engine.runner`): a scheduler admits them in submission order
+            while they fit, one decode step serves every running sequence, a finished one leaves
+            and a waiting one is prefilled and joins the next step (continuous batching); in
+            ``resident`` mode and ``offload`` without a decode policy with one attention launch
+            per layer for the whole batch and a CUDA graph per batch-size bucket (1, 2, 4, ...).
+        max_num_batched_tokens: most prompt tokens prefilled between two decode steps of a batched
+            generate (default ``max_model_len``; a longer prompt still runs, alone in its step).
+        kv_cache_tokens: tokens of KV a batched generate may hold for all its running sequences:
+            ``offload``: the pinned CPU pool (its size; default ``max_num_seqs * max_model_len``,
+            allocated when the LLM is made); ``resident``: a cap on the GPU pool, which is
+            otherwise sized per call from the requests (what the ``max_num_seqs`` largest need) and
+            the free GPU memory. A prompt that alone needs more is refused (ValueError).
     """
 
     mode: str = "resident"
@@ -83,6 +97,9 @@ class EngineConfig:
     sparse_decode: object = None
     token_budget: int | None = None
     offload_decode: str = "direct"
+    max_num_seqs: int = 1
+    max_num_batched_tokens: int | None = None
+    kv_cache_tokens: int | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -122,6 +139,16 @@ class EngineConfig:
                              f"got {self.prefill_attn!r}")
         check_int("num_kv_buffers", self.num_kv_buffers, 1)
         check_int("kv_block_size", self.kv_block_size, 1)
+        self.max_num_seqs = _positive("max_num_seqs", self.max_num_seqs)
+        if self.max_num_batched_tokens is not None:
+            self.max_num_batched_tokens = _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.kv_cache_tokens is not None:
+            self.kv_cache_tokens = _positive("kv_cache_tokens", self.kv_cache_tokens)
+        b = self.kv_block_size
+        if (self.max_num_seqs > 1 and self.mode == "resident" and self.sparse_decode is None
+                and (b < 16 or b & (b - 1))):
+            raise ValueError(f"kv_block_size must be a power of two >= 16 for batched resident decode "
+                             f"(max_num_seqs > 1: the page of the paged KV pool), got {b}")
         self.seed = int(self.seed)
 
     @property
@@ -134,7 +161,7 @@ class EngineConfig:
 
     def bind(self, model) -> "EngineConfig":
         """This config with the model's defaults filled in (``max_model_len``, ``prefill_chunk``,
-        ``dtype``, ``device``) and the model-dependent checks done: an explicit dtype must be the
+        ``dtype``, ``device``, ``max_num_batched_tokens``) and the model-dependent checks done: an explicit dtype must be the
         model's, ``prefill_attn="cudnn"`` needs CUDA, the policy's layers must exist."""
         dev = model.device
         if self.dtype is not None and resolve_dtype_device(self.dtype, dev)[0] != model.dtype:
@@ -144,10 +171,11 @@ class EngineConfig:
         self.sparse.layers(model.cfg.num_layers)  # raises for layers outside the model
         if self.sparse_decode is not None:
             self.sparse_decode.sparse_layers(model.cfg.num_layers)
+        max_len = self.max_model_len or model.cfg.max_position_embeddings
         return dataclasses.replace(
-            self, dtype=model.dtype, device=dev,
-            max_model_len=self.max_model_len or model.cfg.max_position_embeddings,
-            prefill_chunk=self.prefill_chunk or (8192 if dev.type == "cuda" else 512))
+            self, dtype=model.dtype, device=dev, max_model_len=max_len,
+            prefill_chunk=self.prefill_chunk or (8192 if dev.type == "cuda" else 512),
+            max_num_batched_tokens=self.max_num_batched_tokens or max_len)
 
 
 def _positive(name: str, x) -> int:

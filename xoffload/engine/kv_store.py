@@ -243,10 +243,14 @@ class OffloadKV(KVStore):
 
     @classmethod
     def open_shared(cls, model, config) -> OffloadEngine:
+        """The LLM's offload engine; its pinned pool holds ``kv_cache_tokens`` tokens (default one
+        ``max_model_len`` sequence, ``max_num_seqs`` of them for batched generation)."""
         cfg = model.cfg
+        tokens = config.kv_cache_tokens or config.max_num_seqs * config.max_model_len
         return OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
                              device=str(model.device), max_tokens=config.max_model_len,
-                             block_size=config.kv_block_size, num_buffers=config.num_kv_buffers)
+                             block_size=config.kv_block_size, num_buffers=config.num_kv_buffers,
+                             num_blocks=-(-tokens // config.kv_block_size))
 
     @classmethod
     def for_request(cls, model, shared, req, config) -> "OffloadKV":

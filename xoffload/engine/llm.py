@@ -2,11 +2,12 @@
 (``"resident"``, alias ``"gpu"``) or offloaded to pinned CPU memory through
 :class:`xoffload.runtime.OffloadEngine` (``"offload"``).
 
-Requests are served one after another; each gets a fresh KV store (:mod:`.kv_store`) that is
-closed at the end, also when the request fails, so calls share nothing but the weights (and, in
-offload mode, the engine's pool). Options: :class:`~.config.EngineConfig`; sampling:
-:mod:`.sampling`; per-request state and timings: :mod:`.request`; the CUDA-graph decode:
-:mod:`.cuda_graph`.
+With ``max_num_seqs=1`` (the default) requests are served one after another; each gets a fresh KV
+store (:mod:`.kv_store`) that is closed at the end, also when the request fails, so calls share
+nothing but the weights (and, in offload mode, the engine's pool). With ``max_num_seqs > 1`` a
+call's prompts are decoded together with continuous batching (:mod:`.runner`, :mod:`.scheduler`,
+:mod:`.kv_batch`). Options: :class:`~.config.EngineConfig`; sampling: :mod:`.sampling`;
+per-request state and timings: :mod:`.request`; the CUDA-graph decode: :mod:`.cuda_graph`.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from .config import EngineConfig
 from .cuda_graph import GraphDecode
 from .kv_store import store_class
 from .request import Clock, Request, RequestOutput, TokenLog, request_timings
+from .runner import BatchRunner
 from .sampling import SamplingParams, sample
 
 __all__ = ["LLM"]
@@ -39,11 +41,16 @@ class LLM:
             (random weights), a ModelConfig, or a loaded :class:`LlamaModel` (weights are shared).
         **options: the fields of :class:`~xoffload.engine.config.EngineConfig` (``mode``,
             ``num_kv_buffers``, ``kv_block_size``, ``max_model_len``, ``dtype``, ``device``,
-            ``sparse``, ``prefill_chunk``, ``prefill_attn``, ``seed``, ``cuda_graph``).
+            ``sparse``, ``prefill_chunk``, ``prefill_attn``, ``seed``, ``cuda_graph``,
+            ``sparse_decode``, ``token_budget``, ``offload_decode``, ``max_num_seqs``,
+            ``max_num_batched_tokens``, ``kv_cache_tokens``).
 
     Attributes: ``config`` (the bound :class:`EngineConfig`), ``mode`` (canonical name),
     ``policy`` (the prefill policy object), ``sparse_layers`` (layers it applies to), ``engine``
-    (the offload engine, None for a store that shares nothing), ``model``, ``tokenizer``.
+    (the offload engine, None for a store that shares nothing), ``model``, ``tokenizer``,
+    ``batch_stats`` (after a batched generate: per decode step the sequences, padded rows and ms;
+    per prefill its tokens and ms; decode tok/s; the most sequences that ran at once; the buckets
+    whose CUDA graph was captured).
 
     On the CPU the attention kernels run their PyTorch references (exact fp32) inside
     :meth:`generate`, whatever ``TRITON_INTERPRET`` says. Raises ValueError / TypeError on bad
@@ -67,6 +74,8 @@ class LLM:
         self._store = store_class(cfg.mode).variant(cfg)  # chosen once; per request: .for_request(...)
         self.engine = self._store.open_shared(m, cfg)
         self._closed, self._shares = False, self.engine is not None
+        self._runner = BatchRunner(self) if cfg.max_num_seqs > 1 else None
+        self.batch_stats: dict = {}
         self._stop_ids = set(self.cfg.eos_token_ids)
         tok = self.tokenizer
         if tok is not None and getattr(tok, "eos_token_id", None) is not None:
@@ -137,31 +146,54 @@ class LLM:
         return ids
 
     # ------------------------------------------------------------------ generation
-    def generate(self, prompts, sampling_params: SamplingParams | None = None, *, use_tqdm: bool = False) -> list:
-        """Generate for each prompt, one after another.
+    def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list:
+        """Generate for each prompt: one after another (``max_num_seqs=1``), or decoded together
+        with continuous batching (``max_num_seqs > 1``: :mod:`xoffload.engine.runner`).
 
         Args:
             prompts: a string, a list of token ids, or a list of strings / token-id lists (a
                 1-D/2-D int tensor works too). Strings are tokenized as they are (no chat
                 template: see :meth:`apply_chat_template`).
-            sampling_params: :class:`SamplingParams` (default greedy, 64 tokens).
+            sampling_params: one :class:`SamplingParams` for every prompt (default greedy, 64
+                tokens), or a list of them, one per prompt.
+            use_tqdm: show a progress bar (batched: finished requests, prefill and decode tok/s).
         Returns:
-            list of :class:`RequestOutput`, one per prompt.
+            list of :class:`RequestOutput`, one per prompt, in the order of ``prompts``.
         Raises:
             ValueError / TypeError on an empty prompt, one longer than ``max_model_len``, ids
-            outside the vocabulary, a string without a tokenizer. All prompts are checked before
-            any runs; a failed request frees its KV and the LLM keeps serving.
+            outside the vocabulary, a string without a tokenizer, a list of sampling parameters
+            of another length than the prompts, and (batched) a prompt whose KV alone can never
+            fit the store (the sizes named). All prompts are checked before any runs; a failed
+            request frees its KV and the LLM keeps serving.
         """
         if self._closed and self._shares:
             raise ValueError("this LLM was closed; create a new one")
-        sp = sampling_params or SamplingParams()
-        if not isinstance(sp, SamplingParams):
-            raise TypeError(f"sampling_params must be SamplingParams, got {type(sp).__name__}")
         batch = self._normalize(prompts)
+        sps = self._sampling_list(sampling_params, len(batch))
         ctx = cpu_backend("reference") if self.device.type == "cpu" else contextlib.nullcontext()
-        it = tqdm(batch, desc="requests") if use_tqdm else batch
         with ctx, torch.no_grad():
-            return [self._run_one(ids, sp) for ids in it]
+            if self._runner is not None:
+                try:
+                    return self._runner.run(batch, sps, use_tqdm=use_tqdm)
+                finally:
+                    self.batch_stats = self._runner.stats
+            it = tqdm(list(zip(batch, sps)), desc="requests") if use_tqdm else zip(batch, sps)
+            return [self._run_one(ids, sp) for ids, sp in it]
+
+    @staticmethod
+    def _sampling_list(sp, n: int) -> list:
+        if sp is None:
+            sp = SamplingParams()
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        if isinstance(sp, (list, tuple)):
+            if len(sp) != n:
+                raise ValueError(f"sampling_params is a list of {len(sp)}, but there are {n} prompts")
+            for i, x in enumerate(sp):
+                if not isinstance(x, SamplingParams):
+                    raise TypeError(f"sampling_params[{i}] must be SamplingParams, got {type(x).__name__}")
+            return list(sp)
+        raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {type(sp).__name__}")
 
     def _run_one(self, ids: list, sp: SamplingParams) -> RequestOutput:
         dev = self.device

@@ -53,7 +53,7 @@ def _qkv_rope_kernel(
     N, HQ, HKV, D, G, pos0, eps,
     s_qkv, s_cos, s_sin,
     sq_t, sq_h, sk_t, sk_h, sv_t, sv_h,
-    POS_FROM_PTR: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
+    POS_FROM_PTR: tl.constexpr, POS_PER_ROW: tl.constexpr, Q_NORM: tl.constexpr, K_NORM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_G: tl.constexpr, HALF: tl.constexpr,
 ):
     """Program (token block, head group): ``G`` consecutive heads (``G`` divides ``HQ`` and
@@ -84,7 +84,9 @@ def _qkv_rope_kernel(
     else:
         f1 = x1.to(tl.float32)
         f2 = x2.to(tl.float32)
-        if POS_FROM_PTR:
+        if POS_PER_ROW:
+            p = tl.load(POS + t, mask=tmask, other=0).to(tl.int64)
+        elif POS_FROM_PTR:
             p = tl.load(POS).to(tl.int64) + t.to(tl.int64)
         else:
             p = pos0 + t.to(tl.int64)
@@ -138,6 +140,11 @@ def _launch(qkv, cos, sin, pos, hq, hkv, d, q_out, k_out, v_out, q_norm, k_norm,
     if hkv % g != 0:
         raise ValueError(f"G={g} heads per program must divide num_kv_heads={hkv}")
     pos_t = isinstance(pos, torch.Tensor)
+    per_row = pos_t and pos.numel() > 1
+    if per_row:
+        pos = pos.reshape(-1)
+        if pos.stride(0) != 1:
+            pos = pos.contiguous()
     grid = (triton.cdiv(n, cfg["BLOCK_T"]), (hq + 2 * hkv) // g)
     _qkv_rope_kernel[grid](
         qkv, cos, sin, pos if pos_t else qkv, q_out, k_out, v_out,
@@ -145,7 +152,7 @@ def _launch(qkv, cos, sin, pos, hq, hkv, d, q_out, k_out, v_out, q_norm, k_norm,
         n, hq, hkv, d, g, 0 if pos_t else int(pos), float(eps),
         qkv.stride(0), cos.stride(0), sin.stride(0),
         q_out.stride(0), q_out.stride(1), k_out.stride(0), k_out.stride(1), v_out.stride(0), v_out.stride(1),
-        POS_FROM_PTR=pos_t, Q_NORM=q_norm is not None, K_NORM=k_norm is not None, **cfg,
+        POS_FROM_PTR=pos_t, POS_PER_ROW=per_row, Q_NORM=q_norm is not None, K_NORM=k_norm is not None, **cfg,
     )
 
 
@@ -166,13 +173,19 @@ def _rope_ref(x, cos, sin):
 def qkv_rope_ref(qkv, cos, sin, positions_start, num_heads, num_kv_heads, head_dim,
                  q_norm=None, k_norm=None, eps=1e-6):
     """PyTorch version with the kernel's rounding points. Returns ``(q, k, v)`` ``[N, H*, D]`` in
-    ``qkv``'s dtype. cos/sin ``[n_max, 1, D]`` or ``[n_max, D]``; positions_start an int or an
-    integer tensor of one element."""
+    ``qkv``'s dtype. cos/sin ``[n_max, 1, D]`` or ``[n_max, D]``; positions_start an int, an
+    integer tensor of one element (the first token's position) or of ``N`` elements (one position
+    per token row)."""
     n = qkv.shape[0]
     hq, hkv, d = num_heads, num_kv_heads, head_dim
-    p0 = int(positions_start.reshape(-1)[0]) if isinstance(positions_start, torch.Tensor) else int(positions_start)
-    c = cos.reshape(cos.shape[0], d)[p0:p0 + n]
-    s = sin.reshape(sin.shape[0], d)[p0:p0 + n]
+    if isinstance(positions_start, torch.Tensor) and positions_start.numel() > 1:
+        rows = positions_start.reshape(-1).to(device=cos.device, dtype=torch.int64)
+        c = cos.reshape(cos.shape[0], d)[rows]
+        s = sin.reshape(sin.shape[0], d)[rows]
+    else:
+        p0 = int(positions_start.reshape(-1)[0]) if isinstance(positions_start, torch.Tensor) else int(positions_start)
+        c = cos.reshape(cos.shape[0], d)[p0:p0 + n]
+        s = sin.reshape(sin.shape[0], d)[p0:p0 + n]
     q = qkv[:, : hq * d].reshape(n, hq, d)
     k = qkv[:, hq * d: (hq + hkv) * d].reshape(n, hkv, d)
     v = qkv[:, (hq + hkv) * d:].reshape(n, hkv, d)
@@ -215,8 +228,9 @@ def _check_rope_args(qkv, cos, sin, positions_start, num_heads, num_kv_heads, he
     if isinstance(positions_start, torch.Tensor):
         if positions_start.dtype.is_floating_point or positions_start.dtype.is_complex or positions_start.dtype == torch.bool:
             raise TypeError(f"positions_start tensor must have an integer dtype, got {positions_start.dtype}")
-        if positions_start.numel() != 1:
-            raise ValueError(f"positions_start tensor must have one element, got shape {tuple(positions_start.shape)}")
+        if positions_start.numel() not in (1, n):
+            raise ValueError(f"positions_start tensor must have one element (the first position) or N={n} "
+                             f"(one per row), got shape {tuple(positions_start.shape)}")
         if positions_start.device != qkv.device:
             raise ValueError(f"positions_start is on {positions_start.device} but qkv is on {qkv.device}")
     elif check_int("positions_start", positions_start, 0) + n > cos.shape[0]:
@@ -244,7 +258,10 @@ def qkv_rope(qkv, cos, sin, positions_start, num_heads, num_kv_heads, head_dim, 
         positions_start: position of the first token (tokens are at ``positions_start ..
             positions_start + N - 1``): an int, or an integer tensor of one element on ``qkv``'s
             device (read by the kernel, not on the host: CUDA-graph safe, but then the caller
-            guarantees ``positions_start + N <= n_max``; an int is checked).
+            guarantees ``positions_start + N <= n_max``; an int is checked); or an integer tensor
+            of ``N`` elements (``N > 1``): row i is at position ``positions_start[i]`` (batched
+            decode: one token of each of N sequences; every value must be in ``[0, n_max)``,
+            not checked on the host).
         num_heads, num_kv_heads, head_dim: ``Hq``, ``Hkv`` (``Hq % Hkv == 0``), ``D`` (even, <= 256).
         q_out: ``[N, Hq, D]``; k_out, v_out: ``[N, Hkv, D]``; in ``qkv``'s dtype, on its device,
             last dim contiguous, other strides free (e.g. ``k_cache[s:e]``). Each may also be the

@@ -233,30 +233,41 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, token: torch.Tensor, pos, kv) -> torch.Tensor:
-        """One decode step for one sequence.
+        """One decode step for one sequence, or for ``B`` sequences at once (batched decode).
 
         Args:
-            token: int64 ``[1]`` on the model's device (the token at position ``pos``).
-            pos: its position (number of tokens already in the KV store): a Python int, or an int64
-                ``[1]`` tensor on the model's device (CUDA-graph safe: the position is never read on
-                the host; the caller must have grown the RoPE tables past it with
-                :meth:`rope_tables` first, they are not grown here).
-            kv: object with ``attend(layer, q [1, Hq, D], k_new [1, Hkv, D], v_new) -> out [1, Hq, D]``
-                that appends the new K/V to the layer and attends over all of it. If it has a
-                non-empty ``lookahead`` set of layers, each such layer ``l`` gets
-                ``kv.prefetch(l, q_est)`` during layer ``l - 1``, before its attention, with
-                ``q_est`` layer ``l``'s query projected from layer ``l - 1``'s input (InfiniGen's
-                estimate of the next layer's query).
+            token: int64 ``[B]`` on the model's device: the token of each sequence at its position
+                (``B = 1``: one sequence).
+            pos: the positions (tokens already in the KV store): for ``B = 1`` a Python int or an
+                int64 ``[1]`` tensor on the model's device; for ``B > 1`` an int64 ``[B]`` tensor
+                (row b at position ``pos[b]``). A tensor is never read on the host (CUDA-graph
+                safe): the caller must have grown the RoPE tables past every position with
+                :meth:`rope_tables` first, they are not grown here.
+            kv: object with ``attend(layer, q [B, Hq, D], k_new [B, Hkv, D], v_new) -> out`` (``[B,
+                Hq, D]``, or ``[Hq, D]`` for ``B = 1``) that appends each row's new K/V to its
+                sequence and attends over all of it. If it has a non-empty ``lookahead`` set of
+                layers, each such layer ``l`` gets ``kv.prefetch(l, q_est)`` during layer ``l - 1``,
+                before its attention, with ``q_est`` (``[B, Hq, D]``) layer ``l``'s query projected
+                from layer ``l - 1``'s input (InfiniGen's estimate of the next layer's query).
         Returns:
-            fp32 logits ``[1, V]``.
+            fp32 logits ``[B, V]``.
+        Raises:
+            ValueError: a tensor ``pos`` without ``rope_tables`` called first, or ``B > 1`` with an
+                int position or a position tensor of another length.
         """
+        B = int(token.shape[0])
         if isinstance(pos, torch.Tensor):
             if self._cos is None:
                 raise ValueError("decode_step with a tensor pos needs rope_tables(n) called first")
-            # the kernel reads the position on the device: no host read (CUDA-graph safe)
+            if B > 1 and pos.numel() != B:
+                raise ValueError(f"decode_step of {B} sequences needs one position per sequence, got pos of "
+                                 f"shape {tuple(pos.shape)}")
+            # the kernel reads the positions on the device: no host read (CUDA-graph safe)
+        elif B > 1:
+            raise ValueError(f"decode_step of {B} sequences needs an int64 [{B}] position tensor, got {pos!r}")
         else:
             self.rope_tables(pos + 1)
-        h = F.embedding(token, self.w.embed)  # [1, hidden]
+        h = F.embedding(token, self.w.embed)  # [B, hidden]
         look = getattr(kv, "lookahead", ())
         layers = self.w.layers
         for li, lw in enumerate(layers):
@@ -264,7 +275,7 @@ class LlamaModel:
             if li + 1 in look:
                 kv.prefetch(li + 1, self._qkv(layers[li + 1], h, pos)[0])
             o = kv.attend(li, q, k, v)
-            h.addmm_(o.reshape(1, -1).to(self.dtype), lw.wo.t())
+            h.addmm_(o.reshape(B, -1).to(self.dtype), lw.wo.t())
             self._mlp_residual(lw, h)
         return self.logits(h)
 

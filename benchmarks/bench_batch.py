@@ -1,0 +1,275 @@
+"""Batched decode throughput against batch size: ours, transformers and the HBM read bound; offload.
+
+Ours against transformers' batched ``generate`` and the HBM read bound, in the same run; offload +
+sparse decode under a 24 GiB cap.
+
+Parts (``--part``, comma-separated; default both):
+
+- ``gpu``: random Llama-3.1-8B shape (bf16), ``--ctx`` tokens per sequence (default 32K, prompt
+  ``ctx - new``), batch 1, 2, 4, 8, 16 (``--batches``). Ours: ``LLM(mode="resident",
+  max_num_seqs=B)``, every prompt admitted at once, each prefilled alone, then one decode step for
+  all B (a CUDA graph per bucket); decode tok/s = B / median step time over the steady steps (the
+  first two steps of the bucket, eager warm-up and graph capture, left out). Bound: each step reads
+  the weights once and every sequence's KV once, ``(weights + B * ctx * KV bytes per token) / HBM
+  copy bandwidth`` (measured here). Peer: transformers ``generate`` (SDPA, cache on the GPU) on
+  the same weights with B prompts of the same length, decode time per token from CUDA events a
+  logits processor records at every token; a batch it cannot hold is recorded as OOM.
+- ``cap``: under a 24 GiB GPU memory cap (``torch.cuda.set_per_process_memory_fraction``), same
+  shape and context: ``offload`` with Quest sparse decode (``--budget``, default 2048 tokens) at
+  every batch of ``--cap-batches`` (pinned host memory: B * ctx * 128 KiB), and ``resident`` given
+  16 prompts, whose KV pool is sized to the free memory under the cap (it runs as many at once as
+  fit); both decode tok/s and how many sequences ran together.
+
+Writes ``benchmarks/results/batch.json`` and ``batch.png`` (throughput against batch size). Needs a
+CUDA GPU (``--help`` works anywhere).
+"""
+from __future__ import annotations
+
+import statistics
+
+from _common import bench_parser, env_record, fmt_table, hbm_copy_gbps, parse_gpu_args, requires_cuda, run, write_json
+
+import torch
+
+from bench_llm import _free, _prompt, _section, h2d_bandwidth_gbps, hf_from_ours
+
+PRESET = "llama-3.1-8b"
+CAP_BYTES = 24 * 2**30
+
+
+def _steady(stats: dict, batch: int) -> dict:
+    """Decode figures of a batched generate from ``LLM.batch_stats``: steps that ran ``batch``
+    sequences, less the first two of their bucket (warm-up, capture)."""
+    steps = [s for s in stats["decode_steps"] if s["seqs"] == batch]
+    steady = steps[2:] if len(steps) > 4 else steps
+    ms = statistics.median(s["ms"] for s in steady) if steady else None
+    return {"batch": batch, "steps": len(steps), "step_ms": ms,
+            "tok_per_s": batch / ms * 1e3 if ms else None,
+            "first_steps_ms": [s["ms"] for s in steps[:2]],
+            "overall_decode_tok_per_s": stats["decode_tok_per_s"], "max_running": stats["max_running"],
+            "graph_buckets": stats["graph_buckets"],
+            "prefill_tok_per_s": stats["prefill_tokens"] / stats["prefill_ms"] * 1e3 if stats["prefill_ms"] else None}
+
+
+def run_ours(model, batch, ctx, new, **kw) -> dict:
+    """One batched generate of ``batch`` prompts of ``ctx - new`` tokens, ``new`` tokens each (batch 1
+    too goes through the batched engine: ``max_num_seqs >= 2``, one row)."""
+    from xoffload import LLM, SamplingParams
+
+    llm = LLM(model, max_model_len=ctx + 64, max_num_seqs=max(batch, 2), max_num_batched_tokens=batch * ctx, **kw)
+    try:
+        prompts = [_prompt(ctx - new, model.cfg.vocab_size, seed=i) for i in range(batch)]
+        outs = llm.generate(prompts, SamplingParams(max_tokens=new, ignore_eos=True))
+        rec = _steady(llm.batch_stats, llm.batch_stats["max_running"])
+        rec["peak_gpu_memory_bytes"] = outs[0].peak_gpu_memory_bytes
+        rec["token_ids"] = [o.token_ids[:8] for o in outs[:2]]
+        rec["h2d_bytes_per_token"] = outs[0].timings.get("h2d_bytes_per_token")
+        return rec
+    finally:
+        llm.close()
+        del llm
+        _free()
+
+
+def run_hf_batch(hf, batch, ctx, new) -> dict:
+    """transformers ``generate`` of ``batch`` prompts at once (greedy, ``new`` tokens each)."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    events = []
+
+    class _Mark(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            events.append(e)
+            return scores
+
+    ids = torch.tensor([_prompt(ctx - new, hf.config.vocab_size, seed=i) for i in range(batch)], device="cuda")
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        with torch.no_grad():
+            out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([_Mark()]))
+    except torch.cuda.OutOfMemoryError as e:
+        return {"batch": batch, "status": "OOM", "error": str(e).splitlines()[0][:200]}
+    finally:
+        del ids
+    events[-1].synchronize()
+    gaps = [events[i].elapsed_time(events[i + 1]) for i in range(2, len(events) - 1)]
+    ms = statistics.median(gaps) if gaps else None
+    rec = {"batch": batch, "step_ms": ms, "tok_per_s": batch / ms * 1e3 if ms else None,
+           "peak_gpu_memory_bytes": int(torch.cuda.max_memory_allocated()),
+           "token_ids": out[:2, -new:][:, :8].tolist()}
+    del out
+    _free()
+    return rec
+
+
+def part_gpu(res, model, batches, ctx, new, peers):
+    kvt = model.cfg.kv_bytes_per_token(model.dtype)
+    weights = model.w.nbytes()
+    hbm = res["hbm_GBps"]
+    ours, hf_rows = {}, {}
+    for b in batches:
+        r = _section(res, f"gpu/ours/b{b}", lambda b=b: run_ours(model, b, ctx, new, mode="resident"))
+        if r:
+            r["read_bound_ms"] = (weights + b * ctx * kvt) / (hbm * 1e9) * 1e3
+            r["step_over_bound"] = r["step_ms"] / r["read_bound_ms"] if r.get("step_ms") else None
+            ours[b] = r
+            print(f"ours b={b}: {r['tok_per_s']:.0f} tok/s, step {r['step_ms']:.2f} ms = "
+                  f"{r['step_over_bound']:.2f}x the read bound", flush=True)
+    if peers:
+        hf = _section(res, "gpu/hf_build", lambda: hf_from_ours(model))
+        if hf is not None:
+            res["results"]["gpu/hf_build"] = "ok"
+            try:
+                for b in batches:
+                    r = _section(res, f"gpu/hf/b{b}", lambda b=b: run_hf_batch(hf, b, ctx, new))
+                    if r:
+                        hf_rows[b] = r
+                        print(f"hf b={b}: {r.get('tok_per_s') or r.get('status')}", flush=True)
+            finally:
+                del hf
+                _free()
+    both = [b for b in batches if b in ours and (hf_rows.get(b) or {}).get("tok_per_s")]
+    t = {}
+    if both:
+        b = max(both)
+        t["largest_batch_both_fit"] = b
+        t["ours_over_hf_at_it"] = ours[b]["tok_per_s"] / hf_rows[b]["tok_per_s"]
+    if batches and max(batches) in ours:
+        t[f"b{max(batches)}_step_over_read_bound"] = ours[max(batches)]["step_over_bound"]
+    return {"ours": ours, "hf": hf_rows, "targets": t, "weights_bytes": weights, "kv_bytes_per_token": kvt}
+
+
+def part_cap(res, model, batches, ctx, new, budget):
+    from xoffload.sparse import QuestDecode
+
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_BYTES / total))
+    out = {"cap_bytes": CAP_BYTES, "budget": budget, "offload_quest": {}, "resident": None}
+
+    def guarded(fn):
+        try:
+            return fn()
+        except torch.cuda.OutOfMemoryError as e:
+            _free()
+            return {"status": "OOM", "error": str(e).splitlines()[0][:200]}
+
+    try:
+        for b in batches:
+            r = guarded(lambda b=b: run_ours(model, b, ctx, new, mode="offload",
+                                             sparse_decode=QuestDecode(token_budget=budget),
+                                             kv_cache_tokens=b * (ctx + 64)))
+            out["offload_quest"][b] = r
+            print(f"cap offload+quest b={b}: {r.get('tok_per_s') or r.get('status')}", flush=True)
+        n = max(batches)
+        out["resident"] = guarded(lambda: run_ours(model, n, ctx, new, mode="resident"))
+        print(f"cap resident (given {n}): {out['resident'].get('tok_per_s') or out['resident'].get('status')}, "
+              f"{out['resident'].get('max_running')} at once", flush=True)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    best_q = max([r["tok_per_s"] for r in out["offload_quest"].values() if r.get("tok_per_s")] or [0])
+    g = (out["resident"] or {}).get("tok_per_s")
+    out["targets"] = {"offload_quest_best_tok_per_s": best_q, "resident_under_cap_tok_per_s": g,
+                      "offload_quest_over_resident": best_q / g if g else None,
+                      "most_offload_quest_seqs": max([b for b, r in out["offload_quest"].items() if r.get("tok_per_s")]
+                                                     or [0])}
+    return out
+
+
+def plot(res, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    g = res["results"].get("gpu_part") or {}
+    ours, hf = g.get("ours") or {}, g.get("hf") or {}
+    if ours:
+        xs = sorted(ours)
+        ax.plot(xs, [ours[b]["tok_per_s"] for b in xs], "o-", label="xoffload resident (batched, CUDA graphs)")
+        ax.plot(xs, [b / ours[b]["read_bound_ms"] * 1e3 for b in xs], "k--", label="read bound (weights + KV) / HBM")
+    xs = sorted(b for b in hf if hf[b].get("tok_per_s"))
+    if xs:
+        ax.plot(xs, [hf[b]["tok_per_s"] for b in xs], "s-", label="transformers generate (SDPA)")
+    c = res["results"].get("cap_part") or {}
+    q = {b: r for b, r in (c.get("offload_quest") or {}).items() if r.get("tok_per_s")}
+    if q:
+        xs = sorted(q)
+        ax.plot(xs, [q[b]["tok_per_s"] for b in xs], "^-", label=f"offload + Quest {c.get('budget')}, 24 GiB cap")
+    r = c.get("resident") or {}
+    if r.get("tok_per_s"):
+        ax.axhline(r["tok_per_s"], color="gray", ls=":", label=f"resident under the cap ({r.get('max_running')} at once)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequences decoded together")
+    ax.set_ylabel("decode tok/s (all sequences)")
+    env = res["env"]
+    ax.set_title(f"{PRESET} shape, {res['ctx'] // 1024}K context, {env.get('gpu')}, "
+                 f"{env.get('commit', '')[:7]} {env.get('date', '')[:10]}", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    ap = bench_parser(__doc__, "batch", "batches 1, 4, 16 and 16 new tokens")
+    ap.add_argument("--part", default="gpu,cap", help="comma-separated parts: gpu, cap")
+    ap.add_argument("--ctx", type=int, default=32768, help="tokens per sequence (prompt + new)")
+    ap.add_argument("--new", type=int, default=32, help="new tokens per sequence")
+    ap.add_argument("--batches", default="1,2,4,8,16", help="batch sizes of the gpu part")
+    ap.add_argument("--cap-batches", default="1,4,8,16", help="batch sizes of offload + Quest under the cap")
+    ap.add_argument("--budget", type=int, default=2048, help="Quest token budget of the cap part")
+    ap.add_argument("--no-peers", action="store_true", help="skip transformers")
+    a = parse_gpu_args(ap, argv)
+    if a is None:
+        return 0
+    from xoffload.models import random_model
+
+    parts = set(a.part.split(","))
+    batches = [1, 4, 16] if a.quick else [int(x) for x in a.batches.split(",")]
+    cap_batches = [1, 16] if a.quick else [int(x) for x in a.cap_batches.split(",")]
+    new = 16 if a.quick else a.new
+    res = {"name": "batch", "preset": PRESET, "ctx": a.ctx, "new": new, "results": {}, "errors": {}, "tracebacks": {},
+           "env": env_record(), "hbm_GBps": hbm_copy_gbps(), "h2d_GBps": h2d_bandwidth_gbps()}
+    print(f"HBM copy {res['hbm_GBps']:.0f} GB/s, H2D {res['h2d_GBps']:.1f} GB/s", flush=True)
+    model = random_model(PRESET, dtype=torch.bfloat16, device="cuda", seed=0)
+    try:
+        if "gpu" in parts:
+            _section(res, "gpu_part", lambda: part_gpu(res, model, batches, a.ctx, new, not a.no_peers))
+        if "cap" in parts:
+            _section(res, "cap_part", lambda: part_cap(res, model, cap_batches, a.ctx, new, a.budget))
+    finally:
+        model = None
+        _free()
+    rows = []
+    for part in ("gpu_part", "cap_part"):
+        p = res["results"].get(part) or {}
+        for name in ("ours", "hf", "offload_quest"):
+            for b, r in (p.get(name) or {}).items():
+                rows.append({"what": f"{part}/{name}", "batch": b, "tok/s": r.get("tok_per_s") or float("nan"),
+                             "step_ms": r.get("step_ms") or float("nan"),
+                             "x_bound": r.get("step_over_bound") or float("nan"),
+                             "peak_GiB": (r.get("peak_gpu_memory_bytes") or 0) / 2**30, "status": r.get("status", "")})
+        if p.get("targets"):
+            print(part, p["targets"])
+    print(fmt_table(rows, ["what", "batch", "tok/s", "step_ms", "x_bound", "peak_GiB", "status"]))
+    base = a.out[:-5] if a.out.endswith(".json") else a.out
+    res["plot"] = plot(res, base + ".png")
+    print("wrote", write_json(a.out, res), res["plot"])
+    if res["errors"]:
+        print("errors:", res["errors"])
+    return 1 if res["errors"] else 0
+
+
+@requires_cuda
+def test_bench_batch(benchmark):
+    benchmark.pedantic(lambda: main(["--quick", "--no-peers", "--ctx", "8192"]), rounds=1, iterations=1)
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,89 @@
+"""Scheduler (xoffload.engine.scheduler): FIFO admission under max_num_seqs, max_num_batched_tokens
+and the store's capacity; refusal of a sequence that can never fit; finished sequences free their
+place (continuous batching). Host logic only: a counting capacity stands in for a KV store."""
+import pytest
+import torch
+
+from xoffload.engine import SamplingParams
+from xoffload.engine.request import Request
+from xoffload.engine.scheduler import FINISHED, RUNNING, WAITING, Scheduler, Sequence
+
+
+class Tokens:
+    """A capacity of ``total`` tokens; a sequence reserves its final length."""
+
+    def __init__(self, total):
+        self.total, self.used, self.log = total, 0, []
+
+    def check(self, seq):
+        if seq.final_len > self.total:
+            raise ValueError(f"prompt {seq.index} needs {seq.final_len} tokens but the pool holds {self.total}")
+
+    def can_admit(self, seq):
+        return self.used + seq.final_len <= self.total
+
+    def admit(self, seq):
+        self.used += seq.final_len
+        self.log.append(("admit", seq.index))
+
+    def release(self, seq):
+        self.used -= seq.final_len
+        self.log.append(("release", seq.index))
+
+
+def _seq(i, prompt_len, max_tokens=4):
+    req = Request.make(list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens), max_model_len=10_000,
+                       seed=0, stop_ids=(), device=torch.device("cpu"))
+    return Sequence(i, req)
+
+
+def test_fifo_max_num_seqs_and_continuous_batching():
+    cap = Tokens(10_000)
+    s = Scheduler(2, 10_000, cap)
+    seqs = [_seq(i, 10) for i in range(5)]
+    for q in seqs:
+        s.add(q)
+    assert [q.status for q in seqs] == [WAITING] * 5
+    assert s.admit() == seqs[:2] and s.running == seqs[:2]
+    assert s.admit() == []  # full
+    s.finish(seqs[1], "length")  # a finished one leaves at once ...
+    assert seqs[1].status == FINISHED and s.running == [seqs[0]]
+    assert s.admit() == [seqs[2]]  # ... and the next waiting one takes its place
+    s.finish(seqs[0], "stop")
+    s.finish(seqs[2], "length")
+    assert s.admit() == seqs[3:5] and not s.waiting
+    for q in seqs[3:5]:
+        s.finish(q, "length")
+    assert s.done and cap.used == 0 and s.max_running == 2
+    assert [q.finish_reason for q in seqs] == ["stop", "length", "length", "length", "length"]
+    with pytest.raises(ValueError, match="not running"):
+        s.finish(seqs[0], "length")
+
+
+def test_batched_tokens_limit_exempts_the_first_admission():
+    s = Scheduler(8, 100, Tokens(10_000))
+    seqs = [_seq(0, 150), _seq(1, 30), _seq(2, 60), _seq(3, 50)]
+    for q in seqs:
+        s.add(q)
+    assert s.admit() == [seqs[0]]  # longer than the limit, but first in its step: runs alone
+    assert s.admit() == seqs[1:3]  # 30 + 60 <= 100; + 50 would pass it
+    assert s.admit() == [seqs[3]]
+
+
+def test_capacity_blocks_in_order_and_refuses_what_never_fits():
+    cap = Tokens(100)
+    s = Scheduler(8, 10_000, cap)
+    a, b, c = _seq(0, 60, 1), _seq(1, 50, 1), _seq(2, 10, 1)  # final lengths 60, 50, 10
+    for q in (a, b, c):
+        s.add(q)
+    # b does not fit beside a; c would, but does not overtake b (submission order)
+    assert s.admit() == [a] and [q.status for q in (a, b, c)] == [RUNNING, WAITING, WAITING]
+    s.finish(a, "length")
+    assert s.admit() == [b, c] and cap.used == 60
+    with pytest.raises(ValueError, match="prompt 7 needs 101 tokens but the pool holds 100"):
+        s.add(_seq(7, 101, 1))
+    assert len(s.waiting) == 0  # the refused one was not queued
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        Scheduler(0, 10, cap)
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        Scheduler(1, 0, cap)

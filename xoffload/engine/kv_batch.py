@@ -1,0 +1,641 @@
+"""Batched KV stores: the KV of every running sequence of a batched ``LLM.generate``, and one decode
+step's attention for all of them.
+
+A batched store is opened per ``generate`` call (:meth:`BatchKV.open`, its pools sized from the
+requests submitted) and serves the :class:`~xoffload.engine.scheduler.Scheduler`:
+
+- admission: ``check(seq)`` (ValueError naming the sizes when the sequence alone can never fit),
+  ``can_admit(seq)``, ``admit(seq)`` (reserve every token of KV it may hold: prompt + new),
+  ``release(seq)``;
+- prefill: ``sink(seq)``, the model's prefill sink for that sequence (``buffers`` / ``done``);
+- decode: ``set_batch(seqs) -> rows`` (the running sequences in row order, padded to a batch-size
+  bucket: ``rows >= len(seqs)``; host work, only when the batch changes), then per step
+  ``begin_step()``, ``attend(layer, q [rows, Hq, D], k_new [rows, Hkv, D], v_new) -> [rows, Hq,
+  D]``, ``end_step()``, ``advance()``; ``pos`` is the int64 ``[rows]`` device position of each row
+  (the model's RoPE input). Padding rows attend to nothing and write into a scratch block;
+- ``capturable``: every step of a batch has the same shapes and reads its positions on the
+  device, so one step per bucket may be captured in a CUDA graph (:class:`~.cuda_graph.BatchGraphs`);
+- ``h2d_bytes_per_step(seq)``, ``close()``.
+
+Stores:
+
+- :class:`ResidentBatchKV` (``resident``): one paged KV pool on the model's device for all the
+  sequences (``[L, blocks * kv_block_size, Hkv, D]`` rows, block tables per sequence); decode is
+  one :func:`~xoffload.kernels.paged_decode_attn_with_lse` launch per layer for the whole batch,
+  each row with its own length (the split-KV kernel of :mod:`xoffload.kernels.decode` with a page
+  table). A slot-per-sequence cache for :func:`~xoffload.kernels.decode_attn_with_lse` would hold
+  ``max_model_len`` tokens per slot and need the running sequences packed into the first slots
+  for a graph per bucket; the pool holds what each sequence may reach and nothing else.
+- :class:`OffloadBatchKV` (``offload``, direct decode, no decode policy): prompts in the offload
+  engine's pinned CPU pool, read in place over PCIe by one paged launch per layer for the batch
+  (a page table of pool blocks per row); generated tokens in a paged GPU tail pool (a second
+  launch); the two merged by LSE.
+- :class:`SerialBatchKV`: every other store (decode policies, the ring, stores registered later):
+  one per-request store per sequence, the batch's model step shared (one read of the weights for
+  all rows) but attention one sequence at a time, eager.
+
+:func:`batch_store_class` picks one from the LLM's store class and configuration.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import merge_attention_states, paged_decode_attn_with_lse
+from ..runtime.allocator import BlockAllocator
+from .kv_store import ResidentKV
+
+__all__ = ["BatchKV", "ResidentBatchKV", "OffloadBatchKV", "SerialBatchKV", "RowPool", "batch_store_class",
+           "batch_buckets", "TAIL_BLOCK"]
+
+#: tokens per block of the GPU tail pool of generated tokens (offload): one page per kernel tile
+TAIL_BLOCK = 64
+
+
+def batch_buckets(max_num_seqs: int) -> tuple:
+    """Batch sizes a decode step is padded to (one CUDA graph each): powers of two below
+    ``max_num_seqs``, then ``max_num_seqs`` itself; e.g. 6 -> (1, 2, 4, 6), 16 -> (1, 2, 4, 8, 16)."""
+    out, b = [], 1
+    while b < max_num_seqs:
+        out.append(b)
+        b *= 2
+    out.append(int(max_num_seqs))
+    return tuple(out)
+
+
+def _blocks(n_tokens: int, block: int) -> int:
+    return -(-int(n_tokens) // block)
+
+
+def _top_sum(values, k: int) -> int:
+    return sum(sorted(values, reverse=True)[:k])
+
+
+def _to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """Copy a small host tensor into ``dst`` without making the host wait for the GPU (through
+    pinned memory on CUDA: torch keeps the pinned buffer until the copy has run)."""
+    if dst.device.type == "cuda":
+        src = src.pin_memory()
+        dst.copy_(src, non_blocking=True)
+    else:
+        dst.copy_(src)
+
+
+def _gpu_kv_limit_bytes(device: torch.device, headroom: int) -> int | None:
+    """Bytes a KV pool may take on ``device`` now: the free memory (with what the caching allocator
+    holds unused, and under ``torch.cuda.set_per_process_memory_fraction``) less ``headroom``;
+    None off CUDA (no limit)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+    get_frac = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_frac is not None:
+        free = min(free, int(get_frac(device) * total) - torch.cuda.memory_allocated(device))
+    return max(0, free - headroom)
+
+
+def _prefill_headroom(model, prompt_len: int, chunk: int) -> int:
+    """Bytes a prefill of ``prompt_len`` tokens needs besides the KV (residual stream, q, the layer's
+    K/V staging, one chunk's MLP temporaries, logits), plus 1 GiB for CUDA graphs and the allocator."""
+    c = model.cfg
+    e = torch.empty((), dtype=model.dtype).element_size()
+    qkv = (c.num_heads + 2 * c.num_kv_heads) * c.head_dim
+    per_tok = c.hidden_size + c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim
+    ch = min(chunk, prompt_len)
+    return e * (prompt_len * per_tok + ch * (3 * c.intermediate_size + qkv + c.hidden_size)) + 4 * c.vocab_size + (1 << 30)
+
+
+class RowPool:
+    """Paged token rows of every layer on one device: K and V ``[L, (num_blocks + 1) * block, Hkv,
+    D]``, handed out in blocks of ``block`` tokens through a
+    :class:`~xoffload.runtime.BlockAllocator` (the last block is scratch: padding rows of a batch
+    write there and no table lists it).
+
+    Args:
+        cfg: the model's config; num_blocks: blocks (>= 0); block: tokens per block; dtype, device.
+    Raises:
+        torch.OutOfMemoryError when the device cannot hold it.
+    """
+
+    def __init__(self, cfg, num_blocks: int, block: int, dtype, device):
+        self.block, self.num_blocks = int(block), int(num_blocks)
+        self.alloc = BlockAllocator(self.num_blocks, self.block)
+        shape = (cfg.num_layers, (self.num_blocks + 1) * self.block, cfg.num_kv_heads, cfg.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.scratch = self.num_blocks * self.block  # first row of the scratch block
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def reserve(self, sid: int, n_tokens: int) -> tuple:
+        """Give sequence ``sid`` blocks for ``n_tokens`` tokens; returns its block table (physical
+        ids). PoolExhaustedError (ValueError) when they are not free."""
+        self.alloc.add(sid)
+        try:
+            self.alloc.allocate(sid, _blocks(n_tokens, self.block))
+        except Exception:
+            self.alloc.free(sid)
+            raise
+        return self.alloc.table(sid)
+
+    def free(self, sid: int) -> None:
+        """Return sequence ``sid``'s blocks (nothing if it holds none)."""
+        if self.alloc.has(sid):
+            self.alloc.free(sid)
+
+    def rows(self, table, n_tokens: int) -> torch.Tensor:
+        """int64 ``[n_tokens]`` (host) row of each of the first ``n_tokens`` tokens."""
+        t = torch.arange(n_tokens, dtype=torch.int64)
+        bt = torch.tensor(table, dtype=torch.int64)
+        return bt[t // self.block] * self.block + t % self.block
+
+    def page_row(self, table, n_pages: int) -> torch.Tensor:
+        """int32 ``[n_pages]`` page-table row: the first row of each block, then the scratch row."""
+        out = torch.full((n_pages,), self.scratch, dtype=torch.int32)
+        if table:
+            out[:len(table)] = torch.tensor(table, dtype=torch.int32) * self.block
+        return out
+
+
+class _Region:
+    """The device state of one paged region of a batch (a :class:`RowPool` seen by every row): page
+    table ``[R, 1, P]`` int32, the model position of the region's first token per row (``base``),
+    and per step the attended length ``lens`` (int32) and the row ``wrow`` (int64) that receives the
+    step's new K/V. :meth:`step` derives them from the rows' positions on the device."""
+
+    def __init__(self, pool: RowPool, rows: int, pages: int, device):
+        self.pool, self.pages = pool, max(1, int(pages))
+        self.table = torch.full((rows, 1, self.pages), pool.scratch, dtype=torch.int32, device=device)
+        self.base = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.lens = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.wrow = torch.full((rows,), pool.scratch, dtype=torch.int64, device=device)
+
+    def set_rows(self, tables: list, bases: list, rows: int) -> None:
+        """Rows ``0 .. len(tables)-1`` get these block tables and bases; rows up to ``rows`` pad."""
+        tab = torch.full((rows, self.pages), self.pool.scratch, dtype=torch.int32)
+        for i, t in enumerate(tables):
+            tab[i] = self.pool.page_row(t, self.pages)
+        base = torch.zeros(rows, dtype=torch.int64)
+        base[:len(bases)] = torch.tensor(bases, dtype=torch.int64)
+        _to_device(self.table[:rows, 0], tab)
+        _to_device(self.base[:rows], base)
+
+    def step(self, pos: torch.Tensor, active: torch.Tensor, n: int) -> None:
+        """Device-only (CUDA-graph safe): for rows ``:n`` at positions ``pos``: lens = pos - base + 1
+        (0 for inactive rows), wrow = the row of token ``pos - base`` (scratch for inactive rows)."""
+        off = (pos[:n] - self.base[:n]).clamp_(min=0)
+        self.lens[:n].copy_((off + 1) * active[:n])
+        blk = self.pool.block
+        page = (off // blk).clamp_(max=self.pages - 1)
+        first = self.table[:n, 0].gather(1, page[:, None])[:, 0].to(torch.int64)
+        w = first + off % blk
+        self.wrow[:n].copy_(torch.where(active[:n] > 0, w, torch.full_like(w, self.pool.scratch)))
+
+    def attend(self, layer: int, q4, k_new, v_new, n: int, scale: float):
+        """Write the rows' new K/V and attend over the region: ``(out [n, 1, Hq, D], lse)``."""
+        k, v = self.pool.k[layer], self.pool.v[layer]
+        k.index_copy_(0, self.wrow[:n], k_new)
+        v.index_copy_(0, self.wrow[:n], v_new)
+        return paged_decode_attn_with_lse(q4, k, v, self.table[:n], self.lens[:n], page_size=self.pool.block,
+                                          softmax_scale=scale, check=False)
+
+
+class BatchKV:
+    """Base of the batched stores (the interface is in the module docstring).
+
+    Args:
+        model: the :class:`~xoffload.models.llama.LlamaModel`.
+        config: the LLM's bound :class:`~xoffload.engine.config.EngineConfig`.
+        shared: what the LLM's store class shares between requests (the offload engine, or None).
+        seqs: every :class:`~xoffload.engine.scheduler.Sequence` of the call (sizes the pools).
+    """
+
+    capturable = False
+
+    def __init__(self, model, config, shared, seqs):
+        self.m, self.config, self.shared = model, config, shared
+        self.cfg, self.dtype, self.device, self.scale = model.cfg, model.dtype, model.device, model.scale
+        self.max_num_seqs = int(config.max_num_seqs)
+        self.buckets = batch_buckets(self.max_num_seqs)
+        R = self.buckets[-1]
+        self.pos = torch.zeros(R, dtype=torch.int64, device=self.device)
+        self.active = torch.zeros(R, dtype=torch.int64, device=self.device)
+        self.n = 0
+        self.max_len = max([s.final_len for s in seqs] + [1])
+        self._closed = False
+
+    @classmethod
+    def open(cls, model, config, shared, seqs) -> "BatchKV":
+        """The store of one batched generate call over ``seqs``."""
+        return cls(model, config, shared, seqs)
+
+    def bucket(self, n: int) -> int:
+        """The padded row count of a batch of ``n`` sequences."""
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"a batch of {n} sequences is more than max_num_seqs={self.max_num_seqs}")
+
+    # admission (see the Scheduler)
+    def check(self, seq) -> None:
+        raise NotImplementedError
+
+    def can_admit(self, seq) -> bool:
+        raise NotImplementedError
+
+    def admit(self, seq) -> None:
+        raise NotImplementedError
+
+    def release(self, seq) -> None:
+        raise NotImplementedError
+
+    def sink(self, seq):
+        raise NotImplementedError
+
+    def h2d_bytes_per_step(self, seq) -> int | None:
+        """Bytes one decode step reads from host memory for ``seq`` (None: none)."""
+        return None
+
+    def decode_stats(self, seq) -> dict:
+        """Extra figures of ``seq``'s decode steps for its timings (read before it is released)."""
+        return {}
+
+    # decode
+    def _set_positions(self, seqs, rows: int) -> None:
+        pos = torch.zeros(rows, dtype=torch.int64)
+        act = torch.zeros(rows, dtype=torch.int64)
+        pos[:len(seqs)] = torch.tensor([s.pos for s in seqs], dtype=torch.int64)
+        act[:len(seqs)] = 1
+        _to_device(self.pos[:rows], pos)
+        _to_device(self.active[:rows], act)
+
+    def set_batch(self, seqs) -> int:
+        raise NotImplementedError
+
+    def begin_step(self) -> None:
+        pass
+
+    def attend(self, layer, q, k_new, v_new):
+        raise NotImplementedError
+
+    def end_step(self) -> None:
+        pass
+
+    def advance(self) -> None:
+        """Every active row's position += 1 on the device (the last op of a captured step)."""
+        self.pos[:self.n].add_(self.active[:self.n])
+
+    def close(self) -> None:
+        self._closed = True
+
+
+class _StagedSink:
+    """Prefill sink of one sequence: K/V buffers the model fills per layer, handed to ``on_done``."""
+
+    def __init__(self, buffers, on_done):
+        self.buffers, self._done = buffers, on_done
+
+    def done(self, layer, k, v):
+        self._done(layer, k, v)
+
+
+class ResidentBatchKV(BatchKV):
+    """``resident``: one paged KV pool on the model's device for every running sequence.
+
+    The pool's block is ``kv_block_size`` tokens (a power of two >= 16, the page of the paged
+    kernel). Its size: ``kv_cache_tokens`` when given, else what the ``max_num_seqs`` largest
+    requests of the call need; on CUDA at most what fits in the free memory after a prefill's
+    headroom (a smaller pool admits fewer sequences at a time). A sequence reserves blocks for its
+    prompt and every token it may generate when admitted. Prefill writes straight into its blocks
+    when they are one run (the allocator prefers runs), else through a staging buffer copied into
+    its rows. Decode: one paged launch per layer for the batch (each row its own page list and
+    length).
+    """
+
+    capturable = True
+
+    def __init__(self, model, config, shared, seqs):
+        super().__init__(model, config, shared, seqs)
+        blk = self.block = int(config.kv_block_size)
+        need = [_blocks(s.final_len, blk) for s in seqs]
+        nb = _top_sum(need, self.max_num_seqs)
+        self.cap_tokens = config.kv_cache_tokens
+        if self.cap_tokens is not None:
+            nb = min(nb, self.cap_tokens // blk)
+        per_block = blk * self.cfg.kv_bytes_per_token(self.dtype)
+        T = max([s.prompt_len for s in seqs] + [1])
+        limit = _gpu_kv_limit_bytes(self.device, _prefill_headroom(model, T, config.prefill_chunk))
+        self.memory_limited = limit is not None and limit // per_block < nb
+        if self.memory_limited:
+            nb = limit // per_block
+        self.pool = RowPool(self.cfg, nb, blk, self.dtype, self.device)
+        self.region = _Region(self.pool, self.buckets[-1], _blocks(self.max_len, blk), self.device)
+        self._stage = None
+
+    def _limit_text(self) -> str:
+        why = (f"kv_cache_tokens={self.cap_tokens}" if self.cap_tokens is not None and not self.memory_limited
+               else "the GPU memory free for KV")
+        return f"the KV pool holds {self.pool.num_blocks * self.block} tokens ({why})"
+
+    def check(self, seq):
+        n = _blocks(seq.final_len, self.block)
+        if n > self.pool.num_blocks:
+            raise ValueError(f"prompt {seq.index} needs {n * self.block} tokens of KV ({seq.prompt_len} prompt + "
+                             f"{seq.req.max_new - 1} new, in blocks of {self.block}) but {self._limit_text()}")
+
+    def can_admit(self, seq) -> bool:
+        return _blocks(seq.final_len, self.block) <= self.pool.alloc.num_free
+
+    def admit(self, seq):
+        seq.kv = {"table": self.pool.reserve(seq.index, seq.final_len)}
+
+    def release(self, seq):
+        self.pool.free(seq.index)
+        seq.kv = None
+
+    def sink(self, seq):
+        table, T = seq.kv["table"], seq.prompt_len
+        run = all(b == table[0] + i for i, b in enumerate(table))
+        if run:  # the blocks are consecutive rows: the model writes into the pool itself
+            r0 = table[0] * self.block
+            return _StagedSink(lambda layer, t: (self.pool.k[layer, r0:r0 + t], self.pool.v[layer, r0:r0 + t]),
+                               lambda layer, k, v: None)
+        rows = torch.empty(T, dtype=torch.int64, device=self.device)
+        _to_device(rows, self.pool.rows(table, T))
+
+        def buffers(layer, t):
+            shape = (t, self.cfg.num_kv_heads, self.cfg.head_dim)
+            if self._stage is None or self._stage[0].shape[0] < t:
+                self._stage = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                               torch.empty(shape, dtype=self.dtype, device=self.device))
+            return self._stage[0][:t], self._stage[1][:t]
+
+        def done(layer, k, v):
+            self.pool.k[layer].index_copy_(0, rows, k)
+            self.pool.v[layer].index_copy_(0, rows, v)
+
+        return _StagedSink(buffers, done)
+
+    def set_batch(self, seqs) -> int:
+        rows = self.bucket(len(seqs))
+        self._set_positions(seqs, rows)
+        self.region.set_rows([s.kv["table"] for s in seqs], [0] * len(seqs), rows)
+        self.n = rows
+        return rows
+
+    def begin_step(self):
+        self.region.step(self.pos, self.active, self.n)
+
+    def attend(self, layer, q, k_new, v_new):
+        o, _ = self.region.attend(layer, q[:, None], k_new, v_new, self.n, self.scale)
+        return o[:, 0]
+
+    def close(self):
+        self.pool = self.region = self._stage = None
+        super().close()
+
+
+class OffloadBatchKV(BatchKV):
+    """``offload`` (direct decode, no decode policy): every prompt's KV in the offload engine's
+    pinned CPU pool, the generated tokens in a paged GPU tail pool (blocks of :data:`TAIL_BLOCK`).
+
+    Admission reserves the prompt's blocks in the engine's pool (``kv_cache_tokens``, default
+    ``max_num_seqs * max_model_len``, fixed when the LLM is made) and tail blocks for the tokens it
+    may generate (the tail pool is sized per call from the requests). Prefill copies each layer to
+    the pool as :class:`~xoffload.engine.kv_paged.OffloadPagedKV` does (two staging buffers,
+    alternating). Decode per layer: one paged launch reads every row's prompt pages in place from
+    host memory (UVA on CUDA), one reads the rows' tails from the GPU, and the two are merged by
+    LSE.
+    """
+
+    capturable = True
+
+    def __init__(self, model, config, shared, seqs):
+        super().__init__(model, config, shared, seqs)
+        self.eng = shared
+        self.block = self.eng.block_size
+        self.cap_blocks = self.eng.num_free_blocks  # the pool is this call's (requests run one call at a time)
+        new = [max(s.req.max_new - 1, 0) for s in seqs] + [0]
+        self.tail = RowPool(self.cfg, _top_sum([_blocks(n, TAIL_BLOCK) for n in new], self.max_num_seqs), TAIL_BLOCK,
+                            self.dtype, self.device)
+        R = self.buckets[-1]
+        self.region = _Region(self.tail, R, _blocks(max(new), TAIL_BLOCK), self.device)
+        self.hpages = max(1, _blocks(max([s.prompt_len for s in seqs] + [1]), self.block))
+        self.htable = torch.zeros(R, 1, self.hpages, dtype=torch.int32, device=self.device)
+        self.hlens = torch.zeros(R, dtype=torch.int32, device=self.device)
+        self._reserved = 0  # pool blocks of the admitted sequences' prompts
+        self._admitted: dict = {}
+        self._stage, self._stage_ev = None, [None, None]
+        self._tok_bytes = self.cfg.kv_bytes_per_token(self.dtype)
+
+    def _prompt_blocks(self, seq) -> int:
+        return _blocks(seq.prompt_len, self.block)
+
+    @staticmethod
+    def _new(seq) -> int:
+        return max(seq.req.max_new - 1, 0)
+
+    def check(self, seq):
+        n = self._prompt_blocks(seq)
+        if n > self.cap_blocks:
+            raise ValueError(f"prompt {seq.index} needs {n * self.block} tokens of KV in the CPU pool ({seq.prompt_len} "
+                             f"prompt tokens in blocks of {self.block}) but the pool holds {self.cap_blocks * self.block} "
+                             f"tokens (kv_cache_tokens)")
+
+    def can_admit(self, seq) -> bool:
+        return (self._reserved + self._prompt_blocks(seq) <= self.cap_blocks
+                and _blocks(self._new(seq), TAIL_BLOCK) <= self.tail.alloc.num_free)
+
+    def admit(self, seq):
+        sid = self.eng.add_sequence()
+        self._admitted[sid] = seq
+        self._reserved += self._prompt_blocks(seq)
+        seq.kv = {"sid": sid, "tail": self.tail.reserve(sid, self._new(seq)), "events": [], "joined": False}
+
+    def release(self, seq):
+        kv = seq.kv
+        if kv is None:
+            return
+        self._admitted.pop(kv["sid"], None)
+        self._reserved -= self._prompt_blocks(seq)
+        self.tail.free(kv["sid"])
+        self.eng.free(kv["sid"])
+        seq.kv = None
+
+    def h2d_bytes_per_step(self, seq) -> int:
+        return seq.prompt_len * self._tok_bytes
+
+    def sink(self, seq):
+        sid, events = seq.kv["sid"], seq.kv["events"]
+
+        def buffers(layer, t):
+            if self._stage is None or self._stage[0][0].shape[0] < t:
+                shape = (t, self.cfg.num_kv_heads, self.cfg.head_dim)
+                self._stage = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                                torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(2)]
+                self._stage_ev = [None, None]
+            ev = self._stage_ev[layer & 1]
+            if ev is not None and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).wait_event(ev)
+            self.eng.reclaim()
+            k, v = self._stage[layer & 1]
+            return k[:t], v[:t]
+
+        def done(layer, k, v):
+            ev = self.eng.offload_layer(sid, layer, k, v)
+            self._stage_ev[layer & 1] = ev
+            events.append(ev)
+
+        return _StagedSink(buffers, done)
+
+    def set_batch(self, seqs) -> int:
+        rows = self.bucket(len(seqs))
+        cur = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        for s in seqs:
+            if not s.kv["joined"]:  # its prompt's copies into the pool come before its first read
+                if cur is not None:
+                    for ev in s.kv["events"]:
+                        cur.wait_event(ev)
+                s.kv["events"], s.kv["joined"] = [], True
+        self._set_positions(seqs, rows)
+        self.region.set_rows([s.kv["tail"] for s in seqs], [s.prompt_len for s in seqs], rows)
+        tab = torch.zeros(rows, self.hpages, dtype=torch.int32)
+        lens = torch.zeros(rows, dtype=torch.int32)
+        for i, s in enumerate(seqs):
+            bt = torch.tensor(self.eng.block_table(s.kv["sid"]), dtype=torch.int32)
+            tab[i, :bt.numel()] = bt * self.block
+            lens[i] = s.prompt_len
+        _to_device(self.htable[:rows, 0], tab)
+        _to_device(self.hlens[:rows], lens)
+        self.n = rows
+        return rows
+
+    def begin_step(self):
+        self.region.step(self.pos, self.active, self.n)
+
+    def attend(self, layer, q, k_new, v_new):
+        n, q4 = self.n, q[:, None]
+        o_t, l_t = self.region.attend(layer, q4, k_new, v_new, n, self.scale)
+        pool = self.eng.pool
+        o_p, l_p = paged_decode_attn_with_lse(q4, pool.k_rows(layer), pool.v_rows(layer), self.htable[:n],
+                                              self.hlens[:n], page_size=self.block, softmax_scale=self.scale,
+                                              check=False)
+        o, _ = merge_attention_states(o_p, l_p, o_t, l_t)
+        return o[:, 0]
+
+    def close(self):
+        for seq in list(self._admitted.values()):
+            self.release(seq)
+        self.tail = self.region = self._stage = None
+        super().close()
+
+
+class SerialBatchKV(BatchKV):
+    """Any per-request store (:class:`~xoffload.engine.kv_store.KVStore`) in a batch: one store per
+    sequence (``for_request``), each its own prefill sink; a decode step runs the model once for
+    every row (the weights are read once for the batch) and each sequence's attention through its
+    own store, one after another. Eager (not captured). Admission reserves ``final_len`` tokens
+    (in blocks of ``kv_block_size``) against the offload engine's pool when the store shares one,
+    else against ``kv_cache_tokens`` (unlimited when not given)."""
+
+    def __init__(self, model, config, shared, seqs, store_cls=None):
+        super().__init__(model, config, shared, seqs)
+        self.store_cls = store_cls
+        self.block = int(config.kv_block_size)
+        eng = shared if hasattr(shared, "allocator") else None
+        if eng is not None:
+            self.cap_blocks, self.cap_what = eng.num_free_blocks, "the CPU pool (kv_cache_tokens)"
+        elif config.kv_cache_tokens is not None:
+            self.cap_blocks, self.cap_what = config.kv_cache_tokens // self.block, "kv_cache_tokens"
+        else:
+            self.cap_blocks, self.cap_what = None, ""
+        self._reserved = 0
+        self._seqs: list = []
+        self._admitted: list = []
+        self.lookahead = frozenset()
+
+    @classmethod
+    def open(cls, model, config, shared, seqs, store_cls=None) -> "SerialBatchKV":
+        return cls(model, config, shared, seqs, store_cls)
+
+    def _need(self, seq) -> int:
+        return _blocks(seq.final_len, self.block)
+
+    def check(self, seq):
+        n = self._need(seq)
+        if self.cap_blocks is not None and n > self.cap_blocks:
+            raise ValueError(f"prompt {seq.index} needs {n * self.block} tokens of KV ({seq.prompt_len} prompt + "
+                             f"{seq.req.max_new - 1} new) but {self.cap_what} holds {self.cap_blocks * self.block} tokens")
+
+    def can_admit(self, seq) -> bool:
+        return self.cap_blocks is None or self._reserved + self._need(seq) <= self.cap_blocks
+
+    def admit(self, seq):
+        seq.kv = self.store_cls.for_request(self.m, self.shared, seq.req, self.config)
+        self._reserved += self._need(seq)
+        self._admitted.append(seq)
+
+    def release(self, seq):
+        if seq.kv is not None:
+            self._reserved -= self._need(seq)
+            self._admitted.remove(seq)
+            kv, seq.kv = seq.kv, None
+            kv.close()
+
+    def sink(self, seq):
+        return seq.kv
+
+    def h2d_bytes_per_step(self, seq):
+        return seq.kv.h2d_bytes_per_step if seq.kv is not None else None
+
+    def decode_stats(self, seq) -> dict:
+        return seq.kv.decode_stats() if seq.kv is not None else {}
+
+    def set_batch(self, seqs) -> int:
+        self._seqs = list(seqs)
+        self._set_positions(seqs, len(seqs))
+        self.n = len(seqs)
+        # layers whose query estimate some sequence's store wants one layer ahead (its prefetch)
+        self.lookahead = frozenset().union(*(getattr(s.kv, "lookahead", frozenset()) for s in self._seqs))
+        return self.n
+
+    def prefetch(self, layer, q_est):
+        """Hand row b of ``q_est`` ``[rows, Hq, D]`` to the stores that prefetch ``layer``."""
+        for b, s in enumerate(self._seqs):
+            if layer in getattr(s.kv, "lookahead", ()):
+                s.kv.prefetch(layer, q_est[b:b + 1])
+
+    def begin_step(self):
+        for s in self._seqs:  # the host knows each position (sampling advances it)
+            s.kv.begin_step(s.pos)
+
+    def attend(self, layer, q, k_new, v_new):
+        outs = [s.kv.attend(layer, q[b:b + 1], k_new[b:b + 1], v_new[b:b + 1]) for b, s in enumerate(self._seqs)]
+        return torch.stack([o.reshape(q.shape[1], q.shape[2]) for o in outs])
+
+    def end_step(self):
+        for s in self._seqs:
+            s.kv.end_step()
+
+    def close(self):
+        for seq in list(self._admitted):
+            self.release(seq)
+        self._seqs = []
+        super().close()
+
+
+def batch_store_class(store_cls, config):
+    """``(batched store class, open keyword arguments)`` serving the LLM's per-request store class
+    ``store_cls`` under ``config``: :class:`ResidentBatchKV` for :class:`ResidentKV`,
+    :class:`OffloadBatchKV` for offload's direct store without a decode policy, else
+    :class:`SerialBatchKV` around ``store_cls``."""
+    from .kv_paged import OffloadPagedKV
+
+    if store_cls is ResidentKV:
+        return ResidentBatchKV, {}
+    if store_cls is OffloadPagedKV and config.decode_policy is None:
+        return OffloadBatchKV, {}
+    return SerialBatchKV, {"store_cls": store_cls}
+

@@ -1,0 +1,231 @@
+"""Batched generation (``LLM.generate`` with ``max_num_seqs > 1``): the loop that drives the
+:class:`~.scheduler.Scheduler`, a batched KV store (:mod:`.kv_batch`), the model and sampling.
+
+Each iteration: admit what fits (:meth:`Scheduler.admit`) and prefill each admitted sequence
+alone (layerwise, into its KV) and sample its first token; then one decode step for every running
+sequence (rows padded to a batch-size bucket, replayed from that bucket's CUDA graph on a GPU,
+:class:`~.cuda_graph.BatchGraphs`), each row sampled with its own :class:`SamplingParams` and
+generator. A sequence leaves the batch as soon as it has ``max_tokens`` tokens (known on the host
+by counting) or the host has read a stop id among them (on a GPU read ``EOS_LAG`` steps late, as
+the one-request loop does, so the host never waits on the step it just launched); its KV is
+released and the next admission fills its place. Outputs come back in submission order.
+
+Greedy sequences of a batch give the tokens they give alone (tests/engine/test_batch.py; on the
+CPU bit for bit, on a GPU within the rounding of different GEMM shapes); sampled ones draw from
+their own generator in the same order as alone.
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+
+import torch
+from tqdm.auto import tqdm
+
+from .cuda_graph import BatchGraphs
+from .kv_batch import batch_store_class
+from .request import EOS_LAG, Clock, Request, RequestOutput, request_timings
+from .sampling import sample
+from .scheduler import Scheduler, Sequence
+
+__all__ = ["BatchRunner", "BatchTokenLog", "sample_rows"]
+
+#: a sequence's decode steps before its steady state (as the one-request loop)
+_STEADY_FROM = 2
+
+
+def sample_rows(logits: torch.Tensor, seqs: list) -> torch.Tensor:
+    """int64 ``[n]`` tokens for the first ``n = len(seqs)`` rows of fp32 ``logits [rows, V]``: one
+    argmax for every greedy row, :func:`~.sampling.sample` with the sequence's own parameters and
+    generator for each other row (on the device, no host read)."""
+    n = len(seqs)
+    out = logits[:n].argmax(-1)
+    for b, s in enumerate(seqs):
+        if s.req.sp.temperature > 0:
+            out[b:b + 1] = sample(logits[b:b + 1], s.req.sp, s.req.gen)
+    return out
+
+
+class BatchTokenLog:
+    """Sampled tokens of a batch as the host sees them: on a GPU each step's tokens are copied into
+    pinned memory behind an event and read ``lag`` steps later (:meth:`poll`); on the CPU at once.
+    Reading appends to each sequence's ``tokens`` and sets ``stopped`` on a stop id."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.q: deque = deque()
+
+    def publish(self, toks: torch.Tensor, seqs: list) -> None:
+        """``toks`` int64 ``[len(seqs)]`` on the device: row i is ``seqs[i]``'s new token."""
+        if not self.cuda:
+            self._deliver(toks.tolist(), seqs)
+            return
+        host = torch.empty(toks.shape[0], dtype=torch.int64, pin_memory=True)
+        host.copy_(toks, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        self.q.append((ev, host, list(seqs)))
+
+    def poll(self, lag: int) -> None:
+        """Read every published step but the last ``lag`` (waiting on their events only)."""
+        while len(self.q) > lag:
+            ev, host, seqs = self.q.popleft()
+            ev.synchronize()
+            self._deliver(host.tolist(), seqs)
+
+    @staticmethod
+    def _deliver(vals: list, seqs: list) -> None:
+        for s, v in zip(seqs, vals):
+            s.tokens.append(v)
+            if v in s.req.stop:
+                s.stopped = True
+
+
+class BatchRunner:
+    """Runs one batched ``generate`` call for an :class:`~.llm.LLM` (its model, config, store class
+    and shared engine). :meth:`run` returns the :class:`RequestOutput` of each prompt, in order, and
+    leaves per-call figures in :attr:`stats`."""
+
+    def __init__(self, llm):
+        self.llm, self.m, self.config = llm, llm.model, llm.config
+        self.cls, self.kw = batch_store_class(llm._store, llm.config)
+        self.stats: dict = {}
+
+    def run(self, prompts: list, sps: list, use_tqdm: bool = False) -> list:
+        """Generate for each token-id list of ``prompts`` with the matching :class:`SamplingParams`
+        of ``sps``. Raises ValueError (before anything runs) when a prompt alone can never fit the
+        KV store; any failure releases every sequence's KV."""
+        llm, cfg, m = self.llm, self.config, self.m
+        self.stats = {}
+        dev = m.device
+        cuda = dev.type == "cuda"
+        seqs = [Sequence(i, Request.make(ids, sp, max_model_len=cfg.max_model_len, seed=cfg.seed,
+                                         stop_ids=llm._stop_ids, device=dev))
+                for i, (ids, sp) in enumerate(zip(prompts, sps))]
+        clock = Clock(dev)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(dev)
+        start = clock.mark()
+        store = self.cls.open(m, cfg, llm.engine, seqs, **self.kw)
+        graphs = None
+        try:
+            sched = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, store)
+            for s in seqs:
+                sched.add(s)
+            graphs = BatchGraphs(m, store, cfg.cuda_graph)
+            self._loop(sched, store, graphs, clock, cuda, use_tqdm, len(seqs))
+        finally:
+            if graphs is not None:
+                graphs.close()
+            store.close()
+        end = clock.mark()
+        if cuda:
+            end.synchronize()
+        peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else None
+        self._summarize(clock, start, end, sched, graphs)
+        return [self._output(s, store, clock, start, peak) for s in seqs]
+
+    # ------------------------------------------------------------------ the loop
+    def _loop(self, sched, store, graphs, clock, cuda, use_tqdm, total):
+        log = BatchTokenLog(cuda)
+        lag = EOS_LAG if cuda else 0
+        self._steps, self._prefills = [], []
+        batch, rows, prev = None, 0, None
+        bar = tqdm(total=total, desc="Generating", dynamic_ncols=True) if use_tqdm else None
+        host = {"prefill_s": 0.0, "prefill_tok": 0, "decode_s": 0.0, "decode_tok": 0}
+        try:
+            while not sched.done:
+                t = time.perf_counter()
+                for s in sched.admit():
+                    self._prefill(s, store, log, clock)
+                    host["prefill_tok"] += s.prompt_len
+                host["prefill_s"] += time.perf_counter() - t
+                log.poll(lag)
+                self._retire(sched, store, clock)
+                running = list(sched.running)
+                if running:
+                    t = time.perf_counter()
+                    if running != batch:  # the batch changed: new rows, inputs from each sequence
+                        rows = store.set_batch(running)
+                        tokens = torch.cat([s.last_tok for s in running])
+                        batch = running
+                    else:
+                        tokens = prev
+                    a = clock.mark()
+                    logits = graphs.step(rows, tokens)
+                    toks = sample_rows(logits, running)
+                    self._steps.append((len(running), rows, a, clock.mark()))
+                    for b, s in enumerate(running):
+                        s.last_tok = toks[b:b + 1]
+                        s.n_out += 1
+                        s.steps += 1
+                        if s.steps == _STEADY_FROM:
+                            s.marks["steady"] = a
+                    log.publish(toks, running)
+                    prev = toks
+                    log.poll(lag)
+                    host["decode_s"] += time.perf_counter() - t
+                    host["decode_tok"] += len(running)
+                done_before = len(sched.finished)
+                self._retire(sched, store, clock)
+                if bar is not None:
+                    bar.update(len(sched.finished) - done_before)
+                    bar.set_postfix_str(
+                        f"Prefill={host['prefill_tok'] / max(host['prefill_s'], 1e-9):.0f}tok/s, "
+                        f"Decode={host['decode_tok'] / max(host['decode_s'], 1e-9):.0f}tok/s", refresh=False)
+            log.poll(0)
+        finally:
+            if bar is not None:
+                bar.close()
+        self._host = host
+
+    def _prefill(self, s: Sequence, store, log: BatchTokenLog, clock: Clock) -> None:
+        """Prefill ``s`` alone into its KV and sample its first token."""
+        m, cfg = self.m, self.config
+        s.marks["t0"] = a = clock.mark()
+        s.densities = None if cfg.policy.dense else []
+        ids_t = torch.tensor(s.req.ids, dtype=torch.int64).to(m.device)
+        logits = m.prefill(ids_t, store.sink(s), chunk=cfg.prefill_chunk, policy=cfg.policy,
+                           densities=s.densities, attn_backend=cfg.prefill_attn)
+        s.marks["prefill"] = b = clock.mark()
+        tok = sample(logits, s.req.sp, s.req.gen)
+        s.marks["first"] = clock.mark()
+        s.last_tok, s.n_out = tok, 1
+        self._prefills.append((s.prompt_len, a, b))
+        log.publish(tok, [s])
+
+    def _retire(self, sched: Scheduler, store, clock: Clock) -> None:
+        """Finish every running sequence that has all its tokens or whose stop id was read (its
+        store's figures are read first: the KV goes with it)."""
+        for s in list(sched.running):
+            if s.done_sampling:
+                s.marks["end"] = clock.mark()
+                s.h2d, s.stats = store.h2d_bytes_per_step(s), store.decode_stats(s)
+                sched.finish(s, "stop" if s.stopped else "length")
+
+    # ------------------------------------------------------------------ results
+    def _output(self, s: Sequence, store, clock, start, peak) -> RequestOutput:
+        out_ids, reason = s.req.finish(s.tokens[:s.req.max_new])
+        t = request_timings(clock, s.marks, s.prompt_len, s.steps, s.densities)
+        t["queue_ms"] = clock.ms(start, s.marks["t0"])
+        if s.h2d is not None:
+            t["h2d_bytes_per_token"] = int(s.h2d)
+        t.update(s.stats)
+        return RequestOutput(prompt_token_ids=list(s.req.ids), token_ids=out_ids, text=self.llm.decode(out_ids),
+                             finish_reason=reason, timings=t, peak_gpu_memory_bytes=peak)
+
+    def _summarize(self, clock, start, end, sched, graphs) -> None:
+        steps = [{"seqs": n, "rows": r, "ms": clock.ms(a, b)} for n, r, a, b in self._steps]
+        pre = [{"tokens": n, "ms": clock.ms(a, b)} for n, a, b in self._prefills]
+        dec_ms = sum(x["ms"] for x in steps)
+        dec_tok = sum(x["seqs"] for x in steps)
+        self.stats = {
+            "total_ms": clock.ms(start, end),
+            "decode_steps": steps, "prefills": pre,
+            "decode_tokens": dec_tok, "decode_ms": dec_ms,
+            "decode_tok_per_s": dec_tok / dec_ms * 1e3 if dec_ms > 0 else None,
+            "prefill_tokens": sum(x["tokens"] for x in pre), "prefill_ms": sum(x["ms"] for x in pre),
+            "max_running": sched.max_running,
+            "graph_buckets": graphs.captured if graphs is not None else [],
+            "host": dict(self._host),
+        }

@@ -1,0 +1,160 @@
+"""Which sequences run: the waiting and running queues of a batched ``LLM.generate``.
+
+The split follows nano-vllm's (a *sequence* record, a *scheduler* of queues, and a KV store that
+owns the memory and answers whether a sequence fits): :class:`Sequence` is one request's state
+while it is served, :class:`Scheduler` admits waiting sequences in submission order (first in,
+first out; a sequence that does not fit yet blocks the ones behind it, so none overtakes another)
+while
+
+* fewer than ``max_num_seqs`` run,
+* the prompt tokens admitted since the last decode step stay within ``max_num_batched_tokens``
+  (the first admission of a step is always allowed, so a prompt longer than the limit still runs,
+  alone), and
+* the KV store can reserve the sequence's whole KV (``capacity.can_admit``): its prompt and
+  every token it may generate, so a running sequence never runs out of memory and nothing is
+  preempted.
+
+A sequence that could never fit, even alone, is refused when it is added (``capacity.check``
+raises ValueError naming the sizes). Finished sequences leave at once (:meth:`Scheduler.finish`
+returns their KV), and the next :meth:`Scheduler.admit` fills their places: continuous batching.
+No tensors here: the scheduler is tested on the CPU with a counting capacity.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from ..kernels.checks import check_int
+from .request import Request
+
+__all__ = ["Sequence", "Scheduler", "WAITING", "RUNNING", "FINISHED"]
+
+WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
+
+
+class Sequence:
+    """One request while a batched generate serves it.
+
+    Args:
+        index: its place in the submission order (the output order).
+        req: the :class:`~xoffload.engine.request.Request` (prompt ids, sampling, ``max_new``,
+            generator, stop ids).
+
+    Attributes:
+        status: ``"waiting"``, ``"running"`` or ``"finished"``.
+        n_out: tokens sampled so far (counted when sampled, before the host has read them).
+        pos: position of the next token fed to a decode step (``len(prompt) + n_out - 1``).
+        tokens: sampled token ids as the host has read them (on a GPU a few steps late).
+        stopped: a stop id has been read among ``tokens``.
+        finish_reason: ``"stop"`` or ``"length"`` once finished.
+        last_tok: int64 ``[1]`` device tensor, the last sampled token (the next decode input).
+        kv: what the KV store keeps for this sequence (the store's own record).
+        marks, steps, densities, h2d, stats: timestamps (:class:`~xoffload.engine.request.Clock`
+            marks), decode steps taken, the sparse prefill's per-layer densities, the bytes a
+            decode step reads from host memory and the store's decode figures, for the request's
+            timings.
+    """
+
+    def __init__(self, index: int, req: Request):
+        self.index, self.req = index, req
+        self.status = WAITING
+        self.n_out = 0
+        self.tokens: list = []
+        self.stopped = False
+        self.finish_reason: str | None = None
+        self.last_tok = None
+        self.kv = None
+        self.marks: dict = {}
+        self.steps = 0
+        self.densities = None
+        self.h2d = None
+        self.stats: dict = {}
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.ids)
+
+    @property
+    def pos(self) -> int:
+        return self.prompt_len + self.n_out - 1
+
+    @property
+    def final_len(self) -> int:
+        """Tokens of KV the sequence may hold: its prompt and every new token but the last."""
+        return self.req.final_len
+
+    @property
+    def done_sampling(self) -> bool:
+        """True once it has all its tokens (``max_new``) or a stop id has been read."""
+        return self.n_out >= self.req.max_new or self.stopped
+
+    def __repr__(self):
+        return f"Sequence({self.index}, prompt {self.prompt_len}, {self.n_out}/{self.req.max_new} out, {self.status})"
+
+
+class Scheduler:
+    """Waiting and running queues with continuous batching (see the module docstring).
+
+    Args:
+        max_num_seqs: most sequences running at once (>= 1).
+        max_num_batched_tokens: most prompt tokens admitted between two decode steps (>= 1; the
+            first admission of a step is exempt).
+        capacity: the KV store's admission interface: ``check(seq)`` (raise ValueError when the
+            sequence alone can never fit), ``can_admit(seq) -> bool``, ``admit(seq)`` (reserve its
+            KV), ``release(seq)`` (return it).
+    Raises:
+        ValueError: a limit below 1.
+    """
+
+    def __init__(self, max_num_seqs: int, max_num_batched_tokens: int, capacity):
+        self.max_num_seqs = check_int("max_num_seqs", max_num_seqs, 1, type_error=ValueError)
+        self.max_num_batched_tokens = check_int("max_num_batched_tokens", max_num_batched_tokens, 1,
+                                                type_error=ValueError)
+        self.capacity = capacity
+        self.waiting: deque = deque()
+        self.running: list = []
+        self.finished: list = []
+        self.max_running = 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue ``seq`` (status waiting); ValueError (from ``capacity.check``) when it alone can
+        never fit."""
+        self.capacity.check(seq)
+        seq.status = WAITING
+        self.waiting.append(seq)
+
+    def admit(self) -> list:
+        """Move waiting sequences to running, in submission order, while they fit (see the module
+        docstring); returns the admitted ones (to be prefilled before the next decode step)."""
+        new, tokens = [], 0
+        while self.waiting and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            if new and tokens + seq.prompt_len > self.max_num_batched_tokens:
+                break
+            if not self.capacity.can_admit(seq):
+                break
+            self.waiting.popleft()
+            self.capacity.admit(seq)
+            seq.status = RUNNING
+            self.running.append(seq)
+            new.append(seq)
+            tokens += seq.prompt_len
+        self.max_running = max(self.max_running, len(self.running))
+        if not self.running and self.waiting:  # nothing runs and the head does not fit: cannot happen
+            head = self.waiting[0]  # after check(); a capacity that changed under us
+            raise RuntimeError(f"sequence {head.index} does not fit in an idle KV store")
+        return new
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """``seq`` is done (``reason`` ``"stop"`` or ``"length"``): it leaves the running queue and
+        its KV is released."""
+        if seq.status != RUNNING:
+            raise ValueError(f"finish: {seq!r} is not running")
+        self.running.remove(seq)
+        self.capacity.release(seq)
+        seq.status, seq.finish_reason = FINISHED, reason
+        self.finished.append(seq)
+
+    @property
+    def done(self) -> bool:
+        """No sequence waits or runs."""
+        return not self.waiting and not self.running
