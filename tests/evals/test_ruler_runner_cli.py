@@ -190,3 +190,17 @@ def test_length_above_max_model_len_exit_2(tmp_path, capsys, shared_model):
     rc, cap = _run(["--data", str(f), "--max-model-len", "300", "--out", str(tmp_path / "o")], capsys)
     assert rc == 2 and f"{f}:1: prompt of" in cap.err
     assert not (tmp_path / "o").exists()
+
+
+def test_mode_group_score_suffix():
+    """``NAME@BUDGET/GROUP`` sets the decode policy's budget and GQA group score; bad ones are
+    one-line errors naming the mode."""
+    from xoffload.evals.cli import mode_options
+    from xoffload.sparse import QuestDecode
+
+    kw = mode_options("offload+quest@512/softmax")
+    assert kw["mode"] == "offload" and kw["sparse_decode"] == QuestDecode(token_budget=512, group_score="softmax")
+    assert "token_budget" not in kw
+    for bad, msg in (("offload+quest@512/bad", "group_score"), ("offload@512/softmax", "@BUDGET")):
+        with pytest.raises(ValueError, match=msg):
+            mode_options(bad)

@@ -109,7 +109,9 @@ def mode_options(name: str) -> dict:
     """LLM keyword arguments of a mode name: a configuration of
     :func:`xoffload.engine.modes.configurations` (``resident``, ``offload``, ``offload+quest``, ...;
     ``gpu`` = ``resident``), with ``@N`` after a decode-policy configuration setting its token
-    budget (``offload+quest@512``). Raises ValueError naming the known names."""
+    budget (``offload+quest@512``) and an optional ``/GROUP`` after it the policy's GQA group score
+    (``offload+quest@512/softmax``, see :class:`xoffload.sparse.QuestDecode`). Raises ValueError
+    naming the known names."""
     from xoffload.engine.modes import configurations
 
     from .hf_peer import HF_MODE
@@ -124,9 +126,22 @@ def mode_options(name: str) -> dict:
                         f"(decode policies take @BUDGET)")
     kw = dict(confs[base])
     if at:
+        budget, slash, group = budget.partition("/")
         if "sparse_decode" not in kw or not budget.isdecimal() or int(budget) < 1:
             raise _ArgError(f"--mode {name!r}: @BUDGET needs a decode-policy mode and a positive integer")
         kw["token_budget"] = int(budget)
+        if slash:
+            import dataclasses
+
+            from xoffload.sparse.policy import resolve_decode
+
+            pol = resolve_decode(kw.pop("sparse_decode"), kw.pop("token_budget"))
+            if not hasattr(pol, "group_score"):
+                raise _ArgError(f"--mode {name!r}: /GROUP needs a decode policy with a group score")
+            try:
+                kw["sparse_decode"] = dataclasses.replace(pol, group_score=group)
+            except ValueError as e:
+                raise _ArgError(f"--mode {name!r}: {e}") from None
     return kw
 
 
