@@ -317,7 +317,9 @@ def _store_split_state(O, L, acc, m_i, l_i, split, b, s_row, hq, offs_d, mmask, 
     tl.store(L + split64 * s_ls + b * s_lb + s_row * s_lsq + hq * s_lh, lse, mask=mmask)
 
 
-@triton.jit
+# Length-dependent integers are not specialised (divisible by 16 / equal to 1): a request at a
+# length not seen before must not compile a new variant (the stall of issue 12: 0.6 s).
+@triton.jit(do_not_specialize=["S_max", "B_cache", "NUM_SPLITS"])
 def _decode_split_kernel(
     Q, K, V, Lens, Lpad, Bidx, Slopes, O, L,
     qk_scale, cap_scale, S_max, B_cache, Hkv, GROUP, SQ, D, NUM_SPLITS, M_BLOCKS, WIN_LEFT, WIN_RIGHT,
@@ -382,7 +384,7 @@ def _decode_split_kernel(
                        s_os, s_ob, s_osq, s_oh, s_ls, s_lb, s_lsq, s_lh)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["NUM_SPLITS"])
 def _decode_reduce_kernel(
     OP, LP, O, L,
     Hq, SQ, D, NUM_SPLITS,
@@ -548,7 +550,7 @@ def reduce_splits(o_dst, l_dst, out, lse, num_splits):
         return
     _, b, sq, hq, d = o_dst.shape
     block_d = max(16, next_pow2(d))
-    splits_p2 = next_pow2(num_splits)
+    splits_p2 = max(_MAX_SPLITS, next_pow2(num_splits))  # one variant for every split count <= 128
     block_dr = min(block_d, 32)
     _decode_reduce_kernel[(b * sq * hq, triton.cdiv(d, block_dr))](
         o_dst, l_dst, out, lse,

@@ -234,7 +234,7 @@ def paged_decode_attn_with_lse(q, k_pages, v_pages, page_table, seqlens, *, page
 # ----------------------------------------------------------------------------------------------
 # Triton kernel
 # ----------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["N_PAGES", "MAX_ENTRY", "NUM_SPLITS"])  # see decode._decode_split_kernel
 def _paged_split_kernel(
     Q, K, V, T, Lens, Lpad, Slopes, O, L,
     qk_scale, cap_scale, N_PAGES, MAX_ENTRY, Hkv, GROUP, SQ, D, NUM_SPLITS, M_BLOCKS, WIN_LEFT, WIN_RIGHT,
