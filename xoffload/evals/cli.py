@@ -146,10 +146,10 @@ def mode_options(name: str) -> dict:
 
 
 def _parse_modes(spec: str) -> list:
-    items = [x.strip() for x in str(spec).split(",") if x.strip()]
-    out = []
     from .hf_peer import HF_MODE
 
+    items = [x.strip() for x in str(spec).split(",") if x.strip()]
+    out = []
     for it in items:
         for m in (BOTH if it == "both" else (it,)):
             if m != HF_MODE:
