@@ -135,6 +135,7 @@ class BatchRunner:
         host = {"prefill_s": 0.0, "prefill_tok": 0, "decode_s": 0.0, "decode_tok": 0}
         try:
             while not sched.done:
+                done_before = len(sched.finished)
                 t = time.perf_counter()
                 for s in sched.admit():
                     self._prefill(s, store, log, clock)
@@ -154,19 +155,19 @@ class BatchRunner:
                     a = clock.mark()
                     logits = graphs.step(rows, tokens)
                     toks = sample_rows(logits, running)
-                    self._steps.append((len(running), rows, a, clock.mark()))
+                    e = clock.mark()
+                    self._steps.append((len(running), rows, a, e))
                     for b, s in enumerate(running):
                         s.last_tok = toks[b:b + 1]
                         s.n_out += 1
                         s.steps += 1
-                        if s.steps == _STEADY_FROM:
-                            s.marks["steady"] = a
+                        if s.steps == _STEADY_FROM:  # after its first two steps, as the one-request loop
+                            s.marks["steady"] = e
                     log.publish(toks, running)
                     prev = toks
                     log.poll(lag)
                     host["decode_s"] += time.perf_counter() - t
                     host["decode_tok"] += len(running)
-                done_before = len(sched.finished)
                 self._retire(sched, store, clock)
                 if bar is not None:
                     bar.update(len(sched.finished) - done_before)
