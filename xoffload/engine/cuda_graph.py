@@ -119,12 +119,14 @@ class BatchGraphs:
         model.rope_tables(store.max_len + 1)  # grown here, never inside a graph
         self.tok = torch.zeros(store.buckets[-1], dtype=torch.int64, device=dev)
         self.graphs, self.outs, self.warm = {}, {}, set()
+        self._captured = set()
         self.stream = torch.cuda.Stream(dev) if self.use else None
         self.pool = torch.cuda.graph_pool_handle() if self.use else None
 
     @property
     def captured(self) -> list:
-        return sorted(self.graphs)
+        """Buckets whose graph was captured during the call (kept after :meth:`close`)."""
+        return sorted(self._captured)
 
     def _body(self, rows: int) -> torch.Tensor:
         st = self.store
@@ -165,6 +167,7 @@ class BatchGraphs:
                 g.capture_end()
         cur.wait_stream(self.stream)
         self.graphs[rows], self.outs[rows] = g, out
+        self._captured.add(rows)
         g.replay()
         return out
 
