@@ -178,38 +178,26 @@ def test_kvcache_int_seqlens_batch_idx_and_full_cache(device):
     _check_out(out, ref_o, base, dtype)
 
 
-@pytest.mark.parametrize(
-    "kwargs, option",
-    [
-        (dict(dropout_p=0.1), "dropout_p"),
-        (dict(window_size=(4, 0)), "window_size"),
-        (dict(softcap=30.0), "softcap"),
-        (dict(alibi_slopes=torch.ones(2)), "alibi_slopes"),
-    ],
-)
-def test_unsupported_options_are_named(kwargs, option):
-    """The prefill entry points refuse the options their kernel does not run yet (named);
-    flash_attn_with_kvcache runs them (tests/integrations/test_flash_api_options.py)."""
+def test_unsupported_options_are_named():
+    """The prefill entry points refuse dropout (inference only), named; their other options run
+    (tests/integrations/test_flash_api_options.py)."""
     q = torch.randn(1, 2, 2, 8, dtype=torch.float16)
-    with pytest.raises(NotImplementedError, match=option):
-        flash_attn_func(q, q, q, **kwargs)
-    with pytest.raises(NotImplementedError, match=option):
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flash_attn_func(q, q, q, dropout_p=0.1)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
         cu = torch.tensor([0, 2], dtype=torch.int32)
-        flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 2, 2, **kwargs)
-
-
-def test_varlen_block_table_unsupported():
-    q = torch.randn(1, 1, 2, 8, dtype=torch.float16)
-    cu = torch.tensor([0, 1], dtype=torch.int32)
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 1, 1, block_table=torch.zeros(1, 1, dtype=torch.int32))
+        flash_attn_varlen_func(q[0], q[0], q[0], cu, cu, 2, 2, dropout_p=0.1)
 
 
 def test_supported_table_turns_options_on_per_entry_point(monkeypatch):
     """One entry of _SUPPORTED turns an option on for one entry point (the others still refuse)."""
     from xoffload.integrations import flash_api
 
+    assert {"window_size", "softcap", "alibi_slopes"} <= flash_api._SUPPORTED["flash_attn_func"]
+    assert "block_table" in flash_api._SUPPORTED["flash_attn_varlen_func"]
+    assert "dropout_p" not in set().union(*flash_api._SUPPORTED.values())
     monkeypatch.setitem(flash_api._SUPPORTED, "flash_attn_func", frozenset({"softcap"}))
+    monkeypatch.setitem(flash_api._SUPPORTED, "flash_attn_varlen_func", frozenset())
     flash_api._unsupported("flash_attn_func", dropout_p=0.0, softcap=30.0)
     with pytest.raises(NotImplementedError, match="softcap"):
         flash_api._unsupported("flash_attn_varlen_func", softcap=30.0)

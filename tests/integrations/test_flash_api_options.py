@@ -1,4 +1,5 @@
-"""flash_attn_with_kvcache with flash-attn's inference options: block_table (paged caches),
+"""flash-attn's inference options: in flash_attn_func / flash_attn_varlen_func (window_size,
+softcap, alibi_slopes, block_table for varlen; bad values), and in flash_attn_with_kvcache: block_table (paged caches),
 k/v appended into pages, rotary (both layouts, partial rotary dims), cache_leftpad,
 cache_batch_idx, window_size, softcap, alibi_slopes, num_splits, Sq > 1.
 
@@ -17,9 +18,9 @@ import pytest
 import torch
 
 from helpers import assert_lse_match, max_err, out_tol
-from xoffload.integrations.flash_api import flash_attn_with_kvcache
+from xoffload.integrations.flash_api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from xoffload.kernels import apply_rotary, cpu_backend
-from xoffload.kernels.reference import decode_attention_ref
+from xoffload.kernels.reference import attention_ref, decode_attention_ref
 
 
 # ------------------------------------------------------------------ flash-attn's reference, ported
@@ -278,6 +279,147 @@ def test_paged_equals_contiguous_cache(device):
     assert_lse_match(l_p, l_c, 30.0)
     assert torch.equal(kp[untouched], before)
     assert torch.equal(kp[table.long().flatten()].view(b, per * page, hkv, d), kc)
+
+
+# ------------------------------------------------------------------ prefill entry points' options
+PREFILL_CASES = [
+    # b, sq, sk, hq, hkv, d, causal, window, softcap, alibi (None / "h" / "bh"), dtype
+    (2, 5, 9, 4, 2, 16, True, (3, -1), 0.0, None, torch.float16),
+    (1, 7, 7, 3, 3, 32, False, (2, 1), 0.0, None, torch.float32),
+    (2, 6, 11, 4, 2, 16, True, (-1, -1), 5.0, None, torch.float16),
+    (2, 6, 11, 4, 1, 16, True, (-1, -1), 0.0, "bh", torch.float16),
+    (1, 8, 8, 2, 2, 32, False, (4, 4), 2.0, "h", torch.float32),
+    (2, 9, 5, 2, 1, 16, True, (2, 0), 3.0, "h", torch.float16),
+]
+
+
+def _prefill_inputs(case, device):
+    b, sq, sk, hq, hkv, d, causal, window, cap, alibi, dtype = case
+    gen = torch.Generator().manual_seed(sq * 31 + sk)
+    rn = lambda *s: torch.randn(*s, generator=gen).to(device=device, dtype=dtype)  # noqa: E731
+    q, k, v = rn(b, sq, hq, d), rn(b, sk, hkv, d), rn(b, sk, hkv, d)
+    if cap > 0:
+        q = q * cap / 2  # scores large enough for the cap to matter
+    slopes = None
+    if alibi:
+        slopes = (torch.rand(b, hq, generator=gen) * 0.3).to(device)
+        if alibi == "h":
+            slopes = slopes[0].contiguous()
+    return q, k, v, slopes
+
+
+def _check_prefill(out, lse, q, k, v, slopes, causal, window, cap):
+    """Output against flash-attn's attention_ref (fp32; error baseline: the same in q's dtype) and
+    LSE against the reference of our formula (ALiBi LSE convention of flash_attn.py)."""
+    b, sq, hq = q.shape[:3]
+    sk = k.shape[1]
+    bias = None
+    if slopes is not None:
+        bias = _alibi_bias(slopes if slopes.dim() == 2 else slopes.expand(b, hq), sq, sk, causal=causal)
+    out_ref = _attention_ref(q, k, v, None, bias, causal=causal, window=window, softcap=cap)
+    out_pt = _attention_ref(q, k, v, None, bias, causal=causal, window=window, softcap=cap, upcast=False,
+                            reorder_ops=True)
+    tol = out_tol(out_ref.float(), out_pt, q.dtype, ulps=8.0 if q.dtype == torch.float32 else 2.0)
+    err = max_err(out, out_ref.float())
+    assert out.dtype == q.dtype and err <= tol, f"output error {err:.3g} > tol {tol:.3g}"
+    _, ref_l = attention_ref(q, k, v, causal=causal, window_size=window, softcap=cap, alibi_slopes=slopes)
+    assert_lse_match(lse, ref_l.to(lse.device), 30.0 if slopes is not None else None)
+
+
+def _prefill_id(c):
+    b, sq, sk, hq, hkv, d, causal, window, cap, alibi, dtype = c
+    tags = [f"b{b}q{sq}k{sk}h{hq}-{hkv}d{d}", "causal" if causal else "full"]
+    tags += [f"win{window[0]}_{window[1]}"] if window != (-1, -1) else []
+    tags += [f"softcap{cap}"] if cap else []
+    tags += [f"alibi_{alibi}"] if alibi else []
+    return "-".join(tags + [str(dtype).split(".")[-1]])
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES, ids=_prefill_id)
+def test_flash_attn_func_options(device, case):
+    """flash_attn_func runs window_size / softcap / alibi_slopes in the prefill kernel."""
+    causal, window, cap = case[6], case[7], case[8]
+    q, k, v, slopes = _prefill_inputs(case, device)
+    out, lse, probs = flash_attn_func(q, k, v, causal=causal, window_size=window, softcap=cap, alibi_slopes=slopes,
+                                      return_attn_probs=True)
+    assert probs is None and lse.shape == (q.shape[0], q.shape[2], q.shape[1])
+    _check_prefill(out, lse, q, k, v, slopes, causal, window, cap)
+
+
+@pytest.mark.parametrize("case", PREFILL_CASES[::2], ids=_prefill_id)
+@pytest.mark.parametrize("paged", [False, True], ids=["contig", "paged16"])
+def test_flash_attn_varlen_func_options(device, case, paged):
+    """flash_attn_varlen_func: the same options per sequence (lengths differ), k/v packed or in
+    pages of 16 through block_table; each sequence equals flash_attn_func on it alone."""
+    b, sq, sk, hq, hkv, d, causal, window, cap, alibi, dtype = case
+    q, k, v, slopes = _prefill_inputs(case, device)
+    lq, lk = [sq] + [max(1, sq - 2)] * (b - 1), [sk] + [max(1, sk - 3)] * (b - 1)
+    cu = lambda ls: torch.tensor([0] + list(torch.tensor(ls).cumsum(0)), dtype=torch.int32, device=device)  # noqa
+    cu_q, cu_k = cu(lq), cu(lk)
+    qp = torch.cat([q[i, sq - lq[i]:] for i in range(b)])
+    kp = torch.cat([k[i, sk - lk[i]:] for i in range(b)])
+    vp = torch.cat([v[i, sk - lk[i]:] for i in range(b)])
+    kw = dict(causal=causal, window_size=window, softcap=cap, alibi_slopes=slopes, return_attn_probs=True)
+    if paged:
+        page, per = 16, -(-sk // 16)
+        gen = torch.Generator().manual_seed(3)
+        nb = b * per + 2
+        table = torch.randperm(nb, generator=gen)[: b * per].view(b, per).to(torch.int32).to(device)
+        kc = torch.zeros(nb, page, hkv, d, dtype=dtype, device=device)
+        vc = torch.zeros_like(kc)
+        for i in range(b):
+            rows = torch.arange(lk[i], device=device)
+            blk, off = table[i].long()[rows // page], rows % page
+            kc[blk, off] = k[i, sk - lk[i]:]
+            vc[blk, off] = v[i, sk - lk[i]:]
+        out, lse, _ = flash_attn_varlen_func(qp, kc, vc, cu_q, cu_k, max(lq), max(lk), block_table=table, **kw)
+    else:
+        out, lse, _ = flash_attn_varlen_func(qp, kp, vp, cu_q, cu_k, max(lq), max(lk), **kw)
+    assert out.shape == qp.shape and lse.shape == (hq, qp.shape[0])
+    for i in range(b):
+        a, e = int(cu_q[i]), int(cu_q[i + 1])
+        sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[i : i + 1])
+        _check_prefill(out[None, a:e], lse[None, :, a:e], q[i : i + 1, sq - lq[i]:], k[i : i + 1, sk - lk[i]:],
+                       v[i : i + 1, sk - lk[i]:], sl, causal, window, cap)
+
+
+def test_prefill_bad_option_values_raise():
+    """One-line errors naming the value, from flash_attn_func and flash_attn_varlen_func."""
+    q = torch.randn(2, 3, 4, 16).half()
+    k = torch.randn(2, 5, 2, 16).half()
+    cu_q = torch.tensor([0, 3, 6], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 10], dtype=torch.int32)
+    fs = [lambda **kw: flash_attn_func(q, k, k, **kw),
+          lambda **kw: flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), k.flatten(0, 1), cu_q, cu_k, 3, 5,
+                                              **kw)]
+    for f in fs:
+        with pytest.raises(ValueError, match=r"window_size left must be >= -1 .*got -2"):
+            f(window_size=(-2, 0))
+        with pytest.raises(ValueError, match=r"window_size right must be >= -1 .*got -5"):
+            f(window_size=(3, -5))
+        with pytest.raises(TypeError, match="window_size must be a pair of ints"):
+            f(window_size=(1, 2, 3))
+        with pytest.raises(ValueError, match=r"softcap must be a finite float >= 0.*-1.0"):
+            f(softcap=-1.0)
+        with pytest.raises(ValueError, match=r"alibi_slopes must have shape \[Hq\] = \[4\] or \[B, Hq\] = \[2, 4\]"):
+            f(alibi_slopes=torch.ones(2))
+        with pytest.raises(TypeError, match="alibi_slopes must be float32"):
+            f(alibi_slopes=torch.ones(4, dtype=torch.float64))
+        with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
+            f(dropout_p=0.1)
+    kc = torch.randn(4, 16, 2, 16).half()
+    table = torch.tensor([[0], [1]], dtype=torch.int32)
+    pf = lambda kc, table: flash_attn_varlen_func(q.flatten(0, 1), kc, kc, cu_q, cu_k, 3, 5,  # noqa: E731
+                                                  block_table=table)
+    assert pf(kc, table).shape == (6, 4, 16)
+    with pytest.raises(ValueError, match=r"block_table\[1, 0\] = 4 points past the cache"):
+        pf(kc, torch.tensor([[0], [4]], dtype=torch.int32))
+    with pytest.raises(ValueError, match="multiple of 16, got 40"):
+        pf(torch.randn(4, 40, 2, 16).half(), table)
+    with pytest.raises(TypeError, match="block_table must be int32"):
+        pf(kc, table.long())
+    with pytest.raises(ValueError, match=r"block_table must have shape \[B, max_pages_per_seq\]"):
+        pf(kc, table[:1])
 
 
 # ------------------------------------------------------------------------------------ bad inputs

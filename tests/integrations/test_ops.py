@@ -37,6 +37,11 @@ def test_ops_registered_with_schemas():
         for arg in ("bool causal=False", "window_left=-1", "window_right=-1", "float softcap=0.",
                     "Tensor? alibi_slopes=None", "Tensor? cache_leftpad=None", "num_splits=None"):
             assert arg in schema, (name, arg, schema)
+    for name in ("flash_attn_with_lse", "flash_attn_varlen_with_lse"):
+        schema = str(getattr(torch.ops.xoffload, name).default._schema)
+        for arg in ("window_left=-1", "window_right=-1", "float softcap=0.", "Tensor? alibi_slopes=None",
+                    "Tensor? block_table=None", "Tensor? seqused_k=None"):
+            assert arg in schema, (name, arg, schema)
     assert "Tensor? cache_batch_idx=None" in str(torch.ops.xoffload.decode_attn_with_lse.default._schema)
     assert "Tensor? block_table=None" in str(torch.ops.xoffload.kvcache_append_.default._schema)
 
@@ -87,14 +92,23 @@ def test_fake_implementations_give_real_shapes():
 
 
 def _option_cases(device="cpu", dtype=torch.float32):
-    """The decode ops with their options set (window, softcap, ALiBi, left pad, batch index, Sq > 1)."""
+    """The prefill and decode ops with their options set (window, softcap, ALiBi, paged K/V,
+    seqused_k, left pad, batch index, Sq > 1)."""
     c = _op_cases(device, dtype)
+    fq, fk, fv = c["flash_attn_with_lse"][:3]
+    vq, vk, vv, cu_q, cu_k = c["flash_attn_varlen_with_lse"][:5]
     q, kc, vc, lens, _ = c["decode_attn_with_lse"]
     slopes = torch.tensor([0.1, 0.2, 0.3, 0.4], device=device)
     lp = torch.tensor([1, 2], dtype=torch.int32, device=device)
     bidx = torch.tensor([1, 0], dtype=torch.int32, device=device)
     qq, kp, vp, table, plens, _, _ = c["paged_decode_attn_with_lse"]
+    ptab = table[:, 0]  # [B, 2] blocks of 16 tokens
     return [
+        ("flash_attn_with_lse", (fq, fk, fv, True, None, 2, -1, 4.0, slopes, None, None)),
+        ("flash_attn_with_lse", (fq, kp, vp, False, 0.3, 8, 3, 0.0, slopes[None].expand(2, 4).contiguous(), ptab,
+                                 torch.tensor([20, 9], dtype=torch.int32, device=device))),
+        ("flash_attn_varlen_with_lse", (vq, vk, vv, cu_q, cu_k, 4, 7, True, None, 1, -1, 2.0, slopes, None, None)),
+        ("flash_attn_varlen_with_lse", (vq, kp, vp, cu_q, cu_k, 4, 7, False, None, -1, 2, 0.0, None, ptab, None)),
         ("decode_attn_with_lse", (q, kc, vc, lens, 0.3, True, 3, -1, 5.0, slopes, lp, bidx, 2)),
         ("decode_attn_with_lse", (c["flash_attn_with_lse"][0], kc, vc, lens, None, True, -1, 0, 0.0, slopes[None].expand(2, 4).contiguous(), None, None, None)),
         ("paged_decode_attn_with_lse", (qq, kp, vp, table, plens, 16, None, True, 7, -1, 2.0, slopes, lp, 3)),
@@ -200,6 +214,41 @@ def test_compiled_graph_calls_the_custom_ops():
     assert len(graphs) == 1
     targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
     for name in ("flash_attn_with_lse", "merge_attention_states", "kvcache_append_", "decode_attn_with_lse"):
+        assert any(f"xoffload.{name}" in t for t in targets), (name, targets)
+
+
+def test_prefill_options_compile_fullgraph_equals_eager():
+    """flash_attn_func / flash_attn_varlen_func with window, softcap, ALiBi (and a paged varlen
+    call) trace into one graph of the prefill ops, equal to eager."""
+    torch._dynamo.reset()
+    c = _op_cases()
+    q, k, v = c["flash_attn_with_lse"][:3]
+    vq, _, _, cu_q, cu_k = c["flash_attn_varlen_with_lse"][:5]
+    kp, vp, table = c["paged_decode_attn_with_lse"][1], c["paged_decode_attn_with_lse"][2], c["paged_decode_attn_with_lse"][3]
+    slopes = torch.tensor([0.1, 0.2, 0.3, 0.4])
+
+    def f(q, k, v, vq, kp, vp, table, slopes):
+        a = flash_api.flash_attn_func(q, k, v, causal=True, window_size=(2, -1), softcap=4.0, alibi_slopes=slopes)
+        b = flash_api.flash_attn_varlen_func(vq, kp, vp, cu_q, cu_k, 4, 7, causal=True, window_size=(3, 0),
+                                             softcap=2.0, alibi_slopes=slopes, block_table=table[:, 0])
+        return a, b
+
+    graphs = []
+
+    def record(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    args = (q, k, v, vq, kp, vp, table, slopes)
+    with torch.no_grad(), cpu_backend("reference"):
+        ref = f(*args)
+        out = torch.compile(f, fullgraph=True, backend="aot_eager")(*args)
+        torch._dynamo.reset()
+        torch.compile(f, fullgraph=True, backend=record)(*args)
+    for a, b in zip(out, ref):
+        assert max_err(a, b) <= 1e-5
+    targets = [str(n.target) for n in graphs[0].graph.nodes if n.op == "call_function"]
+    for name in ("flash_attn_with_lse", "flash_attn_varlen_with_lse"):
         assert any(f"xoffload.{name}" in t for t in targets), (name, targets)
 
 

@@ -191,10 +191,10 @@ def test_attention_function_errors():
     f = xt.xoffload_attention_forward
     with pytest.raises(NotImplementedError, match="dropout"):
         f(_module(), q, k, v, None, dropout=0.1)
-    with pytest.raises(NotImplementedError, match="softcap"):
-        f(_module(), q, k, v, None, softcap=50.0)
-    with pytest.raises(NotImplementedError, match="sliding_window"):
-        f(_module(), q, k, v, None, sliding_window=2)
+    with pytest.raises(ValueError, match="softcap must be a float > 0 or None, got -1.0"):
+        f(_module(), q, k, v, None, softcap=-1.0)
+    with pytest.raises(ValueError, match="sliding_window must be an int >= 1 or None, got 0"):
+        f(_module(), q, k, v, None, sliding_window=0)
     with pytest.raises(NotImplementedError, match="s_aux"):
         f(_module(), q, k, v, None, s_aux=torch.zeros(4))
     with pytest.raises(ValueError, match="4D or float attention_mask"):
@@ -207,8 +207,51 @@ def test_attention_function_errors():
         f(_module(), q.double(), k.double(), v.double(), None)
     with pytest.raises(NotImplementedError, match="forward-only"):
         f(_module(), q.requires_grad_(), k, v, None)
-    # sliding window not exceeded: allowed
-    f(_module(), q.detach(), k, v, None, sliding_window=8)
+    # sliding window not exceeded: plain causal
+    assert torch.equal(f(_module(), q.detach(), k, v, None, sliding_window=8)[0], f(_module(), q.detach(), k, v, None)[0])
+
+
+def _window_softcap_ref(query, key, value, allowed, window, softcap, scale):
+    """fp32 eager attention (transformers layout in, [B, Sq, Hq, D] out) with transformers'
+    sliding window (key j of query position p kept iff ``p - W < j``, positions counted over the
+    allowed keys' order) and Gemma 2's soft-capping."""
+    q, k, v = query.float(), key.float(), value.float()
+    g = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
+    s = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    keep = allowed.clone()
+    if window:
+        # rank of each allowed key among the allowed keys; the query sits at its row's last one
+        rank = allowed.cumsum(-1)
+        keep &= rank > rank[..., -1:] - window
+    s = s.masked_fill(~keep[:, None], float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s, -1))
+    return (p @ v).transpose(1, 2)
+
+
+@pytest.mark.parametrize("sq, sk, pad", [(7, 7, None), (3, 9, None), (1, 9, None), (6, 6, "left")],
+                         ids=["prefill", "cached-prefix", "decode", "left-pad"])
+def test_attention_function_sliding_window_and_softcap(device, sq, sk, pad):
+    """sliding_window (Mistral / Gemma 2 local layers) and softcap (Gemma 2) run in the kernels, on
+    the dense, decode and padded paths, equal to eager attention with transformers' window mask."""
+    b, w, cap, scale = 2, 3, 2.0, 0.5
+    q, k, v = _hf_inputs(b, 4, 2, sq, sk, 16, torch.float32, device, seed=4)
+    m = None
+    allowed = _causal_allowed(b, sq, sk)
+    if pad:
+        m = torch.ones(b, sk, dtype=torch.bool)
+        m[0, :2] = False
+        allowed = _causal_allowed(b, sq, sk, sk, m)
+    for kw in (dict(sliding_window=w), dict(softcap=cap), dict(sliding_window=w, softcap=cap)):
+        out, _ = xt.xoffload_attention_forward(_module(), q, k, v, None if m is None else m.to(device), scaling=scale,
+                                               **kw)
+        ref = torch.stack([_window_softcap_ref(q[:, :, i : i + 1].cpu(), k.cpu(), v.cpu(), allowed[:, i : i + 1],
+                                               kw.get("sliding_window"), kw.get("softcap"), scale)[:, 0]
+                           for i in range(sq)], 1)
+        rows = None if m is None else m[:, sk - sq:]
+        _assert_close(out, ref, rows)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -274,6 +317,66 @@ def test_tiny_llama_xattn(device):
         assert float(density.mean()) < 1.0
     finally:
         xt.register()
+
+
+def _tiny_logits(model, impl, ids, mask=None):
+    model.set_attn_implementation(impl)
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=mask).logits
+
+
+def _assert_logits_close(out, ref):
+    """fp32 logits: the kernels' exp2 softmax vs eager's exp, through a few layers."""
+    scale = max(1.0, float(ref.abs().max()))
+    err = max_err(out.cpu(), ref.cpu())
+    assert err <= 1e-4 * scale, f"logits error {err:.3g} (scale {scale:.3g})"
+
+
+def test_tiny_gemma2_sliding_window_and_softcap_match_eager(device):
+    """A tiny random Gemma-2 (alternating sliding / global layers, attention logit soft-capping)
+    with attn_implementation="xoffload" gives eager's logits (prefill longer than the window, a
+    left-padded batch) and eager's greedy tokens (decode steps through the window)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    cfg = Gemma2Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                       sliding_window=4, attn_logit_softcapping=2.0, final_logit_softcapping=30.0,
+                       query_pre_attn_scalar=16, initializer_range=0.2, pad_token_id=0, bos_token_id=1,
+                       eos_token_id=2)
+    torch.manual_seed(0)
+    model = Gemma2ForCausalLM(cfg).to(device).eval()
+    model.generation_config.eos_token_id = None
+    assert model.config.layer_types[:2] == ["sliding_attention", "full_attention"]
+    ids = torch.tensor([[0, 0, 5, 9, 17, 33, 4, 8, 15, 16], [4, 8, 15, 16, 23, 42, 7, 3, 11, 19]], device=device)
+    mask = torch.ones_like(ids)
+    mask[0, :2] = 0
+    _assert_logits_close(_tiny_logits(model, "xoffload", ids[1:]), _tiny_logits(model, "eager", ids[1:]))
+    rows = mask.bool()
+    _assert_logits_close(_tiny_logits(model, "xoffload", ids, mask)[rows], _tiny_logits(model, "eager", ids, mask)[rows])
+    ref = _generate(model, "eager", ids[1:], new_tokens=4)
+    assert torch.equal(_generate(model, "xoffload", ids[1:], new_tokens=4), ref)
+
+
+def test_tiny_mistral_sliding_window_matches_sdpa(device):
+    """A tiny random Mistral (sliding_window shorter than the prompt) with attn_implementation=
+    "xoffload" gives sdpa's logits and greedy tokens."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                        sliding_window=4, initializer_range=0.2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(cfg).to(device).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([[4, 8, 15, 16, 23, 42, 7, 3, 11, 19]], device=device)
+    _assert_logits_close(_tiny_logits(model, "xoffload", ids), _tiny_logits(model, "sdpa", ids))
+    # the window matters here: without it the logits differ
+    model.config.sliding_window = None
+    nowin = _tiny_logits(model, "sdpa", ids)
+    model.config.sliding_window = 4
+    assert max_err(nowin.cpu(), _tiny_logits(model, "sdpa", ids).cpu()) > 1e-3
+    ref = _generate(model, "sdpa", ids, new_tokens=4)
+    assert torch.equal(_generate(model, "xoffload", ids, new_tokens=4), ref)
 
 
 def _smollm2_path():

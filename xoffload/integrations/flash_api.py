@@ -14,11 +14,16 @@ Differences from flash-attn, all explicit:
 
 * Forward only. Inputs that require grad while grad mode is on raise ``NotImplementedError`` (use
   ``torch.no_grad()`` / ``torch.inference_mode()``).
-* Not supported (raise ``NotImplementedError`` naming the option): ``dropout_p > 0`` everywhere;
-  in ``flash_attn_func`` / ``flash_attn_varlen_func`` for now also ``window_size != (-1, -1)``,
-  ``softcap != 0``, ``alibi_slopes`` and (varlen) ``block_table`` (which options each entry point
-  runs is the table ``_SUPPORTED``). ``deterministic`` is accepted and ignored (the forward pass is
-  deterministic).
+* Not supported (raise ``NotImplementedError`` naming the option): ``dropout_p > 0`` (which
+  options each entry point runs is the table ``_SUPPORTED``). ``deterministic`` is accepted and
+  ignored (the forward pass is deterministic); ``return_attn_probs`` returns None as the
+  probabilities (as flash-attn does without dropout).
+* ``flash_attn_func`` / ``flash_attn_varlen_func`` run ``window_size``, ``softcap`` and
+  ``alibi_slopes`` inside the prefill kernel (key tiles outside the window are not read), and
+  ``flash_attn_varlen_func`` runs ``block_table``: k/v are then paged caches ``[num_blocks,
+  page_size, Hkv, D]`` (any page size that is a multiple of 16; flash-attn 2 wants 256) and
+  ``cu_seqlens_k`` gives only the key lengths. flash-attn 2's Python functions have no
+  ``seqused_k``; :func:`xoffload.kernels.flash_attn_varlen_with_lse` takes it.
 * ``flash_attn_with_kvcache`` runs all of flash-attn's options: ``block_table`` (paged caches
   ``[num_blocks, page_size, Hkv, D]``, any page size that is a multiple of 16, read in place by the
   paged decode kernel), ``k``/``v`` appended in place (also into pages), ``rotary_cos`` /
@@ -29,9 +34,14 @@ Differences from flash-attn, all explicit:
   Triton code under ``TRITON_INTERPRET=1``).
 * A query row that sees no key returns output 0 and LSE ``-inf`` (flash-attn returns ``+inf``
   there); ``-inf`` is the log of the empty sum and merges correctly.
-* ALiBi under ``causal``: flash-attn's CUDA kernel adds ``slope * j`` (key index) where its
-  reference adds ``-slope * |i - j|``; both give the same output, we return the LSE of the latter
-  (flash-attn's LSE is larger by ``slope * i`` for the query at position i).
+* ALiBi under ``causal`` (every entry point): flash-attn's CUDA kernel adds ``slope * j`` (key
+  index) where its reference adds ``-slope * |p_i - j|``; both give the same output, we return the
+  LSE of the latter, the one that merges exactly with other partial states (flash-attn's
+  ``softmax_lse`` is larger by ``slope * p_i``, ``p_i = i + Sk - Sq`` the position of query row i).
+* Bad option values raise a one-line ``ValueError`` / ``TypeError`` naming the value: window left
+  or right < -1 (or not a pair of ints), softcap < 0 or not finite, alibi_slopes not fp32
+  ``[Hq]`` / ``[B, Hq]``, a block table of the wrong shape, dtype or device, a page size that is
+  not a multiple of 16, a table entry of a page holding keys outside the cache.
 """
 from __future__ import annotations
 
@@ -48,8 +58,8 @@ __all__ = ["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache
 # The flash-attn options each entry point runs (the others raise NotImplementedError when set to
 # anything but their default). Turning an option on for an entry point is adding its name here.
 _SUPPORTED = {
-    "flash_attn_func": frozenset(),
-    "flash_attn_varlen_func": frozenset(),
+    "flash_attn_func": frozenset({"window_size", "softcap", "alibi_slopes"}),
+    "flash_attn_varlen_func": frozenset({"window_size", "softcap", "alibi_slopes", "block_table"}),
     "flash_attn_with_kvcache": frozenset({
         "window_size", "softcap", "alibi_slopes", "rotary_cos", "rotary_sin", "cache_leftpad", "block_table",
     }),
@@ -83,6 +93,11 @@ def _unsupported(fn: str, **options):
         shown = f"={val}" if name in _WHY else ""
         why = _WHY.get(name, "is not supported here yet; pass None")
         raise NotImplementedError(f"{fn}: {name}{shown} {why}")
+
+
+def _softcap(softcap):
+    """flash-attn's ``softcap`` with None read as 0.0 (off); other values go to the kernel's check."""
+    return 0.0 if softcap is None else softcap
 
 
 def _prologue(fn: str, causal, tensors, **options) -> bool:
@@ -119,8 +134,13 @@ def flash_attn_func(
         dropout_p: must be 0.0 (else NotImplementedError).
         softmax_scale: scale of QK^T before the softmax; default ``1/sqrt(D)``.
         causal: bottom-right aligned causal mask (query i sees key j iff ``j <= i + Sk - Sq``).
-        window_size, softcap, alibi_slopes: only the defaults are supported for now
-            (NotImplementedError otherwise).
+        window_size: ``(left, right)``, -1 = unlimited: query i at position ``p_i = i + Sk - Sq``
+            sees keys ``p_i - left <= j <= p_i + right`` (causal sets right = 0); key tiles outside
+            the window are not read.
+        softcap: 0 (off) or > 0: scores become ``softcap * tanh(s / softcap)`` (Gemma 2).
+        alibi_slopes: None or fp32 ``[Hq]`` / ``[B, Hq]``: ``-slope * |p_i - j|`` added to the
+            (capped) score of key j. The LSE returned is that of this formula also under causal,
+            where flash-attn's CUDA kernel returns one larger by ``slope * p_i`` (module doc).
         deterministic: ignored (the forward pass is deterministic).
         return_attn_probs: if True return ``(out, softmax_lse, None)`` like flash-attn (which also
             returns None as the third element when dropout is off).
@@ -130,12 +150,15 @@ def flash_attn_func(
         ``[B, Hq, Sq]`` fp32 (natural log) and None.
 
     Raises:
-        NotImplementedError: an unsupported option, or inputs requiring grad under grad mode.
-        TypeError / ValueError: bad dtypes, shapes, devices or ``softmax_scale`` (from the kernel).
+        NotImplementedError: ``dropout_p > 0``, or inputs requiring grad under grad mode.
+        TypeError / ValueError: bad dtypes, shapes, devices or ``softmax_scale``; a window value
+            < -1, softcap < 0, alibi_slopes of the wrong shape or dtype (from the kernel, naming
+            the value).
     """
     causal = _prologue("flash_attn_func", causal, (q, k, v), dropout_p=dropout_p, window_size=window_size,
                        softcap=softcap, alibi_slopes=alibi_slopes)
-    out, lse = ops.flash_attn(q, k, v, causal, softmax_scale)
+    out, lse = ops.flash_attn(q, k, v, causal, softmax_scale, window_size=window_size, softcap=_softcap(softcap),
+                              alibi_slopes=alibi_slopes)
     return (out, lse, None) if return_attn_probs else out
 
 
@@ -164,7 +187,13 @@ def flash_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: int32 ``[B+1]`` cumulative lengths (start at 0, end at total).
         max_seqlen_q, max_seqlen_k: int, the longest sequence in the batch.
         causal: bottom-right aligned per sequence.
-        block_table: paged KV is not supported here yet (must be None; NotImplementedError).
+        window_size, softcap, alibi_slopes: as :func:`flash_attn_func`, positions bottom-right
+            aligned within each sequence (``p_i = i + Sk_b - Sq_b``).
+        block_table: None or int32 ``[B, max_blocks]``: k and v are then paged caches
+            ``[num_blocks, page_size, Hkv, D]`` (page_size a multiple of 16), key j of sequence b
+            is row ``j % page_size`` of block ``block_table[b, j // page_size]``, and
+            ``cu_seqlens_k`` gives the key lengths (each at most ``max_blocks * page_size``). The
+            entries of the pages holding keys are checked on the host (one sync).
         Other options as :func:`flash_attn_func`.
 
     Returns:
@@ -172,13 +201,17 @@ def flash_attn_varlen_func(
         fp32 and None.
 
     Raises:
-        NotImplementedError: an unsupported option, or inputs requiring grad under grad mode.
-        TypeError / ValueError: bad dtypes, shapes or cu_seqlens (from the kernel).
+        NotImplementedError: ``dropout_p > 0``, or inputs requiring grad under grad mode.
+        TypeError / ValueError: bad dtypes, shapes or cu_seqlens; bad option values as
+            :func:`flash_attn_func`; a block table of the wrong shape, dtype or device, a page size
+            not a multiple of 16, a key length past the table's pages, a used table entry outside
+            ``[0, num_blocks)`` (from the kernel, naming the value).
     """
     causal = _prologue("flash_attn_varlen_func", causal, (q, k, v), dropout_p=dropout_p, window_size=window_size,
                        softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table)
     out, lse = ops.flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal,
-                                     softmax_scale)
+                                     softmax_scale, window_size=window_size, softcap=_softcap(softcap),
+                                     alibi_slopes=alibi_slopes, block_table=block_table)
     return (out, lse, None) if return_attn_probs else out
 
 

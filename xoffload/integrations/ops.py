@@ -4,11 +4,15 @@ Registered ops (namespace ``xoffload``, callable as ``torch.ops.xoffload.<name>`
 
 ==========================================  =====================================================
 ``flash_attn_with_lse(q, k, v, causal,      q ``[B, Sq, Hq, D]``, k/v ``[B, Sk, Hkv, D]`` ->
-softmax_scale)``                            (out ``[B, Sq, Hq, Dv]`` in q's dtype,
-                                            lse ``[B, Hq, Sq]`` fp32)
+softmax_scale, window_left=-1,              (out ``[B, Sq, Hq, Dv]`` in q's dtype,
+window_right=-1, softcap=0.0,               lse ``[B, Hq, Sq]`` fp32); the options of
+alibi_slopes=None, block_table=None,        :func:`xoffload.kernels.flash_attn_with_lse` (window
+seqused_k=None)``                           as two ints; paged k/v with ``block_table``); runs
+                                            with ``check=False`` (no host reads)
 ``flash_attn_varlen_with_lse(q, k, v,       packed q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]``, int32
 cu_seqlens_q, cu_seqlens_k, max_seqlen_q,   ``cu_seqlens_*`` ``[B+1]`` -> (out ``[Tq, Hq, Dv]``,
-max_seqlen_k, causal, softmax_scale)``      lse ``[Hq, Tq]`` fp32)
+max_seqlen_k, causal, softmax_scale,        lse ``[Hq, Tq]`` fp32); the same options
+window_left=-1, ..., seqused_k=None)``
 ``decode_attn_with_lse(q, k_cache,          q ``[B, Sq, Hq, D]``, caches ``[B_cache, S_max, Hkv,
 v_cache, cache_seqlens, softmax_scale,      D]``, int32 ``cache_seqlens [B]`` -> (out ``[B, Sq,
 causal=False, window_left=-1,               Hq, Dv]``, lse ``[B, Hq, Sq]`` fp32); the options of
@@ -107,16 +111,36 @@ def _paged_kernel(q, k_pages, v_pages, page_table, seqlens, page_size, softmax_s
 # ----------------------------------------------------------------------------------------------
 # custom ops
 # ----------------------------------------------------------------------------------------------
+def _prefill_kwargs(window_left, window_right, softcap, alibi_slopes, block_table, seqused_k):
+    """The prefill kernels' option keywords from the ops' flat arguments (host checks off: the
+    kernel clamps lengths and table entries, so nothing syncs with the device)."""
+    return dict(window_size=(window_left, window_right), softcap=softcap, alibi_slopes=alibi_slopes,
+                block_table=block_table, seqused_k=seqused_k, check=False)
+
+
 @torch.library.custom_op("xoffload::flash_attn_with_lse", mutates_args=())
 def _flash_attn_with_lse_op(
-    q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float]
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    causal: bool,
+    softmax_scale: Optional[float],
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    out, lse = _K.flash_attn_with_lse(q, k, v, causal=causal, softmax_scale=softmax_scale)
+    out, lse = _K.flash_attn_with_lse(q, k, v, causal=causal, softmax_scale=softmax_scale,
+                                      **_prefill_kwargs(window_left, window_right, softcap, alibi_slopes,
+                                                        block_table, seqused_k))
     return _fresh(out, (q, k, v)), _fresh(lse, (q, k, v))
 
 
 @_flash_attn_with_lse_op.register_fake
-def _(q, k, v, causal, softmax_scale):
+def _(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None,
+      block_table=None, seqused_k=None):
     b, sq, hq, _ = q.shape
     return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -132,16 +156,24 @@ def _flash_attn_varlen_with_lse_op(
     max_seqlen_k: int,
     causal: bool,
     softmax_scale: Optional[float],
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    alibi_slopes: Optional[Tensor] = None,
+    block_table: Optional[Tensor] = None,
+    seqused_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     out, lse = _K.flash_attn_varlen_with_lse(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+        **_prefill_kwargs(window_left, window_right, softcap, alibi_slopes, block_table, seqused_k),
     )
     ins = (q, k, v)
     return _fresh(out, ins), _fresh(lse, ins)
 
 
 @_flash_attn_varlen_with_lse_op.register_fake
-def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
+def _(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, window_left=-1,
+      window_right=-1, softcap=0.0, alibi_slopes=None, block_table=None, seqused_k=None):
     t, hq, _ = q.shape
     return q.new_empty((t, hq, v.shape[-1])), q.new_empty((hq, t), dtype=torch.float32)
 
@@ -285,21 +317,46 @@ def _compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float]):
-    """Dense attention with LSE (:func:`xoffload.kernels.flash_attn_with_lse`); compile-safe."""
-    if _compiling():
-        return torch.ops.xoffload.flash_attn_with_lse(q, k, v, causal, softmax_scale)
-    return _K.flash_attn_with_lse(q, k, v, causal=causal, softmax_scale=softmax_scale)
+def _window_ints(window_size):
+    """``(left, right)`` as ints for the ops' schema (a malformed value is passed through for the
+    kernel's own check to name it)."""
+    try:
+        return int(window_size[0]), int(window_size[1])
+    except (TypeError, IndexError, ValueError):
+        return window_size
 
 
-def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale):
-    """Varlen attention with LSE (:func:`xoffload.kernels.flash_attn_varlen_with_lse`); compile-safe."""
+def flash_attn(q: Tensor, k: Tensor, v: Tensor, causal: bool, softmax_scale: Optional[float], *,
+               window_size=(-1, -1), softcap=0.0, alibi_slopes=None, block_table=None, seqused_k=None,
+               check: bool = True):
+    """Dense attention with LSE (:func:`xoffload.kernels.flash_attn_with_lse`, all its options:
+    window, softcap, ALiBi, paged K/V through ``block_table``, ``seqused_k``); compile-safe.
+    ``check=False`` (forced while compiling or capturing a CUDA graph) skips the host validation of
+    ``seqused_k`` and the block table's entries (the kernel clamps them instead)."""
     if _compiling():
+        wl, wr = _window_ints(window_size)
+        return torch.ops.xoffload.flash_attn_with_lse(q, k, v, causal, softmax_scale, wl, wr, float(softcap),
+                                                       alibi_slopes, block_table, seqused_k)
+    return _K.flash_attn_with_lse(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
+                                  softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
+                                  seqused_k=seqused_k, check=check and not _capturing(q))
+
+
+def flash_attn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, softmax_scale, *,
+                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, block_table=None, seqused_k=None,
+                      check: bool = True):
+    """Varlen attention with LSE (:func:`xoffload.kernels.flash_attn_varlen_with_lse`, all its
+    options); compile-safe (``check`` as :func:`flash_attn`)."""
+    if _compiling():
+        wl, wr = _window_ints(window_size)
         return torch.ops.xoffload.flash_attn_varlen_with_lse(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale
+            q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k), causal, softmax_scale,
+            wl, wr, float(softcap), alibi_slopes, block_table, seqused_k,
         )
     return _K.flash_attn_varlen_with_lse(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
+        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, block_table=block_table,
+        seqused_k=seqused_k, check=check and not _capturing(q),
     )
 
 

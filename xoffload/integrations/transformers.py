@@ -40,9 +40,17 @@ Dispatch rule of the kernels applies: CUDA tensors run Triton; CPU tensors run t
 reference, or the Triton code when ``TRITON_INTERPRET=1`` (slow: wrap whole-model CPU runs in
 ``xoffload.kernels.cpu_backend("reference")``).
 
+Sliding-window layers and logit soft-capping run in the kernels on every path above (prefill,
+decode, padded, packed): ``sliding_window=W`` (Mistral, Gemma 2/3 local layers, Qwen2-style
+configs) is flash-attn's ``window_size=(W - 1, W - 1)`` as transformers' flash-attention path
+passes it (causal: query at position p sees keys ``p - W < j <= p``, transformers' sliding mask),
+and ``softcap`` (Gemma 2's ``attn_logit_softcapping``) is ``softcap * tanh(s / softcap)`` on the
+scaled scores. A call with either runs the dense path of ``"xoffload_xattn"`` too (the sparse
+prefill has neither). With a 2D padding mask the window counts the valid keys between query and
+key (the same as transformers' mask for left or right padding; holes inside a row shift it).
+
 Not supported, raising ``NotImplementedError`` naming the option: attention dropout > 0 (a model
-in ``train()`` mode with ``attention_dropout``), ``softcap`` (Gemma 2), ``sliding_window`` when the
-keys exceed the window (Mistral/Qwen2 sliding layers), attention sinks ``s_aux``, ``position_bias``;
+in ``train()`` mode with ``attention_dropout``), attention sinks ``s_aux``, ``position_bias``;
 a 4D or float ``attention_mask`` raises ``ValueError``. Forward only: inputs requiring grad under
 grad mode raise ``NotImplementedError`` (run under ``torch.no_grad()``). ``output_attentions``
 returns ``None`` weights, like ``sdpa``.
@@ -182,7 +190,9 @@ def xoffload_attention_forward(module, query, key, value, attention_mask, dropou
         scaling: softmax scale (default ``1/sqrt(D)``).
         is_causal: overrides ``module.is_causal``.
         kwargs: ``position_ids``, ``cu_seq_lens_q``/``cu_seq_lens_k``/``max_length_q``/
-            ``max_length_k`` (packed sequences), and unsupported options (see module doc).
+            ``max_length_k`` (packed sequences), ``sliding_window`` (int >= 1 or None) and
+            ``softcap`` (float > 0 or None), run in the kernel, and unsupported options (see
+            module doc).
 
     Returns:
         ``(attn_output [B, Sq, Hq, D] in query's dtype, None)``.
@@ -196,22 +206,31 @@ xoffload_xattn_attention_forward.__doc__ = """transformers attention function ``
 otherwise. Arguments and returns as :func:`xoffload_attention_forward`."""
 
 
-def _check_options(dropout, kwargs, sk):
+def _check_options(dropout, kwargs):
+    """Refuse what the kernels do not run; return the kernel options ``{window_size, softcap}``
+    for transformers' ``sliding_window`` and ``softcap`` (empty when neither is set)."""
     if dropout is not None and float(dropout) != 0.0:
         raise NotImplementedError(
             f"xoffload attention: dropout={dropout} is not supported (inference only); call model.eval()"
         )
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError(f"xoffload attention: softcap={kwargs['softcap']} is not supported")
+    opts = {}
     window = kwargs.get("sliding_window")
-    if window is not None and sk > int(window):
-        raise NotImplementedError(
-            f"xoffload attention: sliding_window={window} is not supported (keys {sk} exceed the window)"
-        )
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"xoffload attention: sliding_window must be an int >= 1 or None, got {window!r}")
+        # transformers' window counts the query's own key: left = W - 1 (flash-attn's convention,
+        # symmetric as transformers passes it; causal sets right = 0)
+        opts["window_size"] = (window - 1, window - 1)
+    softcap = kwargs.get("softcap")
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+            raise ValueError(f"xoffload attention: softcap must be a float > 0 or None, got {softcap!r}")
+        opts["softcap"] = float(softcap)
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError("xoffload attention: attention sinks (s_aux) are not supported")
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError("xoffload attention: position_bias is not supported")
+    return opts
 
 
 def _attention(module, query, key, value, attention_mask, dropout, scaling, is_causal, xattn, kwargs):
@@ -222,7 +241,7 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
                              f"{getattr(t, 'shape', type(t).__name__)}")
     b, hq, sq, _ = query.shape
     sk = key.shape[2]
-    _check_options(dropout, kwargs, sk)
+    opts = _check_options(dropout, kwargs)
     if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
         raise NotImplementedError(
             "xoffload attention is forward-only (no backward); run the model under torch.no_grad() "
@@ -247,17 +266,17 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
             )
         if sparse:
             _count(False, None)
-        return _padded(q, k, v, attention_mask, causal, scaling), None
+        return _padded(q, k, v, attention_mask, causal, scaling, opts), None
 
     cu = _packed_cu_seqlens(q, sq, sk, kwargs)
     if cu is not None:
         if sparse:
             _count(False, None)
         cu_q, cu_k, max_q, max_k = cu
-        out, _ = ops.flash_attn_varlen(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, causal, scaling)
+        out, _ = ops.flash_attn_varlen(q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, causal, scaling, **opts)
         return out.unsqueeze(0), None
 
-    if sparse and causal and sq > 1 and sq >= xattn[1] and _policy_layer(module, xattn[0]):
+    if sparse and not opts and causal and sq > 1 and sq >= xattn[1] and _policy_layer(module, xattn[0]):
         out, _lse, density = xattn[0](q, k, v, softmax_scale=scaling)
         _count(True, density)
         return out, None
@@ -265,9 +284,9 @@ def _attention(module, query, key, value, attention_mask, dropout, scaling, is_c
         _count(False, None)
     if sq == 1:
         seqlens = torch.full((b,), sk, dtype=torch.int32, device=q.device)
-        out, _ = ops.decode_attn(q, k, v, seqlens, scaling, check=False)
+        out, _ = ops.decode_attn(q, k, v, seqlens, scaling, check=False, causal=causal, **opts)
     else:
-        out, _ = ops.flash_attn(q, k, v, causal, scaling)
+        out, _ = ops.flash_attn(q, k, v, causal, scaling, **opts)
     return out, None
 
 
@@ -330,8 +349,9 @@ def _packed_cu_seqlens(q, sq, sk, kwargs):
     return cu, cu, max_len, max_len
 
 
-def _padded(q, k, v, mask, causal, scaling):
-    """Attention of a padded batch through the varlen kernel (see module doc)."""
+def _padded(q, k, v, mask, causal, scaling, opts=None):
+    """Attention of a padded batch through the varlen kernel (see module doc); ``opts``: the
+    kernel's window / softcap keywords."""
     b, sq, hq, _ = q.shape
     sk = k.shape[1]
     if mask.shape[0] != b:
@@ -354,7 +374,7 @@ def _padded(q, k, v, mask, causal, scaling):
     kp = k[:, :length][kmask]  # [total_k, Hkv, D]
     vp = v[:, :length][kmask]
     qp = q[qmask]  # [total_q, Hq, D]
-    out_p, _ = ops.flash_attn_varlen(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scaling)
+    out_p, _ = ops.flash_attn_varlen(qp, kp, vp, cu_q, cu_k, max_q, max_k, causal, scaling, **(opts or {}))
     out = torch.zeros(b, sq, hq, v.shape[-1], dtype=out_p.dtype, device=q.device)
     out[qmask] = out_p
     return out
