@@ -61,3 +61,9 @@ def test_bind_fills_model_defaults():
         EngineConfig(dtype=torch.float16).bind(m)
     with pytest.raises(ValueError, match="cudnn"):
         EngineConfig(prefill_attn="cudnn").bind(m)
+
+
+def test_kv_cache_tokens_below_one_block_is_refused():
+    with pytest.raises(ValueError, match=r"kv_cache_tokens=512 holds less than one KV block \(kv_block_size=1024\)"):
+        EngineConfig.from_kwargs(max_num_seqs=4, kv_cache_tokens=512)
+    assert EngineConfig.from_kwargs(max_num_seqs=4, kv_cache_tokens=1024).kv_cache_tokens == 1024

@@ -329,3 +329,19 @@ def test_gpu_direct_offload_graph_equals_eager_and_tracks_resident(budget, offlo
             assert float((la - lb).abs().max()) <= tol, i
     d.close()
     r.close()
+
+
+def test_policy_with_every_layer_dense_uses_no_cache(model):
+    """Quest's default dense layers (0, 1) on a 2-layer model leave no sparse layer: no page cache
+    (it used to fail with a KeyError at the first step) and the resident cache's tokens."""
+    cfg = model.cfg
+    assert cfg.num_layers == 2
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(6))
+    ref, _ = _resident_reference(model, ids, 4)
+    eng = _engine(cfg, T + 4)
+    kv = PagedKV(cfg, torch.float32, torch.device("cpu"), model.scale, prompt_len=T, max_new=4,
+                 policy=QuestDecode(token_budget=64, page_size=16), engine=eng, seq=eng.add_sequence())
+    assert kv.sparse == frozenset() and kv.cache_slots == 0
+    assert _run(model, ids, kv, 4)[0] == ref
+    kv.close()
+    eng.close()

@@ -195,3 +195,12 @@ def test_softmax_group_score():
         page_scores(q, kmin, kmax, group="mean")
     with pytest.raises(ValueError, match="group_score"):
         QuestDecode(group_score="sum")
+
+
+
+def test_prefetch_needs_the_cache():
+    with pytest.raises(ValueError, match="needs cache_pages != 0"):
+        QuestDecode(cache_pages=0, prefetch=True)
+    with pytest.raises(ValueError, match="cache_pages"):
+        QuestDecode(cache_pages=-1)
+    assert QuestDecode(cache_pages=0).cache_slots(QuestDecode().plan(4096)) == 0

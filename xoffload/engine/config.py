@@ -144,6 +144,9 @@ class EngineConfig:
             self.max_num_batched_tokens = _positive("max_num_batched_tokens", self.max_num_batched_tokens)
         if self.kv_cache_tokens is not None:
             self.kv_cache_tokens = _positive("kv_cache_tokens", self.kv_cache_tokens)
+            if is_int(self.kv_block_size) and self.kv_cache_tokens < self.kv_block_size:
+                raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} holds less than one KV block "
+                                 f"(kv_block_size={self.kv_block_size}): use at least {self.kv_block_size}")
         b = self.kv_block_size
         if (self.max_num_seqs > 1 and self.mode == "resident" and self.sparse_decode is None
                 and (b < 16 or b & (b - 1))):

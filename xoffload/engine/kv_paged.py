@@ -96,7 +96,7 @@ class PagedKV(KVStore):
         p = self.plan
         head = p.resident_prompt_tokens if p is not None else 0
         self._tail_prompt = [T if l in self.dense else head for l in range(L)]
-        C = policy.cache_slots(p) if (p is not None and engine is not None) else 0
+        C = policy.cache_slots(p) if (p is not None and engine is not None and self.sparse) else 0
         self.cache_slots = C
         self._tk = [torch.empty(n + max_new, hkv, d, dtype=dtype, device=self.device) for n in self._tail_prompt]
         self._tv = [torch.empty_like(t) for t in self._tk]

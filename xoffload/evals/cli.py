@@ -127,7 +127,7 @@ def mode_options(name: str) -> dict:
     kw = dict(confs[base])
     if at:
         budget, slash, group = budget.partition("/")
-        if "sparse_decode" not in kw or not budget.isdecimal() or int(budget) < 1:
+        if "sparse_decode" not in kw or not (budget.isascii() and budget.isdigit()) or int(budget) < 1:
             raise _ArgError(f"--mode {name!r}: @BUDGET needs a decode-policy mode and a positive integer")
         kw["token_budget"] = int(budget)
         if slash:

@@ -65,7 +65,9 @@ class PageCacheState:
 # ----------------------------------------------------------------------------------------------
 # lookup
 # ----------------------------------------------------------------------------------------------
-@triton.jit
+# per-request integers are not specialised: no new compiled variant per prompt length (and K == 1
+# stays a tensor, not a constexpr)
+@triton.jit(do_not_specialize=["K", "C", "NID", "first_page", "block_size", "base"])
 def _lookup_kernel(Pages, BT, Tag, SlotOf, Clock, Table, Src, Hits,
                    K, C, NID, first_page, block_size, base,
                    s_ph, s_th,
@@ -155,9 +157,12 @@ def page_cache_lookup(pages: torch.Tensor, state: PageCacheState, table: torch.T
     """Look up this step's selected pages in a layer's GPU page cache and assign slots to the misses.
 
     Args:
-        pages: int32/int64 ``[Hkv, K]`` selected page ids per KV head (distinct within a row,
-            ``0 <= id < state.slot_of.shape[1]``; values outside are clamped), e.g. the indices
-            of ``topk`` over the candidate pages.
+        pages: int32/int64 ``[Hkv, K]`` selected page ids per KV head, distinct within a row and
+            in ``[0, state.slot_of.shape[1])``, e.g. the indices of ``topk`` over the candidate
+            pages. Not checked on the device: ids outside are clamped (memory safety only), and a
+            repeated id (or two that clamp to one) may take two slots and leave ``tag`` /
+            ``slot_of`` out of step — a wasted slot, never wrong data (a page not found is
+            copied again).
         state: the layer's :class:`PageCacheState` (``C >= K`` slots), updated in place.
         table: int32 view ``[Hkv, K]`` (last dim contiguous) written with the cache row of the
             first token of each page (``base + slot * page_size``): the page table of the attention
@@ -225,7 +230,7 @@ def page_cache_lookup(pages: torch.Tensor, state: PageCacheState, table: torch.T
 # ----------------------------------------------------------------------------------------------
 # fill
 # ----------------------------------------------------------------------------------------------
-@triton.jit
+@triton.jit(do_not_specialize=["K"])
 def _fill_kernel(SK, SV, DK, DV, Src, Table, K, D,
                  s_sr, s_sh, s_dr, s_dh, s_th,
                  BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):

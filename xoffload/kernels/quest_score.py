@@ -23,7 +23,7 @@ from .checks import check_out, check_tensor, next_pow2, use_triton
 __all__ = ["quest_page_scores"]
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["N"])
 def _score_kernel(Q, KMIN, KMAX, S, N, GROUP, D,
                   s_qh, s_kh, s_kn, s_sh,
                   BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr):

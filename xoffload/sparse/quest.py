@@ -131,6 +131,8 @@ class QuestDecode(DecodePolicy):
             check_int("cache_pages", self.cache_pages, 0)
         if not isinstance(self.prefetch, bool):
             raise TypeError(f"prefetch must be a bool, got {self.prefetch!r}")
+        if self.prefetch and self.cache_pages == 0:
+            raise ValueError("prefetch=True copies into the GPU page cache; it needs cache_pages != 0")
 
     def cache_slots(self, plan: "DecodePlan") -> int:
         """GPU cache slots per KV head and sparse layer for ``plan`` (0: no cache): ``cache_pages``
