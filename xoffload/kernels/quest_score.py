@@ -20,7 +20,7 @@ import triton.language as tl
 from . import reference
 from .checks import check_out, check_tensor, next_pow2, use_triton
 
-__all__ = ["quest_page_scores"]
+__all__ = ["check_summaries", "quest_page_scores"]
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -47,6 +47,22 @@ def _score_kernel(Q, KMIN, KMAX, S, N, GROUP, D,
     tl.store(S + h * s_sh + on, tl.max(s, axis=0), mask=nm)
 
 
+def check_summaries(q, kmin, kmax) -> tuple:
+    """``(Hq, Hkv, n_pages, D)`` of a query ``[Hq, D]`` and page summaries ``[Hkv, n_pages, D]``
+    after checking that they fit (tensors of a supported dtype, one shape for kmin and kmax,
+    ``Hq % Hkv == 0``, one head_dim). Raises TypeError / ValueError naming the shapes."""
+    check_tensor("q", q, 2)
+    check_tensor("kmin", kmin, 3)
+    check_tensor("kmax", kmax, 3)
+    hq, d = q.shape
+    hkv, n, dk = kmin.shape
+    if tuple(kmax.shape) != tuple(kmin.shape):
+        raise ValueError(f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} must have one shape")
+    if dk != d or hq % hkv:
+        raise ValueError(f"q {tuple(q.shape)} does not fit summaries {tuple(kmin.shape)} (GQA, head_dim)")
+    return hq, hkv, n, d
+
+
 def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Quest's upper bound of ``q·k`` per page, maximised over each KV head's query-head group.
@@ -64,15 +80,7 @@ def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *
     Raises:
         TypeError / ValueError: dtypes, shapes or devices that do not fit (named in the message).
     """
-    check_tensor("q", q, 2)
-    check_tensor("kmin", kmin, 3)
-    check_tensor("kmax", kmax, 3)
-    hq, d = q.shape
-    hkv, n, dk = kmin.shape
-    if tuple(kmax.shape) != tuple(kmin.shape):
-        raise ValueError(f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} must have one shape")
-    if dk != d or hq % hkv:
-        raise ValueError(f"q {tuple(q.shape)} does not fit summaries {tuple(kmin.shape)} (GQA, head_dim)")
+    hq, hkv, n, d = check_summaries(q, kmin, kmax)
     if d > 256:
         raise ValueError(f"head_dim must be <= 256, got {d}")
     if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.checks import check_int, check_tensor
-from ..kernels.quest_score import quest_page_scores
+from ..kernels.checks import check_int
+from ..kernels.quest_score import check_summaries, quest_page_scores
 from .policy import DecodePolicy
 
 __all__ = ["DecodePlan", "GROUP_SCORES", "PageSummaries", "QuestDecode", "page_scores", "select_page_ids", "select_pages"]
@@ -235,15 +235,7 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
         ValueError: shapes that do not fit (Hq not a multiple of Hkv, head_dim mismatch), an
             unknown ``group``.
     """
-    check_tensor("q", q, 2)
-    check_tensor("kmin", kmin, 3)
-    check_tensor("kmax", kmax, 3)
-    hq, d = q.shape
-    hkv, n, dk = kmin.shape
-    if tuple(kmax.shape) != tuple(kmin.shape):
-        raise ValueError(f"kmin {tuple(kmin.shape)} and kmax {tuple(kmax.shape)} must have one shape")
-    if dk != d or hq % hkv:
-        raise ValueError(f"q {tuple(q.shape)} does not fit summaries {tuple(kmin.shape)} (GQA, head_dim)")
+    hq, hkv, n, d = check_summaries(q, kmin, kmax)
     if group not in GROUP_SCORES:
         raise ValueError(f"group must be one of {GROUP_SCORES}, got {group!r}")
     if group == "max":  # one kernel (fp32 accumulation): xoffload.kernels.quest_score
