@@ -51,9 +51,10 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         f"or 4k,8k (default {GPU_LENGTHS} on a GPU, {CPU_LENGTHS} on a CPU)")
     p.add_argument("--samples", type=int, default=1, help="samples per task and length (>= 1; default 1)")
     p.add_argument("--mode", "--modes", dest="mode", default="both",
-                   help="engine configuration(s), comma-separated: resident (alias gpu), offload, offload-ring, "
-                        "offload+quest, resident+quest, ... (xoffload.engine.modes), a decode policy's budget as "
-                        "@N (offload+quest@512), both (= resident,offload; default), or hf: transformers' own "
+                   help="engine configuration(s), comma-separated: resident (alias gpu), offload, offload-uva, "
+                        "offload-ring, offload+quest, resident+quest, ... (xoffload.engine.modes), a decode policy's "
+                        "budget as @N (offload+quest@512) and its GQA group score as /GROUP "
+                        "(offload+quest@512/softmax), both (= resident,offload; default), or hf: transformers' own "
                         "model (SDPA, greedy generate; every other mode's answers are also compared with it); "
                         "the first is the reference for answer agreement")
     p.add_argument("--hf-weights", default="ours", choices=list(HF_WEIGHTS),
