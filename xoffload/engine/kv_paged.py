@@ -1,5 +1,8 @@
 """KV stores whose decode reads the prompt's KV in place, page by page: ``PagedKV``.
 
+(Over 450 lines on purpose: one store with its three decode paths — staged dense, pages read in
+place, page cache — which share the tail, the step indices and the first-step setup.)
+
 Prefill writes every layer's K/V into a *row store*: the offload engine's pinned CPU pool
 (``offload``) or one device tensor (``resident``). Decode then attends, per layer, to
 

@@ -1,5 +1,8 @@
 """Run RULER-style samples under one or more LLM modes and collect scores, tables and agreement.
 
+(Over 450 lines on purpose: the run loop, the result type with its table / JSON / PNG writers and
+the peer agreement share the record format.)
+
 Every prompt is built once (:func:`~.tasks.build_samples`, plus any loaded RULER data) and then
 generated greedily under each mode, so modes see token-identical prompts. The result holds per-sample
 predictions and scores, a task x length table per mode (RULER's task score: mean x 100), averages,

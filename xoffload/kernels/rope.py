@@ -1,4 +1,7 @@
 """Fused split of the QKV projection output + rotary embedding (RoPE, Su et al. 2021) in the HF
+
+(Over 450 lines on purpose: the fused QKV split + RoPE kernel and flash-attn's standalone
+``apply_rotary`` share the rotation code and its checks.)
 rotate-half layout, with Qwen3's optional per-head RMSNorm of q and k before the rotation.
 
 One launch reads each token's ``qkv`` row once and writes q (rotated), k (rotated) and v (copied)
