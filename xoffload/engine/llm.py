@@ -76,6 +76,7 @@ class LLM:
         self._closed, self._shares = False, self.engine is not None
         self._runner = BatchRunner(self) if cfg.max_num_seqs > 1 else None
         self.batch_stats: dict = {}
+        self._sessions: dict = {}  # live sessions by id (see session())
         self._stop_ids = set(self.cfg.eos_token_ids)
         tok = self.tokenizer
         if tok is not None and getattr(tok, "eos_token_id", None) is not None:
@@ -145,6 +146,36 @@ class LLM:
             raise ValueError(f"prompt {i}: token id {bad[0]} outside the vocabulary [0, {V})")
         return ids
 
+    # ------------------------------------------------------------------ sessions
+    def session(self, *, history_budget: int | None = None, dense_layers: int | None = None,
+                recent_pages: int = 4):
+        """A conversation whose KV stays stored between turns (:class:`~.session.Session`):
+        ``s.generate(prompt, params)`` / ``s.chat(message, params)`` prefill only the new tokens
+        against the stored history (dense, or the Quest-chosen pages of it with
+        ``history_budget`` tokens per KV head) and answer; ``s.close()`` frees the KV. In offload
+        mode the history stays in the pinned pool; idle sessions are evicted (LRU) when a turn or
+        a request needs the room. Raises ValueError for ``max_num_seqs > 1``, the ring offload
+        store and bad options."""
+        from .session import Session
+
+        return Session(self, history_budget=history_budget, dense_layers=dense_layers, recent_pages=recent_pages)
+
+    def _make_room(self, blocks: int, keep=None) -> int:
+        """Evict idle sessions, least recently used first, until the offload pool has ``blocks``
+        free blocks (or no idle session is left); never ``keep`` or a session in a turn. Returns
+        the blocks freed."""
+        eng = self.engine
+        if eng is None:
+            return 0
+        freed = 0
+        for s in sorted(self._sessions.values(), key=lambda s: s._last_used):
+            if eng.num_free_blocks >= blocks:
+                break
+            if s is keep or s._busy or s.seq is None:
+                continue
+            freed += s.evict()
+        return freed
+
     # ------------------------------------------------------------------ generation
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False) -> list:
         """Generate for each prompt: one after another (``max_num_seqs=1``), or decoded together
@@ -205,6 +236,8 @@ class LLM:
             torch.cuda.reset_peak_memory_stats(dev)
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev)
         marks = {"t0": clock.mark()}
+        if self.engine is not None and self._sessions:  # idle sessions give way to a request
+            self._make_room(-(-req.final_len // self.engine.block_size))
         kv = self._store.for_request(self.model, self.engine, req, self.config)
         try:
             densities = None if self.policy.dense else []
@@ -274,6 +307,8 @@ class LLM:
         """Release what the requests share (the offload engine: its pinned pool and GPU ring); an
         LLM whose store shares something (offload) cannot generate afterwards (ValueError), a
         resident one shares nothing and keeps serving. Safe to call twice."""
+        for sess in list(self._sessions.values()):
+            sess.close()
         if self.engine is not None:
             self.engine.close()
             self.engine = None

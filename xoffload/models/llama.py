@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import causal_attention, qkv_rope, silu_mul
+from ..kernels import causal_attention, flash_attn_with_lse, merge_attention_states, qkv_rope, silu_mul
 from ..kernels import rms_norm as fused_rms_norm
 from .config import ModelConfig, rope_inv_freq
 
@@ -163,8 +163,9 @@ class LlamaModel:
 
     # ------------------------------------------------------------------ prefill
     def prefill(self, ids: torch.Tensor, sink, *, chunk: int = 4096, all_logits: bool = False,
-                policy=None, densities: list | None = None, attn_backend: str = "auto") -> torch.Tensor:
-        """Layerwise prefill of one sequence.
+                policy=None, densities: list | None = None, attn_backend: str = "auto",
+                start: int = 0) -> torch.Tensor:
+        """Layerwise prefill of one sequence, or of a new chunk continuing one (``start > 0``).
 
         Per layer: (1) norm + fused QKV projection + RoPE over token chunks, writing the whole
         layer's q ``[T, Hq, D]`` and its K/V (into the sink's buffers); (2) causal attention of the
@@ -187,30 +188,46 @@ class LlamaModel:
                 k/v ``[1, T, Hkv, D]``, returns out ``[1, T, Hq, D]``, the LSE (unused here) and the
                 kept fraction.
             densities: list receiving one entry per layer: the policy's density, or None (dense).
+            start: position of ``ids[0]``: the tokens ``0 .. start-1`` are a history whose K/V the
+                sink holds (a session's earlier turns). With ``start > 0`` the sink must also have
+                ``history(layer, q) -> (o, lse)``: the attention of the chunk's queries ``q [T, Hq,
+                D]`` over (all or a chosen part of) the history, non-causal (every history token
+                precedes the chunk), o ``[1, T, Hq, D]`` and fp32 lse ``[1, Hq, T]``; each layer
+                then attends causally within the chunk with its LSE (``flash_attn_with_lse``, or
+                the policy) and merges the two by LSE. Positions (RoPE) start at ``start``.
             attn_backend: dense causal attention: ``"auto"`` (cuDNN where it runs, else ours),
                 ``"cudnn"``, ``"xoffload"`` (the Triton ``flash_attn_with_lse``; the kernels'
                 reference on the CPU) or ``"sdpa"`` (PyTorch's own choice).
         Returns:
             fp32 logits.
         Raises:
-            ValueError: unknown ``attn_backend``.
+            ValueError: unknown ``attn_backend``, a negative ``start``, or ``start > 0`` with a sink
+                that has no ``history``.
         """
         if attn_backend not in ("auto", "cudnn", "xoffload", "sdpa"):
             raise ValueError(f"attn_backend must be 'auto', 'cudnn', 'xoffload' or 'sdpa', got {attn_backend!r}")
+        start = int(start)
+        if start < 0:
+            raise ValueError(f"start must be >= 0, got {start}")
+        if start and not hasattr(sink, "history"):
+            raise ValueError(f"prefill from start={start} needs a sink with history(layer, q); "
+                             f"{type(sink).__name__} has none")
         cfg = self.cfg
         T = int(ids.shape[0])
         chunk = max(1, int(chunk))
         sparse_layers = frozenset(policy.layers(cfg.num_layers)) if policy is not None else frozenset()
-        self.rope_tables(T)
+        self.rope_tables(start + T)
         h = F.embedding(ids, self.w.embed)  # [T, hidden]
         for li, lw in enumerate(self.w.layers):
             k, v = sink.buffers(li, T)
             q = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
             for s in range(0, T, chunk):
                 e = min(T, s + chunk)
-                self._qkv(lw, h[s:e], s, q[s:e], k[s:e], v[s:e])
+                self._qkv(lw, h[s:e], start + s, q[s:e], k[s:e], v[s:e])
             density = None
-            if li in sparse_layers:
+            if start:
+                o, density = self._attend_with_history(li, q, k, v, sink, policy if li in sparse_layers else None)
+            elif li in sparse_layers:
                 o, _lse, density = policy(q[None], k[None], v[None])
                 o = o[0]
             else:
@@ -230,6 +247,19 @@ class LlamaModel:
         if all_logits:
             return torch.cat([self.logits(h[s:s + chunk]) for s in range(0, T, chunk)])
         return self.logits(h[-1:])
+
+    def _attend_with_history(self, li, q, k, v, sink, policy):
+        """Chunk attention of layer ``li`` continuing a history: causal within the chunk (with its
+        LSE; the policy's when given) merged by LSE with ``sink.history(li, q)``; written over q.
+        Returns ``(out [T, Hq, D], density or None)``."""
+        density = None
+        if policy is not None:
+            o, lse, density = policy(q[None], k[None], v[None])
+        else:
+            o, lse = flash_attn_with_lse(q[None], k[None], v[None], causal=True, softmax_scale=self.scale)
+        o_h, lse_h = sink.history(li, q)
+        o, _ = merge_attention_states(o, lse, o_h, lse_h, out=q[None])
+        return o[0], density
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, token: torch.Tensor, pos, kv) -> torch.Tensor:

@@ -1,0 +1,319 @@
+"""Sessions (LLM.session(), xoffload.engine.session): a conversation's KV stays stored between turns
+and each turn prefills only its new tokens against the history.
+
+CPU, fp32 (the kernels' references): a 3-turn session equals one-shot generation over the
+concatenated conversation, token for token, in both modes (offload == gpu), with and without a
+decode policy; sparse history reading every page equals dense history; a budget below the history
+reads fewer pages and fewer bytes; the page choice keeps the sink, the recent pages and a planted
+page; two sessions interleaved, and 20 turns interleaved with plain requests, give what each gives
+alone; closing frees every pool block; an idle session is evicted (LRU) to make room, never the
+one in use, and answers the same afterwards; bad input leaves the session serving. GPU tests
+(marked): offload == resident in bf16, the chunk's history staging delayed on its copy stream
+gives the same result, and the CUDA-graph decode of a turn equals eager.
+"""
+import pytest
+import torch
+
+from xoffload.engine import LLM, SamplingParams
+from xoffload.engine.session import history_page_ids
+from xoffload.sparse import QuestDecode
+
+from .llm_helpers import tiny_random
+
+SDPA = {"prefill_attn": "sdpa"}
+SP = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def _prompts(lens, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _conversation(llm, prompts, sp=SP, **session_kw):
+    """Run ``prompts`` as the turns of one session; returns (answers, outputs)."""
+    s = llm.session(**session_kw)
+    outs = [s.generate(p, sp) for p in prompts]
+    s.close()
+    return [o.token_ids for o in outs], outs
+
+
+def _one_shot(llm, prompts, answers, sp=SP):
+    """What one-shot generation over the concatenated conversation answers at each turn."""
+    conv, res = [], []
+    for p, a in zip(prompts, answers):
+        conv += p
+        res.append(llm.generate(conv, sp)[0].token_ids)
+        conv += a
+    return res
+
+
+QUEST = QuestDecode(token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,))
+CONFIGS = [("gpu", {}), ("offload", {"kv_block_size": 32}),
+           ("gpu", {"sparse_decode": QUEST, "kv_block_size": 32}),
+           ("offload", {"sparse_decode": QUEST, "kv_block_size": 32})]
+
+
+@pytest.mark.parametrize("mode, kw", CONFIGS)
+def test_three_turns_equal_one_shot(mode, kw):
+    """Turns of 300, 40 and 90 tokens (history 0 / 300 / 346: block and page boundaries crossed,
+    Quest reading a part of the pages): each answer equals the one-shot run over the whole
+    conversation; the timings name the history read; offload frees every block at close."""
+    m = tiny_random()
+    llm = LLM(m, mode=mode, max_model_len=1024, **SDPA, **kw)
+    prompts = _prompts([300, 40, 90])
+    answers, outs = _conversation(llm, prompts)
+    assert answers == _one_shot(llm, prompts, answers)
+    assert [o.timings["history_tokens"] for o in outs] == [0, 300, 346]
+    assert [o.timings["chunk_tokens"] for o in outs] == [300, 46, 96]  # last answer + prompt
+    assert outs[1].prompt_token_ids == answers[0] + prompts[1]
+    if llm.engine is not None:
+        assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+        assert llm.engine.sequences() == []
+    if mode == "offload" and "sparse_decode" not in kw:
+        B = m.cfg.kv_bytes_per_token(m.dtype)
+        assert outs[1].timings["history_h2d_bytes"] == -(-300 // 32) * 32 * B  # whole blocks, once
+
+
+def test_offload_session_equals_gpu_session():
+    m = tiny_random()
+    prompts = _prompts([200, 33, 64], seed=3)
+    a = _conversation(LLM(m, mode="gpu", max_model_len=1024, **SDPA), prompts)[0]
+    b = _conversation(LLM(m, mode="offload", kv_block_size=64, max_model_len=1024, **SDPA), prompts)[0]
+    assert a == b
+
+
+@pytest.mark.parametrize("mode", ["gpu", "offload"])
+def test_sparse_history_reading_every_page_equals_dense(mode):
+    """A budget >= the history takes the dense path; a budget below it whose forced pages (sink +
+    recent) already cover the history takes the sparse path and reads every page: both equal
+    dense history."""
+    m = tiny_random()
+    llm = LLM(m, mode=mode, kv_block_size=32, max_model_len=1024, **SDPA)
+    prompts = _prompts([150, 30, 20], seed=5)
+    dense = _conversation(llm, prompts)[0]
+    assert _conversation(llm, prompts, history_budget=1024, dense_layers=1)[0] == dense
+    a, outs = _conversation(llm, prompts, history_budget=96, recent_pages=16, dense_layers=1)
+    assert a == dense
+    assert outs[1].timings["history_sparse_layers"] == m.cfg.num_layers - 1
+
+
+def test_sparse_history_below_the_history_reads_fewer_bytes():
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=32, max_model_len=2048, **SDPA)
+    prompts = _prompts([900, 20], seed=6)
+    _, dense = _conversation(llm, prompts)
+    _, sparse = _conversation(llm, prompts, history_budget=192, recent_pages=2, dense_layers=1)
+    d, s = dense[1].timings, sparse[1].timings
+    assert s["history_sparse_layers"] == m.cfg.num_layers - 1
+    L, B = m.cfg.num_layers, m.cfg.kv_bytes_per_token(m.dtype) // m.cfg.num_layers
+    n = d["history_tokens"]
+    # the dense layer reads every block; each sparse layer 192 tokens per KV head (the partial
+    # last page read whole)
+    assert s["history_h2d_bytes"] == -(-n // 32) * 32 * B + (L - 1) * 192 * B
+    assert s["history_h2d_bytes"] < d["history_h2d_bytes"] == L * -(-n // 32) * 32 * B
+    assert len(sparse[1].token_ids) == SP.max_tokens
+    assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+
+
+def test_history_page_ids_keep_sink_recent_and_a_planted_page():
+    torch.manual_seed(0)
+    hkv, g, d, n = 2, 3, 16, 40
+    kmin = torch.randn(hkv, n, d) - 1.0
+    kmax = kmin + 0.5
+    q = torch.randn(5, hkv * g, d) * 0.1
+    # page 17 of KV head 1 bounds a large score for one query token of its group
+    kmax[1, 17] = 5.0 * q[3, g + 1].sign().clamp(min=0)
+    kmin[1, 17] = 5.0 * q[3, g + 1].sign().clamp(max=0)
+    ids = history_page_ids(q, kmin, kmax, 8, recent_pages=3)
+    assert ids.shape == (hkv, 8)
+    for h in range(hkv):
+        got = set(ids[h].tolist())
+        assert len(got) == 8 and {0, 37, 38, 39} <= got
+    assert 17 in set(ids[1].tolist())
+    assert history_page_ids(q, kmin, kmax, 100).shape == (hkv, n)  # all pages
+    assert history_page_ids(q, kmin, kmax, 0, recent_pages=2).shape == (hkv, 3)  # the forced ones
+    with pytest.raises(ValueError, match="k must be"):
+        history_page_ids(q, kmin, kmax, -1)
+    with pytest.raises(ValueError, match="not a multiple"):
+        history_page_ids(q[:, :5], kmin, kmax, 4)
+
+
+@pytest.mark.parametrize("mode", ["gpu", "offload"])
+def test_interleaved_sessions_and_requests_do_not_see_each_other(mode):
+    """20 turns: sessions A and B alternate, with a plain request between turns (the seeds'
+    request-switch pollution); every answer equals its session run alone, every plain request its
+    run on a fresh LLM."""
+    m = tiny_random()
+    kw = {"kv_block_size": 32} if mode == "offload" else {}
+    pa, pb = _prompts([60] + [12] * 9, seed=10), _prompts([45] + [9] * 9, seed=11)
+    plain = _prompts([30] * 10, seed=12)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    llm = LLM(m, mode=mode, max_model_len=1024, **SDPA, **kw)
+    alone_a = _conversation(llm, pa, sp)[0]
+    alone_b = _conversation(llm, pb, sp)[0]
+    fresh = [LLM(m, mode=mode, max_model_len=1024, **SDPA, **kw).generate(p, sp)[0].token_ids for p in plain[:2]]
+    sa, sb = llm.session(), llm.session()
+    got_a, got_b, got_plain = [], [], []
+    for i in range(10):
+        got_a.append(sa.generate(pa[i], sp).token_ids)
+        got_plain.append(llm.generate(plain[i], sp)[0].token_ids)
+        got_b.append(sb.generate(pb[i], sp).token_ids)
+    assert got_a == alone_a and got_b == alone_b
+    assert got_plain[:2] == fresh
+    assert sa.turns == sb.turns == 10
+    sa.close()
+    sb.close()
+    if llm.engine is not None:
+        assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+
+
+def test_idle_session_evicted_lru_never_the_one_in_use():
+    """A pool of 12 blocks of 32 tokens: sessions A (5 blocks) and B (5 blocks) fit; C's turn
+    needs 6 and evicts A, the least recently used, not B; A's next turn prefills its conversation
+    again and answers as if never evicted. A turn that cannot fit even after evicting every idle
+    session raises naming the sizes and leaves its session serving."""
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=32, kv_cache_tokens=12 * 32, max_model_len=1024, **SDPA)
+    eng = llm.engine
+    p = _prompts([150, 140, 180, 20, 20], seed=20)
+    ref = LLM(m, mode="offload", kv_block_size=32, max_model_len=1024, **SDPA)
+    want_a = _conversation(ref, [p[0], p[3]])[0]
+    sa, sb, sc = llm.session(), llm.session(), llm.session()
+    a1 = sa.generate(p[0], SP)
+    sb.generate(p[1], SP)
+    assert eng.num_free_blocks == 2
+    sc.generate(p[2], SP)  # needs 6 blocks: A goes (LRU), B stays
+    assert sa.history_len == 0 and sb.history_len == 140 and sc.history_len == 180
+    a2 = sa.generate(p[3], SP)  # evicts B now (C was used later)
+    assert [a1.token_ids, a2.token_ids] == want_a
+    assert a2.timings["history_tokens"] == 0 and a2.timings["chunk_tokens"] == 150 + 6 + 20
+    assert sb.history_len == 0 and sc.history_len == 180
+    with pytest.raises(ValueError, match=r"needs \d+ more pool blocks .* free of 12 .* idle sessions hold 6"):
+        sc.generate(list(range(1, 200)), SP)  # 180 + 6 + 199 tokens > 12 blocks even alone
+    assert sc.history_len == 180 and sa.history_len == 176
+    assert len(sc.generate(p[4], SP).token_ids) == SP.max_tokens
+    for s in (sa, sb, sc):
+        s.close()
+    assert eng.num_free_blocks == 12
+
+
+def test_plain_request_evicts_idle_sessions():
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=32, kv_cache_tokens=8 * 32, max_model_len=256, **SDPA)
+    s = llm.session()
+    s.generate(_prompts([200])[0], SP)
+    out = llm.generate(_prompts([230], seed=1)[0], SP)[0]
+    assert len(out.token_ids) == SP.max_tokens
+    assert s.history_len == 0 and len(s.tokens) == 206  # dropped KV, kept tokens
+    s.close()
+    assert llm.engine.num_free_blocks == 8
+
+
+@pytest.mark.parametrize("mode", ["gpu", "offload"])
+def test_bad_input_leaves_the_session_serving(mode):
+    m = tiny_random()
+    kw = {"kv_block_size": 32} if mode == "offload" else {}
+    llm = LLM(m, mode=mode, max_model_len=128, **SDPA, **kw)
+    prompts = _prompts([50, 20], seed=30)
+    want = _conversation(llm, prompts)[0]
+    s = llm.session()
+    s.generate(prompts[0], SP)
+    with pytest.raises(ValueError, match="max_model_len=128"):
+        s.generate(list(range(100)), SP)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        s.generate([1, 2, 10 ** 6], SP)
+    with pytest.raises(ValueError, match="empty"):
+        s.generate([], SP)
+    assert s.generate(prompts[1], SP).token_ids == want[1]
+    s.close()
+    s.close()
+    with pytest.raises(ValueError, match="closed"):
+        s.generate(prompts[1], SP)
+    with pytest.raises(ValueError, match="history_budget"):
+        llm.session(history_budget=33)
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        LLM(m, mode=mode, max_num_seqs=2, max_model_len=128, **kw).session()
+    with pytest.raises(ValueError, match="ring"):
+        LLM(m, mode="offload", offload_decode="ring", max_model_len=128).session()
+
+
+def test_llm_close_closes_sessions():
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=32, max_model_len=256, **SDPA)
+    s = llm.session()
+    s.generate(_prompts([40])[0], SP)
+    llm.close()
+    assert s.closed
+    with pytest.raises(ValueError, match="closed"):
+        llm.session()
+
+
+def test_chat_turns_equal_the_rendered_conversation(smollm2_llm):
+    """SmolLM2 and its chat template: the second chat turn answers what one-shot generation over
+    the template's rendering of the whole conversation answers."""
+    llm = smollm2_llm
+    sp = SamplingParams(max_tokens=8)
+    s = llm.session()
+    o1 = s.chat("My name is Ada. Remember it.", sp)
+    o2 = s.chat("What is my name?", sp)
+    msgs = [{"role": "user", "content": "My name is Ada. Remember it."},
+            {"role": "assistant", "content": o1.text},
+            {"role": "user", "content": "What is my name?"}]
+    ref = llm.generate(llm.apply_chat_template(msgs), sp)[0]
+    assert o2.token_ids == ref.token_ids
+    assert o2.timings["history_tokens"] > 0
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def smollm2_llm():
+    from helpers import smollm2
+
+    m = smollm2()
+    return LLM(m, mode="gpu", max_model_len=512, **SDPA)
+
+
+# ---------------------------------------------------------------------------------------- GPU
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def _gpu_model(dtype=torch.bfloat16):
+    from xoffload.models import random_model
+
+    return random_model("tiny-llama", dtype=dtype, device="cuda", seed=1, std=0.15)
+
+
+@pytest.mark.cuda
+@cuda
+def test_gpu_offload_session_equals_resident_session():
+    m = _gpu_model()
+    prompts = _prompts([3000, 64, 200], seed=40)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    a = _conversation(LLM(m, mode="gpu", max_model_len=4096), prompts, sp)[0]
+    b = _conversation(LLM(m, mode="offload", kv_block_size=256, max_model_len=4096), prompts, sp)[0]
+    assert a == b
+    c = _conversation(LLM(m, mode="offload", kv_block_size=256, max_model_len=4096, cuda_graph=False), prompts, sp)[0]
+    assert c == b
+
+
+@pytest.mark.cuda
+@cuda
+def test_gpu_history_staging_delayed_on_its_copy_stream(monkeypatch):
+    """The seeds' race: copies on one stream, their readers on another. Each dense-history layer's
+    gather is delayed ~2 ms on the copy stream; the answers must not change."""
+    import xoffload.engine.session as sess
+
+    m = _gpu_model()
+    prompts = _prompts([2500, 40], seed=41)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    llm = LLM(m, mode="offload", kv_block_size=256, max_model_len=4096)
+    want = _conversation(llm, prompts, sp)[0]
+    real = sess.gather_blocks
+
+    def slow(*a, **k):
+        torch.cuda._sleep(2_000_000)
+        return real(*a, **k)
+
+    monkeypatch.setattr(sess, "gather_blocks", slow)
+    assert _conversation(llm, prompts, sp)[0] == want
+    assert _conversation(llm, prompts, sp, history_budget=512)[0] is not None

@@ -1,0 +1,549 @@
+"""Sessions: a conversation whose KV stays stored between turns (:meth:`LLM.session`).
+
+A :class:`Session` keeps the KV of every token it has seen — on the model's device (``resident``)
+or in the offload engine's pinned CPU pool (``offload``) — and each turn prefills only the new
+tokens, as a chunk that continues the history:
+
+* the chunk's queries attend to the history (all of it, or the pages a selection chose: *sparse
+  history*) and causally to the chunk itself, and the two partial results merge by their LSE
+  (:meth:`LlamaModel.prefill` with ``start = history length``); the chunk's K/V join the history
+  (offload: copied into the pool as each layer finishes);
+* decode then reads the whole history through a :class:`~.kv_paged.PagedKV` built over the stored
+  KV (dense, or the LLM's ``sparse_decode`` policy), one CUDA graph per step as in one-shot
+  generation;
+* the answer's tokens join the history as the first tokens of the next turn's chunk: their K/V are
+  computed by that chunk's prefill (as a one-shot run over the concatenated conversation computes
+  them), never kept from the decode tail.
+
+Sparse history (``history_budget``): per layer past the first ``dense_layers`` and per KV head,
+the history pages (``page_size`` tokens) whose Quest bound (Tang et al. 2024: elementwise min/max
+of each page's K, kept on the GPU for the whole session; ``q⁺·max + q⁻·min`` maximised over the
+chunk's query tokens and the KV head's query-head group) is highest, up to ``history_budget``
+tokens counting the first page (sink), the last ``recent_pages`` and the partial last page; only
+those pages are copied from the pool (offload) — one gather kernel per layer reading pinned memory
+over UVA — and attended. A budget at least the history reads every page (equal to dense history).
+
+Pool accounting (offload): a turn first makes room in the pool for the history it will hold; when
+the pool is short it evicts the least recently used *idle* sessions of the same LLM (their KV is
+dropped; their next turn prefills their whole token history again), never the session in use; if
+that is not enough it raises ValueError naming the sizes and changes nothing.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+
+import torch
+
+from ..kernels import cpu_backend, flash_attn_with_lse, gather_blocks, paged_decode_attn_with_lse
+from ..kernels.page_cache import page_cache_fill
+from ..sparse.quest import PageSummaries
+from .kv_paged import PagedKV
+from .request import Clock, Request, RequestOutput, request_timings
+from .sampling import SamplingParams, sample
+
+__all__ = ["Session", "HISTORY_PAGE", "history_page_ids"]
+
+#: page size of a session's history summaries when no decode policy fixes one
+HISTORY_PAGE = 32
+_Q_CHUNK = 64  # query tokens per block of the page-bound computation (bounds its memory)
+_ids = itertools.count()
+
+
+def history_page_ids(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k: int, *,
+                     recent_pages: int = 4) -> torch.Tensor:
+    """The history pages a chunk's sparse layer reads, per KV head (Quest's bound, Tang et al. 2024).
+
+    Args:
+        q: ``[T, Hq, D]`` the chunk's (post-RoPE) queries of one layer, any float dtype.
+        kmin, kmax: ``[Hkv, n_pages, D]`` page minima / maxima of the history's K (whole pages).
+        k: pages to read per KV head (clamped to ``[forced, n_pages]``).
+        recent_pages: the last pages always read (with page 0, the sink).
+    Returns:
+        int64 ``[Hkv, k']`` distinct page ids per KV head (no particular order), ``k' = min(n_pages,
+        max(k, forced))``: the sink page, the ``recent_pages`` last pages, then the highest bounds
+        ``q_t⁺·max + q_t⁻·min`` maximised over the chunk's tokens t and each KV head's query-head
+        group (an upper bound of every ``q·k`` of the page for every query of the chunk).
+    Raises:
+        ValueError: shapes that do not fit, ``k < 0``.
+    """
+    if q.dim() != 3 or kmin.dim() != 3 or kmin.shape != kmax.shape or q.shape[-1] != kmin.shape[-1]:
+        raise ValueError(f"q must be [T, Hq, D] and kmin/kmax [Hkv, n_pages, D] with the same D, got "
+                         f"{tuple(q.shape)}, {tuple(kmin.shape)}, {tuple(kmax.shape)}")
+    hkv, full, d = kmin.shape
+    if q.shape[1] % hkv:
+        raise ValueError(f"Hq={q.shape[1]} is not a multiple of Hkv={hkv}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    g = q.shape[1] // hkv
+    forced = sorted({0, *range(max(1, full - recent_pages), full)}) if full else []
+    k = min(full, max(k, len(forced)))
+    if k >= full:
+        return torch.arange(full, device=kmin.device).expand(hkv, full)
+    best = torch.full((hkv, full), float("-inf"), dtype=torch.float32, device=kmin.device)
+    mx, mn = kmax.float(), kmin.float()
+    for a in range(0, q.shape[0], _Q_CHUNK):
+        qc = q[a:a + _Q_CHUNK].float().view(-1, hkv, g, d)  # [t, Hkv, g, D]
+        b = torch.einsum("thgd,hpd->thgp", qc.clamp(min=0), mx) + torch.einsum("thgd,hpd->thgp", qc.clamp(max=0), mn)
+        best = torch.maximum(best, b.amax(dim=(0, 2)))
+    best[:, forced] = float("inf")
+    return best.topk(k, dim=-1, sorted=False).indices
+
+
+class _ChunkSink:
+    """The model's prefill sink for one turn's chunk of ``T`` tokens at positions ``n .. n+T-1``:
+    ``buffers`` / ``done`` as any sink, plus ``history(layer, q)``. Built by :class:`Session`."""
+
+    def __init__(self, sess: "Session", n: int, T: int):
+        self.s, self.n, self.T = sess, n, T
+        self.h2d_bytes = 0
+        self.events = []
+        self._stage = None
+        self._stage_ev = [None, None]
+        self._to_release = None
+        s = sess
+        self.sparse_layers = s._history_sparse_layers(n)
+        self.dense_layers = [l for l in range(s.cfg.num_layers) if l not in self.sparse_layers]
+        self._staging = s.engine is not None and n > 0 and bool(self.dense_layers)
+        if self._staging:
+            self._open_staging()
+
+    # -- prefill sink
+    def buffers(self, layer, T):
+        s = self.s
+        if s.engine is None:
+            return s._rows[0][layer, self.n:self.n + T], s._rows[1][layer, self.n:self.n + T]
+        if self._stage is None:
+            shape = (T, s.cfg.num_kv_heads, s.cfg.head_dim)
+            self._stage = [(torch.empty(shape, dtype=s.dtype, device=s.device),
+                            torch.empty(shape, dtype=s.dtype, device=s.device)) for _ in range(2)]
+        ev = self._stage_ev[layer & 1]
+        if ev is not None and s.cuda:
+            torch.cuda.current_stream(s.device).wait_event(ev)
+        s.engine.reclaim()
+        return self._stage[layer & 1]
+
+    def done(self, layer, k, v):
+        s = self.s
+        self._release(layer)  # the history attention that read its staging buffer is enqueued
+        s._summarize(layer, self.n, k)
+        if s.engine is not None:
+            ev = s.engine.offload_layer(s.seq, layer, k, v)
+            self._stage_ev[layer & 1] = ev
+            s._write_ev[layer] = ev
+            self.events.append(ev)
+            if layer == s.cfg.num_layers - 1:
+                self._stage = None
+
+    # -- history attention
+    def history(self, layer, q):
+        """Attention of the chunk's queries ``q [T, Hq, D]`` over the history of ``layer``:
+        ``(o [1, T, Hq, D], lse fp32 [1, Hq, T])``."""
+        if layer in self.sparse_layers:
+            return self._sparse(layer, q)
+        s, n = self.s, self.n
+        if s.engine is None:
+            k, v = s._rows[0][layer, :n], s._rows[1][layer, :n]
+        else:
+            k, v = self._staged(layer)
+        return flash_attn_with_lse(q[None], k[None], v[None], causal=False, softmax_scale=s.scale)
+
+    def _open_staging(self):
+        """Two GPU buffers of whole pool blocks; dense-history layer ``dense_layers[i]`` is copied
+        into buffer ``i % 2`` (one gather kernel over UVA, on a copy stream) while the layer before
+        it computes."""
+        s = self.s
+        eng = s.engine
+        B = eng.block_size
+        nb = -(-self.n // B)
+        cfg = s.cfg
+        self._sbuf = [(torch.empty(nb, B, cfg.num_kv_heads, cfg.head_dim, dtype=s.dtype, device=s.device),
+                       torch.empty(nb, B, cfg.num_kv_heads, cfg.head_dim, dtype=s.dtype, device=s.device))
+                      for _ in range(min(2, len(self.dense_layers)))]
+        self._bt = torch.tensor(eng.block_table(s.seq)[:nb], dtype=torch.int32).to(s.device)
+        self._cs = torch.cuda.Stream(s.device) if s.cuda else None
+        self._copied, self._freed = {}, [None, None]
+        if self._cs is not None:
+            self._cs.wait_stream(torch.cuda.current_stream(s.device))
+        for i in range(min(2, len(self.dense_layers))):
+            self._stage_layer(i)
+
+    def _stage_layer(self, i):
+        s, layer = self.s, self.dense_layers[i]
+        kb, vb = self._sbuf[i & 1]
+        cs = self._cs
+        ctx = torch.cuda.stream(cs) if cs is not None else contextlib.nullcontext()
+        with ctx:
+            if cs is not None:
+                if s._write_ev[layer] is not None:
+                    cs.wait_event(s._write_ev[layer])
+                if self._freed[i & 1] is not None:
+                    cs.wait_event(self._freed[i & 1])
+            pool = s.engine.pool
+            gather_blocks(pool.k[layer], pool.v[layer], self._bt, kb, vb)
+            if cs is not None:
+                ev = torch.cuda.Event()
+                ev.record(cs)
+                self._copied[layer] = ev
+        self.h2d_bytes += 2 * kb.numel() * kb.element_size()
+
+    def _staged(self, layer):
+        i = self.dense_layers.index(layer)
+        s = self.s
+        if self._cs is not None:
+            cur = torch.cuda.current_stream(s.device)
+            cur.wait_event(self._copied.pop(layer))
+        kb, vb = self._sbuf[i & 1]
+        k, v = kb.flatten(0, 1)[:self.n], vb.flatten(0, 1)[:self.n]
+        if i + 2 < len(self.dense_layers):
+            self._to_release = i  # refilled by :meth:`_release` once this layer's attention is enqueued
+        return k, v
+
+    def _release(self, layer):
+        """Once layer ``layer``'s history attention is enqueued (the model calls ``done`` after
+        it): its staging buffer is refilled with the dense-history layer two ahead."""
+        i = self._to_release
+        if i is None or self.dense_layers[i] != layer:
+            return
+        self._to_release = None
+        if self._cs is not None:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.s.device))
+            self._freed[i & 1] = ev
+        self._stage_layer(i + 2)
+
+    def _sparse(self, layer, q):
+        """Quest-selected history pages of ``layer`` (see the module docstring)."""
+        s, n = self.s, self.n
+        P = s.page
+        full = n // P
+        r = n - full * P
+        k_sel = min(full, s.history_budget // P - (1 if r else 0))
+        hkv = s.cfg.num_kv_heads
+        ids = history_page_ids(q, s._summ.kmin[layer, :, :full], s._summ.kmax[layer, :, :full], k_sel,
+                               recent_pages=s.recent_pages)
+        k_sel = ids.shape[1]
+        tok = ids * P  # first token of each chosen page, [Hkv, k]
+        if r:
+            tok = torch.cat([tok, torch.full((hkv, 1), full * P, dtype=tok.dtype, device=s.device)], 1)
+        m = tok.shape[1]
+        lens = torch.full((1,), k_sel * P + r, dtype=torch.int32, device=s.device)
+        if s.engine is None:
+            table = tok.to(torch.int32)[None]
+            kr, vr = s._rows[0][layer], s._rows[1][layer]
+        else:
+            eng = s.engine
+            B = eng.block_size
+            bt = torch.tensor(eng.block_table(s.seq), dtype=torch.int64).to(s.device)
+            src = (bt[tok // B] * B + tok % B).to(torch.int32)
+            cfg = s.cfg
+            kr = torch.empty(m * P, hkv, cfg.head_dim, dtype=s.dtype, device=s.device)
+            vr = torch.empty_like(kr)
+            table = torch.arange(0, m * P, P, dtype=torch.int32, device=s.device).expand(hkv, m).contiguous()
+            if s.cuda and s._write_ev[layer] is not None:
+                torch.cuda.current_stream(s.device).wait_event(s._write_ev[layer])
+            page_cache_fill(eng.pool.k_rows(layer), eng.pool.v_rows(layer), kr, vr, src, table, page_size=P)
+            table = table[None]
+            self.h2d_bytes += 2 * m * P * hkv * cfg.head_dim * kr.element_size()
+        o, lse = paged_decode_attn_with_lse(q[None], kr, vr, table, lens, page_size=P, causal=False,
+                                            softmax_scale=s.scale)
+        return o, lse
+
+
+class Session:
+    """A conversation with one :class:`~.llm.LLM` whose KV stays stored between turns.
+
+    Made by :meth:`LLM.session`; not thread-safe; one turn at a time. Works in ``resident`` and
+    ``offload`` mode (the offload store's ``offload_decode`` ``"direct"``/``"uva"``), with the LLM's
+    decode policy (``sparse_decode``) and prefill policy (``sparse``, applied within each chunk).
+
+    Args:
+        llm: the LLM (``max_num_seqs=1``).
+        history_budget: None (each chunk attends to the whole history: *dense history*) or the
+            tokens of history each sparse layer's chunk attends to per KV head (*sparse history*:
+            a multiple of ``page_size``, at least two pages; the sink, the recent pages and the
+            partial last page are read even when they pass it).
+        dense_layers: leading layers that always read the whole history (default: the decode
+            policy's dense layers, else 2 — Quest's choice).
+        recent_pages: history pages before the chunk always read by a sparse layer (default 4).
+
+    Attributes: ``tokens`` (every token of the conversation so far: stored history + the last
+    answer), ``history_len`` (tokens whose K/V are stored), ``turns``, ``closed``.
+
+    Raises:
+        ValueError: a ``ring`` offload store, ``max_num_seqs > 1``, a bad ``history_budget`` /
+            ``dense_layers`` / ``recent_pages``, a closed LLM.
+    """
+
+    def __init__(self, llm, *, history_budget: int | None = None, dense_layers: int | None = None,
+                 recent_pages: int = 4):
+        from .kv_paged import ResidentPagedKV
+
+        if getattr(llm, "_closed", False) and llm._shares:
+            raise ValueError("this LLM was closed; create a new one")
+        if llm.config.max_num_seqs != 1:
+            raise ValueError(f"sessions need max_num_seqs=1, got {llm.config.max_num_seqs}")
+        store = llm._store
+        if store is not ResidentPagedKV and not issubclass(store, PagedKV) and llm.mode != "resident":
+            raise ValueError(f"sessions read the pool page by page; offload_decode={llm.config.offload_decode!r} "
+                             f"(the ring) is not supported: use 'direct' or 'uva'")
+        self.llm, self.m = llm, llm.model
+        self.cfg, self.device, self.dtype, self.scale = llm.model.cfg, llm.device, llm.dtype, llm.model.scale
+        self.cuda = self.device.type == "cuda"
+        self.policy = llm.config.decode_policy
+        self.page = self.policy.page_size if self.policy is not None else HISTORY_PAGE
+        L = self.cfg.num_layers
+        if history_budget is not None:
+            if isinstance(history_budget, bool) or not isinstance(history_budget, int) or history_budget <= 0:
+                raise ValueError(f"history_budget must be None or a positive int, got {history_budget!r}")
+        if isinstance(recent_pages, bool) or not isinstance(recent_pages, int) or recent_pages < 0:
+            raise ValueError(f"recent_pages must be an int >= 0, got {recent_pages!r}")
+        if history_budget is not None and (history_budget % self.page or history_budget < 2 * self.page):
+            raise ValueError(f"history_budget must be a multiple of page_size={self.page} and at least 2 pages "
+                             f"({2 * self.page} tokens), got {history_budget}")
+        if dense_layers is None:
+            dense_layers = L - len(self.policy.sparse_layers(L)) if self.policy is not None else min(2, L)
+        if isinstance(dense_layers, bool) or not isinstance(dense_layers, int) or not 0 <= dense_layers <= L:
+            raise ValueError(f"dense_layers must be an int in [0, {L}], got {dense_layers!r}")
+        self.history_budget, self.dense_layers, self.recent_pages = history_budget, dense_layers, recent_pages
+        self.engine = llm.engine  # None in resident mode
+        self.id = next(_ids)
+        self.seq = None
+        self._rows = None
+        self._summ = None
+        self._partial = [None] * L  # offload: K of the history's partial last page, per layer
+        self._write_ev = [None] * L
+        self.history_len = 0
+        self._stored: list = []  # tokens whose K/V are stored (length history_len)
+        self._pending: list = []  # the last answer's tokens (K/V not stored yet)
+        self.turns = 0
+        self.closed = False
+        self._busy = False
+        self._last_used = 0
+        self._messages: list = []
+        llm._sessions[self.id] = self
+
+    # ------------------------------------------------------------------ public
+    @property
+    def tokens(self) -> list:
+        return self._stored + self._pending
+
+    def generate(self, prompt, sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """One turn: append ``prompt`` (a string, tokenized as it is, or token ids) to the
+        conversation and answer it. Returns a :class:`RequestOutput` whose ``prompt_token_ids`` are
+        this turn's new tokens (the last answer's tokens first, then ``prompt``) and whose timings
+        add ``history_tokens`` (tokens read from the stored history), ``chunk_tokens`` and
+        ``history_h2d_bytes`` (bytes the chunk's prefill copied from the pool).
+        Raises ValueError / TypeError for a bad prompt or parameters, a conversation that would
+        pass ``max_model_len``, a closed session, or (offload) a pool too small even after evicting
+        idle sessions; the session is unchanged then and keeps serving."""
+        self._check_open()
+        ids = self.llm._prompt_ids(0, prompt)
+        return self._turn(self._pending + ids, sampling_params)
+
+    def chat(self, message: str, sampling_params: SamplingParams | None = None) -> RequestOutput:
+        """One chat turn through the tokenizer's chat template: the user ``message`` (a string) is
+        added to the conversation's messages, the template renders them all, and the tokens past
+        the stored history are this turn's chunk; the answer's text joins the messages as the
+        assistant's. If the template renders the earlier conversation differently from what is
+        stored (some templates rewrite earlier turns), the history is prefilled again from the
+        rendering. Raises ValueError without a chat template, and as :meth:`generate`."""
+        self._check_open()
+        if not isinstance(message, str) or not message:
+            raise ValueError(f"message must be a non-empty string, got {message!r}")
+        msgs = self._messages + [{"role": "user", "content": message}]
+        full = self.llm.apply_chat_template(msgs, add_generation_prompt=True)
+        n = self.history_len
+        if full[:n] == self._stored:
+            chunk = full[n:]
+        else:
+            self._drop_kv()
+            chunk = full
+        if not chunk:
+            raise ValueError("the chat template added no tokens for this message")
+        out = self._turn(chunk, sampling_params, validate=True)
+        self._messages = msgs + [{"role": "assistant", "content": out.text or ""}]
+        return out
+
+    def close(self) -> None:
+        """Free the session's KV (pool blocks or device rows) and summaries. Safe to call twice."""
+        if self.closed:
+            return
+        self._drop_kv()
+        self.closed = True
+        self.llm._sessions.pop(self.id, None)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # ------------------------------------------------------------------ a turn
+    def _check_open(self):
+        if self.closed:
+            raise ValueError("this session was closed")
+        if self.llm._closed and self.llm._shares:
+            raise ValueError("this session's LLM was closed")
+
+    def _history_sparse_layers(self, n: int) -> frozenset:
+        if self.history_budget is None or n // self.page * self.page <= self.history_budget:
+            return frozenset()
+        return frozenset(range(self.dense_layers, self.cfg.num_layers))
+
+    def _turn(self, chunk: list, sp, validate: bool = False) -> RequestOutput:
+        llm = self.llm
+        if validate:
+            chunk = llm._prompt_ids(0, chunk)
+        sp = llm._sampling_list(sp, 1)[0]
+        n, T = self.history_len, len(chunk)
+        total = n + T
+        if total > llm.max_model_len:
+            raise ValueError(f"the conversation would hold {total} tokens ({n} stored + {T} new), more than "
+                             f"max_model_len={llm.max_model_len}")
+        req = Request.make(self._stored + chunk, sp, max_model_len=llm.max_model_len, seed=llm.seed,
+                           stop_ids=llm._stop_ids, device=self.device)
+        ctx = cpu_backend("reference") if self.device.type == "cpu" else contextlib.nullcontext()
+        self._busy = True
+        try:
+            with ctx, torch.no_grad():
+                self._reserve(total, req.max_new)
+                return self._run(chunk, req, n)
+        finally:
+            self._busy = False
+            self._last_used = next(_ids)
+
+    def _run(self, chunk, req, n):
+        llm, m = self.llm, self.m
+        T = len(chunk)
+        clock = Clock(self.device)
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        marks = {"t0": clock.mark()}
+        ids_t = torch.tensor(chunk, dtype=torch.int64).to(self.device)
+        sink = _ChunkSink(self, n, T)
+        densities = None if llm.policy.dense else []
+        try:
+            logits = m.prefill(ids_t, sink, chunk=llm.prefill_chunk, policy=llm.policy,
+                               densities=densities, attn_backend=llm.prefill_attn, start=n)
+        except BaseException:
+            self._drop_kv()  # layers half written: the next turn prefills the conversation again
+            raise
+        self._stored = self._stored + list(chunk)
+        self.history_len = n + T
+        marks["prefill"] = clock.mark()
+        tok = sample(logits, req.sp, req.gen)
+        marks["first"] = clock.mark()
+        kv = self._decode_store(req, sink.events)
+        try:
+            all_ids = llm._decode_loop(tok, kv, req, clock, marks)
+            h2d, stats = kv.h2d_bytes_per_step, kv.decode_stats()
+        finally:
+            kv.close()
+            del kv
+        out_ids, reason = req.finish(all_ids)
+        self._pending = list(out_ids)
+        self.turns += 1
+        timings = request_timings(clock, marks, T, len(all_ids) - 1, densities)
+        timings.update(history_tokens=n, chunk_tokens=T, history_h2d_bytes=int(sink.h2d_bytes),
+                       history_sparse_layers=len(sink.sparse_layers))
+        if h2d is not None:
+            timings["h2d_bytes_per_token"] = int(h2d)
+        timings.update(stats)
+        peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else None
+        return RequestOutput(prompt_token_ids=list(chunk), token_ids=out_ids, text=llm.decode(out_ids),
+                             finish_reason=reason, timings=timings, peak_gpu_memory_bytes=peak)
+
+    def _decode_store(self, req, events):
+        cfg, n = self.cfg, self.history_len
+        max_new = req.final_len - n
+        kw = dict(prompt_len=n, max_new=max_new, policy=self.policy, summaries=self._summ if self.policy else None)
+        if self.engine is None:
+            kv = PagedKV(cfg, self.dtype, self.device, self.scale, rows=self._rows, **kw)
+        else:
+            kv = PagedKV(cfg, self.dtype, self.device, self.scale, engine=self.engine, seq=self.seq,
+                         owns_seq=False, stage_dense=self.llm.config.offload_decode != "uva", **kw)
+        kv.load_from_store(events)
+        return kv
+
+    # ------------------------------------------------------------------ storage
+    def _need_summaries(self) -> bool:
+        return self.policy is not None or self.history_budget is not None
+
+    def _reserve(self, total: int, max_new: int) -> None:
+        """Room for ``total`` stored tokens (+ the decode's tail), before anything is written."""
+        cfg = self.cfg
+        L, hkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+        if self._need_summaries() and self._summ is None:
+            pages = -(-self.llm.max_model_len // self.page)
+            self._summ = PageSummaries(L, hkv, d, pages, self.page, self.dtype, self.device)
+        if self.engine is None:
+            quantum = max(256, self.page)
+            need = -(-total // quantum) * quantum
+            have = 0 if self._rows is None else self._rows[0].shape[1]
+            if need > have:
+                cap = min(max(need, 2 * have), -(-self.llm.max_model_len // quantum) * quantum)
+                cap = max(cap, need)
+                k = torch.empty(L, cap, hkv, d, dtype=self.dtype, device=self.device)
+                v = torch.empty_like(k)
+                if self._rows is not None and self.history_len:
+                    k[:, :self.history_len].copy_(self._rows[0][:, :self.history_len])
+                    v[:, :self.history_len].copy_(self._rows[1][:, :self.history_len])
+                self._rows = (k, v)
+            return
+        eng = self.engine
+        B = eng.block_size
+        owned = eng.num_seq_blocks(self.seq) if self.seq is not None else 0
+        need = -(-total // B) - owned
+        idle = sum(s.blocks_held() for s in self.llm._sessions.values() if s is not self and not s._busy)
+        if need > eng.num_free_blocks + idle:
+            raise ValueError(f"the session needs {need} more pool blocks of {B} tokens ({total} tokens in all) but "
+                             f"the pool has {eng.num_free_blocks} free of {eng.allocator.num_blocks} "
+                             f"(kv_cache_tokens) and idle sessions hold {idle} more; close sessions or raise "
+                             f"kv_cache_tokens")
+        if need > eng.num_free_blocks:
+            self.llm._make_room(need, keep=self)
+        if self.seq is None:
+            self.seq = eng.add_sequence()
+
+    def _summarize(self, layer: int, n: int, k: torch.Tensor) -> None:
+        """Page min/max of the chunk's K (positions ``n ..``), merged with the history's partial
+        last page."""
+        if self._summ is None:
+            return
+        P = self.page
+        p0, r = divmod(n, P)
+        if r:
+            prev = self._rows[0][layer, p0 * P:n] if self.engine is None else self._partial[layer]
+            k = torch.cat([prev, k])
+        written = self._summ.write(layer, k, first_page=p0)
+        if self.engine is not None:
+            self._partial[layer] = k[written * P:].clone()
+
+    def _drop_kv(self) -> None:
+        """Forget the stored KV (the tokens stay: the next turn prefills them again)."""
+        if self.engine is not None and self.seq is not None and not self.engine._closed:
+            self.engine.free(self.seq)
+        self.seq = None
+        self._rows = None
+        self._summ = None
+        L = self.cfg.num_layers
+        self._partial, self._write_ev = [None] * L, [None] * L
+        self._pending = self._stored + self._pending
+        self._stored = []
+        self.history_len = 0
+
+    def blocks_held(self) -> int:
+        """Pool blocks this session's stored KV holds (0 in resident mode or once evicted)."""
+        if self.engine is None or self.seq is None or self.engine._closed:
+            return 0
+        return self.engine.num_seq_blocks(self.seq)
+
+    def evict(self) -> int:
+        """Drop this idle session's KV to free its pool blocks (its next turn prefills the whole
+        conversation again). Returns the blocks freed. Raises ValueError during a turn."""
+        if self._busy:
+            raise ValueError(f"session {self.id} is in use and cannot be evicted")
+        freed = self.blocks_held()
+        self._drop_kv()
+        return freed
