@@ -98,6 +98,15 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def all_reduce_min(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise minimum of ``x`` over the ranks, in place; returns ``x`` (e.g. the free GPU
+        memory a batched KV pool is sized from, so every rank sizes it alike)."""
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(x, op=dist.ReduceOp.MIN, group=self.group)
+        return x
+
     def vocab_range(self, vocab_size: int) -> tuple:
         """``(lo, hi)``: the rows of the ``vocab_size`` vocabulary this rank holds."""
         s = vocab_size // self.world_size
