@@ -163,6 +163,28 @@ def test_hf_sharded_loader_reads_slices(tmp_path):
     assert load_sharded(str(tmp_path), TensorParallel(1, 2), dtype=torch.float32).tp.rank == 1
 
 
+def test_gguf_sharded_loader_slices_smollm2():
+    """SmolLM2's GGUF (9 heads, 3 KV heads: N=3) loaded as rank 1 of 3, one tensor dequantized at a
+    time, equals the full load's shard; N=2 is refused naming the KV heads."""
+    from xoffload.models import find_smollm2_gguf, load_gguf
+    from xoffload.models.parallel import load_gguf_sharded
+
+    try:
+        path = find_smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    tp = TensorParallel(1, 3)
+    a = load_gguf_sharded(path, tp, dtype=torch.float32, load_tokenizer=False)
+    b = shard_model(load_gguf(path, dtype=torch.float32, device="cpu", load_tokenizer=False), tp)
+    for la, lb in zip(a.w.layers, b.w.layers):
+        for f in ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "mlp_norm"):
+            assert torch.equal(getattr(la, f), getattr(lb, f)), f
+    assert torch.equal(a.w.embed, b.w.embed) and a.w.lm_head is a.w.embed  # tied
+    assert (a.cfg.num_heads, a.cfg.num_kv_heads, a.cfg.vocab_size) == (3, 1, 49152)
+    with pytest.raises(ValueError, match=r"num_kv_heads=3 .*tensor_parallel_size=2"):
+        load_gguf_sharded(path, TensorParallel(0, 2), load_tokenizer=False)
+
+
 def test_not_divisible_raises_naming_the_numbers():
     cfg = get_preset("tiny-llama")  # 4 heads, 2 KV heads, intermediate 128, vocab 256
     with pytest.raises(ValueError, match=r"num_kv_heads=2 .*tensor_parallel_size=4"):

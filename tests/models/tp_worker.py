@@ -100,6 +100,8 @@ def main():
     case, out = sys.argv[1], sys.argv[2]
     dev = sys.argv[3] if len(sys.argv) > 3 else "cpu"
     rank = int(os.environ["RANK"])
+    if dev == "cuda":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))  # the unsharded reference on this rank's GPU too
     rec = {"rank": rank}
     code = 0
     try:

@@ -45,6 +45,11 @@ class LLM:
             ``sparse_decode``, ``token_budget``, ``offload_decode``, ``max_num_seqs``,
             ``max_num_batched_tokens``, ``kv_cache_tokens``, ``tensor_parallel_size``).
 
+    With ``tensor_parallel_size=N > 1`` this is one rank of a group started by ``torchrun
+    --nproc-per-node N`` (:mod:`xoffload.models.parallel`): the model is this rank's shard, rank 0
+    checks and tokenizes the prompts and broadcasts them, every rank runs the same loop and
+    returns the same outputs; ``tp`` is the rank's ``TensorParallel`` (None with one device).
+
     Attributes: ``config`` (the bound :class:`EngineConfig`), ``mode`` (canonical name),
     ``policy`` (the prefill policy object), ``sparse_layers`` (layers it applies to), ``engine``
     (the offload engine, None for a store that shares nothing), ``model``, ``tokenizer``,
