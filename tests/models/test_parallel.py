@@ -110,6 +110,15 @@ def test_rank_failure_ends_all_ranks(tmp_path):
     assert secs < 55
 
 
+def test_rank0_failure_ends_rank1(tmp_path):
+    """Rank 0 (the store's host here) raises: rank 1 still ends with a TensorParallelError, no hang."""
+    recs, codes, secs = _launch("fail0", tmp_path, timeout=60, tp_timeout=20)
+    assert codes == [1, 1], codes
+    assert "injected failure on rank 0" in recs[0]["error"]
+    assert recs[1]["error_type"] == "TensorParallelError" and "rank" in recs[1]["error"], recs[1]
+    assert secs < 55
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_two_gpus_equal_unsharded(tmp_path):

@@ -9,7 +9,8 @@ Cases:
   Quest sparse decode, a sampled request (tokens reported per rank, compared by the test), the
   offload pool's KV-head count, a bad prompt raising the same ValueError on every rank, and the
   random preset loaded shard by shard against the unsharded preset.
-- ``fail``: rank 1 raises inside a decode step; every rank reports the error it ends with.
+- ``fail`` / ``fail0``: rank 1 / rank 0 raises inside a decode step; every rank reports the error
+  it ends with.
 """
 import json
 import os
@@ -77,18 +78,18 @@ def case_equal(dev):
     return res
 
 
-def case_fail(dev):
+def case_fail(dev, bad_rank=1):
     full = random_model("tiny-llama", dtype=torch.float32, device=dev, seed=1, std=0.15)
     llm = LLM(full, max_model_len=64, tensor_parallel_size=2)
     rank = llm.tp.rank
-    if rank == 1:
+    if rank == bad_rank:
         orig = llm.model.decode_step
         calls = [0]
 
         def boom(*a, **k):
             calls[0] += 1
             if calls[0] == 2:
-                raise RuntimeError("injected failure on rank 1")
+                raise RuntimeError(f"injected failure on rank {bad_rank}")
             return orig(*a, **k)
 
         llm.model.decode_step = boom
@@ -105,7 +106,8 @@ def main():
     rec = {"rank": rank}
     code = 0
     try:
-        rec["result"] = {"equal": case_equal, "fail": case_fail}[case](dev)
+        cases = {"equal": case_equal, "fail": case_fail, "fail0": lambda d: case_fail(d, bad_rank=0)}
+        rec["result"] = cases[case](dev)
     except Exception as e:
         rec["error_type"] = type(e).__name__
         rec["error"] = str(e)
