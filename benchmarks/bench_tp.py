@@ -32,7 +32,7 @@ TARGETS = {2: {"decode": 1.8, "prefill": 1.7}, 4: {"decode": 3.5, "prefill": 3.2
 
 def extra_presets():
     """Shapes not in ``xoffload.models.PRESETS`` (random weights): Llama-3.1-70B."""
-    from xoffload.models import ModelConfig, get_preset
+    from xoffload.models import get_preset
 
     base = get_preset("llama-3.1-8b")
     return {"llama-3.1-70b": base.replace(hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=64,

@@ -88,6 +88,7 @@ def _check_equal(recs, codes):
         assert "outside the vocabulary" in r["bad_prompt"]
         assert r["after_bad"] == r["resident"]["ref"]
         assert len(r["sampled"]) == 6
+        assert "32" in r["too_long"] and len(r["after_too_long"]) == 6  # refused alike, still serving
 
 
 def test_two_ranks_equal_unsharded(tmp_path):

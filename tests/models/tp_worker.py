@@ -62,6 +62,13 @@ def case_equal(dev):
         kw = dict(max_model_len=96, max_num_seqs=2, kv_block_size=16)
         r["batch"] = {"ref": [o.token_ids for o in LLM(full, **kw).generate(prompts, sp)],
                       "tp": [o.token_ids for o in LLM(full, tensor_parallel_size=2, **kw).generate(prompts, sp)]}
+        small = LLM(full, tensor_parallel_size=2, **{**kw, "kv_cache_tokens": 32})
+        try:
+            small.generate([ids], sp)  # 40 + 6 tokens never fit a 32-token pool: refused on every rank
+            r["too_long"] = "no error"
+        except ValueError as e:
+            r["too_long"] = str(e)
+        r["after_too_long"] = small.generate([prompts[0][:20]], sp)[0].token_ids
         pol = QuestDecode(token_budget=64, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,))
         long = _prompt(150, 6)
         kw = dict(mode="offload", max_model_len=192, kv_block_size=32, sparse_decode=pol)

@@ -180,7 +180,9 @@ class TensorParallel:
         """Run a block that contains collectives. An exception raised on this rank is recorded in
         the group's store (``"rank R raised T: msg"``) and this rank leaves the group so peers
         blocked in a collective fail at once; an exception from a collective failing because
-        another rank failed becomes :class:`TensorParallelError` naming that rank and its error."""
+        another rank failed becomes :class:`TensorParallelError` naming that rank and its error.
+        ValueError / TypeError pass through untouched (input checks, e.g. a prompt the batched
+        pool can never hold, are made alike on every rank before any collective of the request)."""
         if self.world_size == 1:
             yield
             return
@@ -192,6 +194,8 @@ class TensorParallel:
                 self._leave()
                 raise TensorParallelError(f"tensor-parallel rank {self.rank} stopped: {other} "
                                           f"(here: {type(e).__name__}: {str(e)[:200]})") from e
+            if isinstance(e, (ValueError, TypeError)) and not _is_collective_error(e):
+                raise  # a check of the inputs, made alike on every rank (the LLM keeps serving)
             if _is_collective_error(e):
                 self._leave()
                 raise TensorParallelError(f"tensor-parallel rank {self.rank}: a collective failed "
@@ -336,10 +340,6 @@ def local_config(cfg: ModelConfig, n: int) -> ModelConfig:
 def _own(t: torch.Tensor) -> torch.Tensor:
     """A contiguous copy: the shard must not keep the full tensor's storage alive."""
     return t.clone(memory_format=torch.contiguous_format)
-
-
-def _rows(t, lo, hi):
-    return t[lo:hi]
 
 
 def shard_layer(lw: LayerWeights, cfg: ModelConfig, rank: int, n: int) -> LayerWeights:
