@@ -81,6 +81,10 @@ class EngineConfig:
             allocated when the LLM is made); ``resident``: a cap on the GPU pool, which is
             otherwise sized per call from the requests (what the ``max_num_seqs`` largest need) and
             the free GPU memory. A prompt that alone needs more is refused (ValueError).
+        tensor_parallel_size: ranks the model is sharded over (default 1: one device). ``N > 1``
+            needs one process per rank (``torchrun --nproc-per-node N``): attention / KV heads,
+            MLP and vocabulary split across the ranks, each with its own KV store (its pinned
+            pool and ring hold ``num_kv_heads / N`` heads); see :mod:`xoffload.models.parallel`.
     """
 
     mode: str = "resident"
@@ -100,6 +104,7 @@ class EngineConfig:
     max_num_seqs: int = 1
     max_num_batched_tokens: int | None = None
     kv_cache_tokens: int | None = None
+    tensor_parallel_size: int = 1
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -153,6 +158,7 @@ class EngineConfig:
             raise ValueError(f"kv_block_size must be a power of two >= 16 for batched resident decode "
                              f"(max_num_seqs > 1: the page of the paged KV pool), got {b}")
         self.seed = int(self.seed)
+        self.tensor_parallel_size = _positive("tensor_parallel_size", self.tensor_parallel_size)
 
     @property
     def policy(self) -> PrefillPolicy:

@@ -330,6 +330,10 @@ class ResidentBatchKV(BatchKV):
         per_block = blk * self.cfg.kv_bytes_per_token(self.dtype)
         T = max([s.prompt_len for s in seqs] + [1])
         limit = _gpu_kv_limit_bytes(self.device, _prefill_headroom(model, T, config.prefill_chunk))
+        tp = getattr(model, "tp", None)
+        if tp is not None and limit is not None:  # every rank the same pool, so the same admissions
+            t = torch.tensor([limit], dtype=torch.int64, device=self.device)
+            limit = int(tp.all_reduce_min(t))
         self.memory_limited = limit is not None and limit // per_block < nb
         if self.memory_limited:
             nb = limit // per_block

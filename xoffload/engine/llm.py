@@ -43,7 +43,12 @@ class LLM:
             ``num_kv_buffers``, ``kv_block_size``, ``max_model_len``, ``dtype``, ``device``,
             ``sparse``, ``prefill_chunk``, ``prefill_attn``, ``seed``, ``cuda_graph``,
             ``sparse_decode``, ``token_budget``, ``offload_decode``, ``max_num_seqs``,
-            ``max_num_batched_tokens``, ``kv_cache_tokens``).
+            ``max_num_batched_tokens``, ``kv_cache_tokens``, ``tensor_parallel_size``).
+
+    With ``tensor_parallel_size=N > 1`` this is one rank of a group started by ``torchrun
+    --nproc-per-node N`` (:mod:`xoffload.models.parallel`): the model is this rank's shard, rank 0
+    checks and tokenizes the prompts and broadcasts them, every rank runs the same loop and
+    returns the same outputs; ``tp`` is the rank's ``TensorParallel`` (None with one device).
 
     Attributes: ``config`` (the bound :class:`EngineConfig`), ``mode`` (canonical name),
     ``policy`` (the prefill policy object), ``sparse_layers`` (layers it applies to), ``engine``
@@ -59,7 +64,13 @@ class LLM:
 
     def __init__(self, model=None, **options):
         cfg = EngineConfig.from_kwargs(**options)
-        if isinstance(model, LlamaModel):
+        self.tp = None
+        if cfg.tensor_parallel_size > 1:  # one rank of a tensor-parallel group (torchrun)
+            from ..models.parallel import tensor_parallel_model
+
+            self.model = tensor_parallel_model(model, cfg)
+            self.tp = self.model.tp
+        elif isinstance(model, LlamaModel):
             self.model = model
         else:
             dt, dev = resolve_dtype_device(cfg.dtype, cfg.device)
@@ -199,10 +210,9 @@ class LLM:
         """
         if self._closed and self._shares:
             raise ValueError("this LLM was closed; create a new one")
-        batch = self._normalize(prompts)
-        sps = self._sampling_list(sampling_params, len(batch))
+        batch, sps = self._inputs(prompts, sampling_params)
         ctx = cpu_backend("reference") if self.device.type == "cpu" else contextlib.nullcontext()
-        with ctx, torch.no_grad():
+        with ctx, torch.no_grad(), (self.tp.guard() if self.tp is not None else contextlib.nullcontext()):
             if self._runner is not None:
                 try:
                     return self._runner.run(batch, sps, use_tqdm=use_tqdm)
@@ -210,6 +220,24 @@ class LLM:
                     self.batch_stats = self._runner.stats
             it = tqdm(list(zip(batch, sps)), desc="requests") if use_tqdm else zip(batch, sps)
             return [self._run_one(ids, sp) for ids, sp in it]
+
+    def _inputs(self, prompts, sampling_params):
+        """Checked prompt ids and sampling parameters; tensor parallel: rank 0 checks (and
+        tokenizes) them and broadcasts them, or the error, so every rank runs or raises alike."""
+        if self.tp is None:
+            batch = self._normalize(prompts)
+            return batch, self._sampling_list(sampling_params, len(batch))
+        msg = None
+        if self.tp.is_driver:
+            try:
+                batch = self._normalize(prompts)
+                msg = ("ok", batch, self._sampling_list(sampling_params, len(batch)))
+            except (ValueError, TypeError) as e:
+                msg = ("error", type(e).__name__, str(e))
+        msg = self.tp.broadcast_object(msg)
+        if msg[0] == "error":
+            raise (ValueError if msg[1] == "ValueError" else TypeError)(msg[2])
+        return msg[1], msg[2]
 
     @staticmethod
     def _sampling_list(sp, n: int) -> list:

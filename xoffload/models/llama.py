@@ -97,10 +97,16 @@ class LlamaModel:
         cfg: :class:`ModelConfig`.
         weights: :class:`Weights` on ``device`` in ``dtype``.
         tokenizer: a transformers tokenizer or None (then prompts must be token ids).
+        tp: None (one device: the code path of a model without tensor parallelism), or this rank's
+            :class:`xoffload.models.parallel.TensorParallel`: then ``cfg`` is the rank's local
+            config and ``weights`` its shard, and the model calls ``tp.all_reduce`` after the
+            o-projection and the down projection, ``tp.embed`` / ``tp.gather_logits`` for the
+            vocab-parallel embedding and LM head.
     """
 
-    def __init__(self, cfg: ModelConfig, weights: Weights, tokenizer=None, source: str = ""):
+    def __init__(self, cfg: ModelConfig, weights: Weights, tokenizer=None, source: str = "", tp=None):
         self.cfg = cfg
+        self.tp = tp
         self.w = weights
         self.tokenizer = tokenizer
         self.source = source
@@ -136,7 +142,19 @@ class LlamaModel:
         del x
         i = self.cfg.intermediate_size
         a = silu_mul(gu, i, out=gu[:, :i])  # in place over the gate half
-        h.addmm_(a, lw.w_down.t())  # residual add fused into the GEMM (beta=1)
+        self._add_proj(h, a, lw.w_down)
+
+    def _add_proj(self, h: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:
+        """h += x @ w.T in place; with tensor parallelism the partial product is all-reduced first."""
+        if self.tp is None:
+            h.addmm_(x, w.t())  # residual add fused into the GEMM (beta=1)
+        else:
+            h.add_(self.tp.all_reduce(x @ w.t()))
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is None:
+            return F.embedding(ids, self.w.embed)
+        return self.tp.embed(ids, self.w.embed)
 
     def _qkv(self, lw, h_rows, pos, q_out=None, k_out=None, v_out=None):
         """Norm, fused QKV projection, q/k norm (Qwen3) and RoPE of consecutive tokens starting at
@@ -159,6 +177,8 @@ class LlamaModel:
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[n, V]`` of final hidden states ``h`` ``[n, hidden]`` (final norm applied here)."""
         x = _norm(h, self.w.norm, self.cfg.rms_norm_eps)
+        if self.tp is not None:
+            return self.tp.gather_logits(x @ self.w.lm_head.t()).float()
         return (x @ self.w.lm_head.t()).float()
 
     # ------------------------------------------------------------------ prefill
@@ -217,7 +237,7 @@ class LlamaModel:
         chunk = max(1, int(chunk))
         sparse_layers = frozenset(policy.layers(cfg.num_layers)) if policy is not None else frozenset()
         self.rope_tables(start + T)
-        h = F.embedding(ids, self.w.embed)  # [T, hidden]
+        h = self._embed(ids)  # [T, hidden]
         for li, lw in enumerate(self.w.layers):
             k, v = sink.buffers(li, T)
             q = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
@@ -241,7 +261,7 @@ class LlamaModel:
             for s in range(0, T, chunk):
                 e = min(T, s + chunk)
                 hc = h[s:e]
-                hc.addmm_(o[s:e].reshape(e - s, -1), lw.wo.t())
+                self._add_proj(hc, o[s:e].reshape(e - s, -1), lw.wo)
                 self._mlp_residual(lw, hc)
             del o
         if all_logits:
@@ -297,7 +317,7 @@ class LlamaModel:
             raise ValueError(f"decode_step of {B} sequences needs an int64 [{B}] position tensor, got {pos!r}")
         else:
             self.rope_tables(pos + 1)
-        h = F.embedding(token, self.w.embed)  # [B, hidden]
+        h = self._embed(token)  # [B, hidden]
         look = getattr(kv, "lookahead", ())
         layers = self.w.layers
         for li, lw in enumerate(layers):
@@ -305,7 +325,7 @@ class LlamaModel:
             if li + 1 in look:
                 kv.prefetch(li + 1, self._qkv(layers[li + 1], h, pos)[0])
             o = kv.attend(li, q, k, v)
-            h.addmm_(o.reshape(B, -1).to(self.dtype), lw.wo.t())
+            self._add_proj(h, o.reshape(B, -1).to(self.dtype), lw.wo)
             self._mlp_residual(lw, h)
         return self.logits(h)
 

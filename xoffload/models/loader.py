@@ -131,15 +131,10 @@ _HF_LAYER_NAMES = {
 }
 
 
-def load_hf_dir(path, *, dtype=None, device=None, load_tokenizer: bool = True) -> LlamaModel:
-    """Load a HF model directory: ``config.json`` + ``*.safetensors`` (+ tokenizer files).
-
-    Raises FileNotFoundError (no config / weights), ValueError (unsupported architecture, missing
-    tensor, wrong shape).
-    """
-    from safetensors import safe_open
-
-    dtype, device = resolve_dtype_device(dtype, device)
+def read_hf_config(path):
+    """``(dir, ModelConfig, safetensors files)`` of a HF model directory: config.json, plus the EOS
+    ids of generation_config.json. Raises FileNotFoundError (no config / weights), ValueError (bad
+    JSON, missing key, unsupported architecture)."""
     p = Path(path)
     cfg_path = p / "config.json"
     if not cfg_path.is_file():
@@ -166,6 +161,28 @@ def load_hf_dir(path, *, dtype=None, device=None, load_tokenizer: bool = True) -
     files = sorted(p.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{p}: no *.safetensors files")
+    return p, cfg, files
+
+
+def _hf_tokenizer(p: Path):
+    """The directory's transformers tokenizer, or None when it has no tokenizer files."""
+    if any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(p))
+    return None
+
+
+def load_hf_dir(path, *, dtype=None, device=None, load_tokenizer: bool = True) -> LlamaModel:
+    """Load a HF model directory: ``config.json`` + ``*.safetensors`` (+ tokenizer files).
+
+    Raises FileNotFoundError (no config / weights), ValueError (unsupported architecture, missing
+    tensor, wrong shape).
+    """
+    from safetensors import safe_open
+
+    dtype, device = resolve_dtype_device(dtype, device)
+    p, cfg, files = read_hf_config(path)
     index = {}
     handles = []
     for fpath in files:
@@ -192,11 +209,7 @@ def load_hf_dir(path, *, dtype=None, device=None, load_tokenizer: bool = True) -
     w = Weights(embed=embed, layers=layers, norm=tensor("model.norm.weight").to(device=device, dtype=dtype),
                 lm_head=lm_head)
     _check_shapes(cfg, w, str(p))
-    tok = None
-    if load_tokenizer and any((p / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(str(p))
+    tok = _hf_tokenizer(p) if load_tokenizer else None
     return LlamaModel(cfg, w, tok, source=str(p))
 
 
