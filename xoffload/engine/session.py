@@ -341,6 +341,16 @@ class Session:
         ids = self.llm._prompt_ids(0, prompt)
         return self._turn(self._pending + ids, sampling_params)
 
+    def append(self, prompt) -> dict:
+        """Add ``prompt`` (a string, tokenized as it is, or token ids) to the conversation without
+        answering: its K/V are computed against the history and stored (e.g. a document loaded
+        once, asked about in later turns). Returns the chunk's timings (``prefill_ms``,
+        ``chunk_tokens``, ``history_tokens``, ``history_h2d_bytes``). Same errors as
+        :meth:`generate`."""
+        self._check_open()
+        ids = self.llm._prompt_ids(0, prompt)
+        return self._turn(self._pending + ids, None, answer=False)
+
     def chat(self, message: str, sampling_params: SamplingParams | None = None) -> RequestOutput:
         """One chat turn through the tokenizer's chat template: the user ``message`` (a string) is
         added to the conversation's messages, the template renders them all, and the tokens past
@@ -391,7 +401,7 @@ class Session:
             return frozenset()
         return frozenset(range(self.dense_layers, self.cfg.num_layers))
 
-    def _turn(self, chunk: list, sp, validate: bool = False) -> RequestOutput:
+    def _turn(self, chunk: list, sp, validate: bool = False, answer: bool = True):
         llm = self.llm
         if validate:
             chunk = llm._prompt_ids(0, chunk)
@@ -408,12 +418,12 @@ class Session:
         try:
             with ctx, torch.no_grad():
                 self._reserve(total, req.max_new)
-                return self._run(chunk, req, n)
+                return self._run(chunk, req, n, answer)
         finally:
             self._busy = False
             self._last_used = next(_ids)
 
-    def _run(self, chunk, req, n):
+    def _run(self, chunk, req, n, answer=True):
         llm, m = self.llm, self.m
         T = len(chunk)
         clock = Clock(self.device)
@@ -432,6 +442,13 @@ class Session:
         self._stored = self._stored + list(chunk)
         self.history_len = n + T
         marks["prefill"] = clock.mark()
+        if not answer:
+            self._pending = []
+            end = marks["prefill"]
+            if self.cuda:
+                end.synchronize()
+            return {"prefill_ms": clock.ms(marks["t0"], end), "chunk_tokens": T, "history_tokens": n,
+                    "history_h2d_bytes": int(sink.h2d_bytes), "history_sparse_layers": len(sink.sparse_layers)}
         tok = sample(logits, req.sp, req.gen)
         marks["first"] = clock.mark()
         kv = self._decode_store(req, sink.events)

@@ -54,7 +54,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="engine configuration(s), comma-separated: resident (alias gpu), offload, offload-uva, "
                         "offload-ring, offload+quest, resident+quest, ... (xoffload.engine.modes), a decode policy's "
                         "budget as @N (offload+quest@512) and its GQA group score as /GROUP "
-                        "(offload+quest@512/softmax), both (= resident,offload; default), or hf: transformers' own "
+                        "(offload+quest@512/softmax), a :session suffix to ask each prompt as the second turn of a session whose first turn gave the context (offload:session; :session@N: sparse history of N tokens), both (= resident,offload; default), or hf: transformers' own "
                         "model (SDPA, greedy generate; every other mode's answers are also compared with it); "
                         "the first is the reference for answer agreement")
     p.add_argument("--hf-weights", default="ours", choices=list(HF_WEIGHTS),
@@ -120,6 +120,13 @@ def mode_options(name: str) -> dict:
     if name == HF_MODE:
         raise _ArgError(f"--mode {HF_MODE} is transformers' model, not an engine configuration")
     confs = configurations()
+    name, sep, sess = name.partition(":session")
+    session = None
+    if sep:
+        if sess and not (sess.startswith("@") and sess[1:].isascii() and sess[1:].isdigit() and int(sess[1:]) > 0):
+            raise _ArgError(f"--mode {name + sep + sess!r}: :session takes an optional @HISTORY_BUDGET (a positive "
+                            f"integer), e.g. offload:session@1024")
+        session = {"history_budget": int(sess[1:]) if sess else None}
     base, at, budget = name.partition("@")
     base = "resident" if base == "gpu" else base.replace("gpu+", "resident+")
     if base not in confs:
@@ -143,6 +150,8 @@ def mode_options(name: str) -> dict:
                 kw["sparse_decode"] = dataclasses.replace(pol, group_score=group)
             except ValueError as e:
                 raise _ArgError(f"--mode {name!r}: {e}") from None
+    if session is not None:
+        kw["session"] = session
     return kw
 
 
@@ -298,7 +307,10 @@ def _cmd_eval(a) -> int:
         if mode == hf_peer.HF_MODE:
             return hf_peer.hf_peer_llm(model, weights=a.hf_weights, max_model_len=max_len)
         kw = {"sparse": policy, **mode_options(mode)}
-        return LLM(model, num_kv_buffers=a.num_kv_buffers, kv_block_size=a.kv_block_size, max_model_len=max_len, **kw)
+        session = kw.pop("session", None)
+        llm = LLM(model, num_kv_buffers=a.num_kv_buffers, kv_block_size=a.kv_block_size, max_model_len=max_len, **kw)
+        llm.eval_session = session  # run_eval asks each prompt as the second turn of a session
+        return llm
 
     meta = {"model": str(model.source), "arch": model.cfg.arch, "dtype": str(model.dtype),
             "device": str(model.device), "load_s": t_load, "sparse": sparse,

@@ -333,14 +333,50 @@ def _run_block(llm, label, todo, tokenizer, max_new_tokens, bar, on_record) -> N
     dev = getattr(getattr(llm, "model", None), "device", None)
     if dev is not None and getattr(dev, "type", None) == "cuda":  # compile kernels outside the measured runs
         llm.generate(todo[0][1].token_ids[:256], SamplingParams(max_tokens=2))
+    session = getattr(llm, "eval_session", None)
     for k, s in todo:
         if bar is not None:
             bar.set_postfix(mode=label, task=s.task, length=s.length)
         mt = s.max_new_tokens if max_new_tokens is None else min(s.max_new_tokens, int(max_new_tokens))
-        o = llm.generate(s.token_ids, SamplingParams(max_tokens=mt, temperature=0.0))[0]
+        sp = SamplingParams(max_tokens=mt, temperature=0.0)
+        if session is None:
+            o = llm.generate(s.token_ids, sp)[0]
+        else:
+            o = ask_in_session(llm, s, tokenizer, sp, **session)
         on_record(_record(label, k, s, mt, o, tokenizer))
         if bar is not None:
             bar.update(1)
+
+
+def question_start(sample, tokenizer) -> int:
+    """Index of the first token of ``sample``'s question in its prompt: where the tokens of the
+    user text's last line (RULER's templates end with the question) begin, searched from the end;
+    64 tokens before the end when the line's tokens are not found (a tokenizer that merges across
+    the line break)."""
+    ids = sample.token_ids
+    line = sample.input.rstrip().rsplit("\n", 1)[-1] if sample.input else ""
+    q = tokenizer.encode(line, add_special_tokens=False) if line else []
+    if q:
+        for j in range(len(ids) - len(q), -1, -1):
+            if ids[j:j + len(q)] == q:
+                return j
+        for cut in (1, 2):  # the line's first token merged with the one before it
+            if len(q) > cut:
+                t = q[cut:]
+                for j in range(len(ids) - len(t), -1, -1):
+                    if ids[j:j + len(t)] == t:
+                        return max(1, j - cut)
+    return max(1, len(ids) - 64)
+
+
+def ask_in_session(llm, sample, tokenizer, sp, history_budget=None):
+    """Ask ``sample`` as the second turn of a session: turn one appends the prompt up to the
+    question (:meth:`~xoffload.engine.session.Session.append`), turn two asks the rest (the same
+    tokens as the one-shot prompt). Returns the second turn's RequestOutput."""
+    j = question_start(sample, tokenizer)
+    with llm.session(history_budget=history_budget) as sess:
+        sess.append(sample.token_ids[:j])
+        return sess.generate(sample.token_ids[j:], sp)
 
 
 def _check_samples_by_mode(samples_by_mode, labels) -> dict:
