@@ -188,14 +188,12 @@ class BlockAllocator:
         sequences, and held only by the cache (and how many of those can be evicted)."""
         if n <= self._num_free:
             return
-        short = n - self._num_free
         ev = self._evictor
-        can = ev.evictable_blocks() if ev is not None else 0
-        if can >= short:
-            ev.evict_blocks(short)
+        if ev is not None:
+            ev.evict_blocks(n - self._num_free)  # frees enough, or nothing
             if n <= self._num_free:
                 return
-            can = ev.evictable_blocks()
+        can = ev.evictable_blocks() if ev is not None else 0
         u = self.usage()
         toks = f" ({n * self.block_size} tokens)" if self.block_size else ""
         who = f"sequence {seq}" if seq is not None else "the request"
@@ -258,8 +256,9 @@ class BlockAllocator:
 
     def set_evictor(self, evictor) -> None:
         """Install (or with None remove) the object asked for blocks when too few are free: it has
-        ``evictable_blocks() -> int`` (blocks it could free now) and ``evict_blocks(n)`` (free at
-        least ``n`` of them, by :meth:`release`). Raises ValueError if another one is installed."""
+        ``evict_blocks(n) -> int`` (free at least ``n`` blocks by :meth:`release`, or nothing if it
+        cannot) and ``evictable_blocks() -> int`` (how many it could free now; for the error
+        message). Raises ValueError if another one is installed."""
         if evictor is not None and self._evictor is not None and self._evictor is not evictor:
             raise ValueError("this allocator already has an evictor (one prefix cache per engine)")
         self._evictor = evictor
