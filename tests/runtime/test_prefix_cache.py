@@ -35,11 +35,11 @@ def kv_of(tokens, layers=L, device="cpu", dtype=DT):
     return [(x[:, l, 0], x[:, l, 1]) for l in range(layers)]
 
 
-def prefill(e, seq, tokens, start):
-    """Write tokens[start:] (KV of the full prefix) into seq, every layer."""
+def prefill(e, seq, tokens, start, kv=None):
+    """Write tokens[start:] (KV of the full prefix; ``kv``: precomputed ``kv_of(tokens)``) into seq."""
     if start >= len(tokens):
         return
-    kv = kv_of(tokens, e.num_layers, e.device, e.dtype)
+    kv = kv_of(tokens, e.num_layers, e.device, e.dtype) if kv is None else kv
     for l in range(e.num_layers):
         e.offload_layer(seq, l, kv[l][0][start:].contiguous(), kv[l][1][start:].contiguous())
 
@@ -86,7 +86,8 @@ def pool_block(e, b):
 
 
 def same(x, y):
-    return all(torch.equal(a, b) for p, q in zip(x, y) for a, b in zip(p, q))
+    """Bit-identical (bytes: unused rows of a block are uninitialised and may hold NaN)."""
+    return all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for p, q in zip(x, y) for a, b in zip(p, q))
 
 
 # ------------------------------------------------------------------------------- matching
@@ -248,9 +249,10 @@ def test_eviction_never_touches_blocks_of_live_sequences():
     e.allocator.check()
 
 
-def test_random_workload_accounting_and_kv():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_random_workload_accounting_and_kv(device):
     rnd = random.Random(0)
-    e = eng_(bs=4, nb=24, max_tokens=80)
+    e = eng_(bs=4, nb=24, max_tokens=80, device=device, dtype=DT if device == "cpu" else torch.bfloat16)
     c = PrefixCache(e)
     start = e.num_free_blocks
     exhausted = [0]
@@ -296,25 +298,32 @@ def test_random_workload_accounting_and_kv():
 # -------------------------------------------------------------------------------- GPU
 @pytest.mark.cuda
 def test_cuda_pinned_reuse_copy_on_write_ordering():
-    """Prefill behind a slow kernel, insert + free at once, reuse and copy-on-write while the
-    writes may still be queued: every read-back must be exact (ordering by events only)."""
+    """The parent's pool writes are queued behind a slow kernel when the child, started on the
+    cached blocks, copies the shared partial block (copy-on-write) and decodes: with ordering by
+    events only, every read-back is exact."""
     e = eng_(bs=64, nb=64, max_tokens=1024, device="cuda", dtype=torch.bfloat16, layers=3)
     c = PrefixCache(e)
     rnd = random.Random(1)
     for it in range(20):
-        A = [rnd.randrange(5000) for _ in range(150)]
+        A = [rnd.randrange(5000) for _ in range(150)]  # 2 full blocks + 22 tokens
+        B = A + [1, 2, 3]
         s = e.add_sequence()
         kv = kv_of(A, 3, "cuda", torch.bfloat16)
-        torch.cuda._sleep(2_000_000)
+        kv_b = kv_of(B, 3, "cuda", torch.bfloat16)  # made now: a pageable H2D copy waits for the GPU
         for l in range(3):
             k = torch.zeros_like(kv[l][0])
-            torch.cuda._sleep(200_000)
+            torch.cuda._sleep(20_000_000)  # ~10 ms: the D2H copies below wait behind it
             k.copy_(kv[l][0])
             e.offload_layer(s, l, k, kv[l][1])
         c.insert(s, A)
         e.free(s)
-        b, Bt = request(e, c, A + [1, 2, 3], new=[4, 5, 6, 7], expect=150)
-        check(e, b, Bt)
+        b, n = c.add_sequence(B[:-1])
+        assert n == 150
+        assert not e._offload_stream.query()  # the parent's writes are still queued
+        prefill(e, b, B, n, kv_b)  # copy-on-write of block 2, enqueued behind them
+        toks = decode(e, b, B, [4, 5, 6, 7])
+        assert e.cow_copies == it + 1
+        check(e, b, toks)
         e.free(b)
     c.clear()
     assert e.num_free_blocks == 64
