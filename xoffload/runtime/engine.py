@@ -28,6 +28,14 @@ Ordering is by CUDA events only (no device-wide synchronize):
   the offload stream after an event on the current stream.
 * ``free``: the offload stream (the only pool writer) waits on events of the current stream and the
   ring load streams, so reused blocks are not overwritten while a read is in flight.
+* sharing (``add_sequence(prefix_blocks=...)``, ``fork``, the prefix cache): the new sequence's
+  ``write_ev`` of every layer is an event recorded on the offload stream at its creation, so its
+  reads wait for every pool write already queued into the shared blocks.
+* copy-on-write (a shared, partly filled block about to be written): a fresh block is allocated and
+  the shared one copied into it, all layers, K and V, on the offload stream (so after that block's
+  pending writes; through a device bounce buffer, as a host-to-host torch copy is not stream
+  ordered); the writer's ``write_ev`` of every layer becomes the copy's event. It runs in
+  ``offload_layer``, ``flush`` and ``begin_step`` (never in ``end_layer``, which cannot fail).
 
 Host mode (``device="cpu"``): the same code with host tensors; copies are synchronous and the
 streams/events are no-ops.
@@ -227,7 +235,8 @@ class OffloadEngine:
         return self._get(seq).layer_len[self._layer(layer)]
 
     def block_table(self, seq: int) -> tuple[int, ...]:
-        """Physical pool block ids of ``seq`` (logical block i -> element i)."""
+        """Physical pool block ids of ``seq`` (logical block i -> element i); blocks may be shared
+        with other sequences or the prefix cache (``allocator.refcount(b) > 1``)."""
         self._get(seq)
         return self.allocator.table(seq)
 
@@ -238,7 +247,8 @@ class OffloadEngine:
 
     @property
     def num_free_blocks(self) -> int:
-        """Free pool blocks."""
+        """Free pool blocks (reference count 0; blocks only the prefix cache holds are not free
+        but are evicted on demand)."""
         return self.allocator.num_free
 
     # ==================================================================== prefill
@@ -481,8 +491,9 @@ class OffloadEngine:
 
     # ================================================================== lifecycle
     def free(self, seq: int) -> None:
-        """Return every block of ``seq`` and drop every record of it (an open step is abandoned;
-        the ring returns to the engine). Later use of ``seq`` raises ValueError."""
+        """Drop one reference to each block of ``seq`` (a block returns to the free list when no
+        other sequence nor the prefix cache holds it) and every record of ``seq`` (an open step is
+        abandoned; the ring returns to the engine). Later use of ``seq`` raises ValueError."""
         s = self._get(seq)
         cur_ev = self._sync.record()
         if s.step is not None and s.step.ring is not None:
