@@ -425,7 +425,8 @@ def test_fork_shares_then_copies_on_write(n_fork):
     if partial:
         assert e.block_table(c)[-1] != shared_last and shared_last not in e.block_table(c)
         after = _pool_block(e, shared_last)  # bytes: unused rows are uninitialised (may be NaN)
-        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for x, y in zip(before, after) for a, b in zip(x, y))
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for x, y in zip(before, after) for a, b in zip(x, y))
     r.check_host(c)
     r.check_fetch(c)
     r.check_host(p)  # the parent's KV is untouched

@@ -222,7 +222,7 @@ def test_eviction_never_touches_blocks_of_live_sequences():
     c = PrefixCache(e)
     A = list(range(12))  # 3 blocks
     ba = _cached_seq(e, c, A)
-    bb = _cached_seq(e, c, list(range(50, 58)))  # 2 blocks, cache only
+    _cached_seq(e, c, list(range(50, 58)))  # 2 blocks, cache only
     live, Lt = request(e, c, A + [77], expect=12)  # shares A's 3 blocks, writes a 4th
     assert e.block_table(live)[:3] == ba and e.num_free_blocks == 10 - 3 - 2 - 1
     x = e.add_sequence()
@@ -231,7 +231,7 @@ def test_eviction_never_touches_blocks_of_live_sequences():
         prefill(e, x, X, 0)  # 10 blocks: the pool cannot hold them
     msg = str(ei.value)
     assert "needs 10" in msg and "only 4 of 10" in msg and "4 held by live sequences" in msg, msg
-    assert "3 held only by the prefix cache" not in msg and "2 held only by the prefix cache, 2 of them evictable" in msg, msg
+    assert "2 held only by the prefix cache, 2 of them evictable" in msg, msg
     assert len(c) == 5 and c.stats().evictions == 0  # nothing evicted by a failed request
     prefill(e, x, X[:24], 0)  # 6 blocks: B's 2 are evicted, A's stay (the live sequence holds them)
     assert c.stats().evictions == 2 and c.match(A).blocks == ba and c.match(list(range(50, 58))).n_tokens == 0
@@ -293,6 +293,26 @@ def test_random_workload_accounting_and_kv(device):
     c.clear()
     assert e.num_free_blocks == start
     e.allocator.check()
+
+
+def test_engine_reset_keeps_cache_close_refuses():
+    e = eng_(bs=4, nb=8)
+    c = PrefixCache(e)
+    A = list(range(6))
+    s, _ = request(e, c, A)
+    c.insert(s, A)
+    f = e.fork(s, 5)  # a fork shares the same blocks the cache holds
+    assert e.allocator.refcount(e.block_table(s)[0]) == 3
+    e.reset()  # frees every sequence; the cache keeps its two blocks
+    assert e.sequences() == [] and e.num_free_blocks == 6 and c.stats().blocks == 2
+    e.allocator.check()
+    s2, n = c.add_sequence(A + [9])
+    assert n == 6 and f not in e.sequences()
+    check(e, s2, A)
+    e.close()
+    with pytest.raises(ValueError, match="closed"):
+        c.match(A)
+    assert c.evictable_blocks() == 0
 
 
 # -------------------------------------------------------------------------------- GPU
