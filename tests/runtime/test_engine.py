@@ -382,3 +382,133 @@ def test_release_ring_buffers_between_steps_and_reclaim():
         e.end_layer(s, l)
     e.end_step(s)
     assert e.release_ring_buffers() == per_ring
+
+
+# ------------------------------------------------------------- sharing / copy-on-write (issue 14)
+def _fork_ref(r, parent, child, n):
+    for l in range(r.eng.num_layers):
+        r.k[(child, l)] = r.k[(parent, l)][:n].clone()
+        r.v[(child, l)] = r.v[(parent, l)][:n].clone()
+
+
+def _pool_block(e, b):
+    return [(e.pool.k[l][b].clone(), e.pool.v[l][b].clone()) for l in range(e.num_layers)]
+
+
+@pytest.mark.parametrize("n_fork", [0, 16, 21, 37, 40])
+def test_fork_shares_then_copies_on_write(n_fork):
+    e = eng_(layers=3, bs=16, max_tokens=256, nb=20)
+    start = e.num_free_blocks
+    r = Ref(e, seed=n_fork)
+    p = e.add_sequence()
+    r.prefill(p, 37, chunks=2)
+    r.step(p)
+    r.step(p)
+    r.step(p)  # 40 tokens: 3 in the decode buffer -> fork flushes them
+    used = e.num_free_blocks
+    c = e.fork(p, n_fork)
+    _fork_ref(r, p, c, n_fork)
+    nb = -(-n_fork // 16)
+    assert e.block_table(c) == e.block_table(p)[:nb] and e.seq_len(c) == n_fork
+    assert e.num_free_blocks == used  # nothing copied or allocated yet
+    assert all(e.allocator.refcount(b) == 2 for b in e.block_table(c))
+    r.check_host(c)
+    r.check_host(p)
+    partial = n_fork % 16 != 0
+    before = _pool_block(e, e.block_table(c)[-1]) if partial else None
+    shared_last = e.block_table(c)[-1] if partial else None
+    # the child writes: a prefill chunk and decode steps
+    r.prefill(c, 5)
+    for _ in range(20):
+        r.step(c)
+    assert e.cow_copies == int(partial)
+    if partial:
+        assert e.block_table(c)[-1] != shared_last and shared_last not in e.block_table(c)
+        after = _pool_block(e, shared_last)  # bytes: unused rows are uninitialised (may be NaN)
+        assert all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                   for x, y in zip(before, after) for a, b in zip(x, y))
+    r.check_host(c)
+    r.check_fetch(c)
+    r.check_host(p)  # the parent's KV is untouched
+    for _ in range(18):  # and the parent's own writes (its block is no longer shared) stay in place
+        r.step(p)
+    assert e.cow_copies == int(partial)
+    r.check_host(p)
+    r.check_host(c)
+    r.check_fetch(p)
+    e.allocator.check()
+    e.free(p)
+    r.check_host(c)  # the shared full blocks stay the child's
+    e.free(c)
+    assert e.num_free_blocks == start
+    e.allocator.check()
+
+
+def test_parent_writes_first_copies_and_child_keeps_its_view():
+    e = eng_(layers=2, bs=8, max_tokens=128, nb=12)
+    r = Ref(e, seed=5)
+    p = e.add_sequence()
+    r.prefill(p, 13)
+    c = e.fork(p)
+    _fork_ref(r, p, c, 13)
+    shared = e.block_table(p)[1]
+    r.prefill(p, 6)  # the parent writes into the shared partial block first: it copies
+    assert e.cow_copies == 1 and e.block_table(p)[1] != shared and e.block_table(c)[1] == shared
+    assert e.allocator.refcount(shared) == 1
+    r.step(c)  # now the child is the only holder: it writes in place
+    assert e.cow_copies == 1 and e.block_table(c)[1] == shared
+    r.check_host(p)
+    r.check_host(c)
+    r.check_fetch(c)
+
+
+def test_add_sequence_prefix_blocks_and_bad_input():
+    e = eng_(layers=2, bs=8, max_tokens=64, nb=10)
+    r = Ref(e, seed=2)
+    a = e.add_sequence()
+    r.prefill(a, 20)
+    t = e.block_table(a)
+    snap = e.allocator.snapshot()
+    b = e.add_sequence(prefix_blocks=t[:2])  # 16 tokens by default
+    assert e.seq_len(b) == 16 and e.layer_len(b, 1) == 16
+    _fork_ref(r, a, b, 16)
+    r.check_host(b)
+    e.free(b)
+    assert e.allocator.snapshot() == snap
+    with pytest.raises(ValueError, match=r"prefix_len=17 does not fit 2 prefix block\(s\)"):
+        e.add_sequence(prefix_blocks=t[:2], prefix_len=17)
+    with pytest.raises(ValueError, match=r"prefix_len=3 does not fit 0"):
+        e.add_sequence(prefix_len=3)
+    with pytest.raises(ValueError, match="is free"):
+        e.add_sequence(prefix_blocks=[t[0], 9])
+    with pytest.raises(TypeError):
+        e.add_sequence(prefix_blocks=["0"])
+    with pytest.raises(ValueError, match="n_tokens"):
+        e.fork(a, 21)
+    assert e.allocator.snapshot() == snap
+    e.begin_step(a)
+    with pytest.raises(ValueError, match="decode step"):
+        e.fork(a)
+    with pytest.raises(ValueError, match="being written by sequence"):
+        e.add_sequence(prefix_blocks=t)
+    with pytest.raises(ValueError, match="decode step"):
+        e.flush(a)
+    e.free(a)
+    assert e.num_free_blocks == 10
+
+
+def test_copy_on_write_needs_a_block_clear_error_no_change():
+    e = eng_(layers=2, bs=8, max_tokens=64, nb=3)
+    r = Ref(e, seed=4)
+    a = e.add_sequence()
+    r.prefill(a, 20)  # 3 blocks: the pool is full
+    c = e.fork(a)
+    snap = e.allocator.snapshot()
+    with pytest.raises(PoolExhaustedError, match=r"needs 1 more block.*only 0 of 3.*3 held by live sequences"):
+        e.begin_step(c)  # the partial block must be copied first
+    with pytest.raises(PoolExhaustedError):
+        e.offload_layer(a, 0, r.rand(1), r.rand(1))
+    assert e.allocator.snapshot() == snap and e.cow_copies == 0
+    e.free(c)
+    r.step(a)  # no longer shared: writes in place
+    r.check_host(a)

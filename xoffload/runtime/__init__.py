@@ -7,7 +7,10 @@ nothing of models. Public pieces:
   ``offload_layer`` (prefill, async D2H), ``begin_step`` / ``layer_kv`` / ``end_layer`` /
   ``end_step`` (decode through the ring), ``fetch_blocks`` (sparse), ``free``, ``reset``.
 * :class:`CpuKVPool` - layer-major host K/V, pinned with ``cudaHostRegister`` in slabs.
-* :class:`BlockAllocator` - blocks and per-sequence block tables (contiguous runs preferred).
+* :class:`BlockAllocator` - reference-counted blocks and per-sequence block tables (contiguous
+  runs preferred; shared blocks; external references; an evictor hook).
+* :class:`PrefixCache` - block-hash prefix reuse over an engine's pool (``match``, ``insert``,
+  ``add_sequence``, LRU leaf-first eviction, ``stats``).
 * :class:`LayerRing` - N device layer buffers with load/compute events.
 * ``sequence`` - the engine's per-sequence / per-step records.
 * :func:`gather_blocks` - Triton kernel copying listed blocks out of pinned host memory (UVA).
@@ -29,20 +32,30 @@ Contract notes (what a caller of the engine may rely on beyond the method list a
   (N x 2 x max_tokens x Hkv x D elements on the GPU), reused across steps.
 * ``offload_layer`` after decode steps (e.g. a second turn) is allowed: the decode buffer is
   flushed to the pool first.
+* Sharing (issue 14): ``add_sequence(prefix_blocks=, prefix_len=)`` starts a sequence on shared
+  physical blocks; ``fork(parent, n_tokens)`` shares a parent's first tokens; ``flush(seq)`` moves
+  the decode buffer to the pool. Nobody writes into a shared block: the engine copies a shared,
+  partly filled block (all layers, K and V) into a fresh one before a sequence's first write into
+  it (copy-on-write, on the offload stream on CUDA). ``free`` drops one reference per block.
 """
 from .allocator import BlockAllocator, PoolExhaustedError, block_runs
 from .engine import OffloadEngine
 from ..kernels.gather import gather_blocks
 from .pool import CpuKVPool, PoolAllocationError
+from .prefix_cache import CacheStats, PrefixCache, PrefixMatch, block_hash
 from .ring import LayerRing
 
 __all__ = [
     "BlockAllocator",
+    "CacheStats",
     "CpuKVPool",
     "LayerRing",
     "OffloadEngine",
     "PoolAllocationError",
     "PoolExhaustedError",
+    "PrefixCache",
+    "PrefixMatch",
+    "block_hash",
     "block_runs",
     "gather_blocks",
 ]

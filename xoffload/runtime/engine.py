@@ -28,6 +28,14 @@ Ordering is by CUDA events only (no device-wide synchronize):
   the offload stream after an event on the current stream.
 * ``free``: the offload stream (the only pool writer) waits on events of the current stream and the
   ring load streams, so reused blocks are not overwritten while a read is in flight.
+* sharing (``add_sequence(prefix_blocks=...)``, ``fork``, the prefix cache): the new sequence's
+  ``write_ev`` of every layer is an event recorded on the offload stream at its creation, so its
+  reads wait for every pool write already queued into the shared blocks.
+* copy-on-write (a shared, partly filled block about to be written): a fresh block is allocated and
+  the shared one copied into it, all layers, K and V, on the offload stream (so after that block's
+  pending writes; through a device bounce buffer, as a host-to-host torch copy is not stream
+  ordered); the writer's ``write_ev`` of every layer becomes the copy's event. It runs in
+  ``offload_layer``, ``flush`` and ``begin_step`` (never in ``end_layer``, which cannot fail).
 
 Host mode (``device="cpu"``): the same code with host tensors; copies are synchronous and the
 streams/events are no-ops.
@@ -117,16 +125,97 @@ class OffloadEngine:
         self._seqs: dict[int, SeqState] = {}
         self._next_id = 0
         self._closed = False
+        self.cow_copies = 0  # copy-on-write block copies made (stats/tests)
 
     # =================================================================== sequences
-    def add_sequence(self) -> int:
-        """Register a new, empty sequence; returns its engine-assigned int id (never reused)."""
+    def add_sequence(self, *, prefix_blocks=(), prefix_len: int | None = None) -> int:
+        """Register a new sequence; returns its engine-assigned int id (never reused).
+
+        Without arguments the sequence is empty. With ``prefix_blocks`` (physical pool block ids,
+        in token order, each held now by a live sequence or the prefix cache) it starts with
+        their first ``prefix_len`` tokens (default ``len(prefix_blocks) * block_size``) in every
+        layer, sharing the blocks (one more reference each; nothing is copied). The blocks must
+        hold those tokens' KV in every layer. The last block may be partly used (``prefix_len``
+        not a multiple of ``block_size``): the sequence's first write into it copies it first
+        (copy-on-write), so the other holders' KV is never changed.
+
+        Raises:
+            ValueError: a block id out of range, free, or repeated; ``prefix_len`` outside
+                ``((n-1)*block_size, n*block_size]`` for ``n`` blocks (0 for none) or above
+                ``max_tokens``; the engine is closed.
+            TypeError: a non-int id or length.
+        """
         self._check_open()
+        blocks = [check_int("prefix block id", b) for b in prefix_blocks]
+        nb, bs = len(blocks), self.block_size
+        if prefix_len is None:
+            prefix_len = nb * bs
+        check_int("prefix_len", prefix_len, 0, self.max_tokens, type_error=TypeError)
+        lo, hi = ((nb - 1) * bs + 1, nb * bs) if nb else (0, 0)
+        if not lo <= prefix_len <= hi:
+            raise ValueError(f"prefix_len={prefix_len} does not fit {nb} prefix block(s) of {bs} tokens "
+                             f"(must be in [{lo}, {hi}])")
+        for o in self._seqs.values():  # a block a running step flushes into must not be shared
+            if o.step is not None:
+                busy = set(self.allocator.table(o.id)[min(o.pool_len) // bs:]) & set(blocks)
+                if busy:
+                    raise ValueError(f"prefix block(s) {sorted(busy)} are being written by sequence "
+                                     f"{o.id}'s decode step; share them after its end_step")
         sid = self._next_id
+        self.allocator.add(sid, blocks)  # validates the blocks; nothing changed on error
         self._next_id += 1
-        self.allocator.add(sid)
-        self._seqs[sid] = SeqState(sid, self.num_layers)
+        st = SeqState(sid, self.num_layers)
+        if prefix_len:
+            # the shared blocks may still have pool writes in flight (all on the offload stream):
+            # every read of this sequence waits on write_ev, so point it after them
+            ev = self._sync.record(self._offload_stream)
+            for l in range(self.num_layers):
+                st.layer_len[l] = st.pool_len[l] = prefix_len
+                st.write_ev[l] = ev
+        self._seqs[sid] = st
         return sid
+
+    def fork(self, parent: int, n_tokens: int | None = None) -> int:
+        """New sequence sharing the first ``n_tokens`` (default: all) tokens of ``parent``'s KV.
+
+        The parent's decode-buffer tokens are first written to the pool (:meth:`flush`). Full
+        blocks are shared for good (nobody writes into them again); a partly used last block is
+        copied by whichever of the two writes into it first (copy-on-write). Returns the new id.
+
+        Raises ValueError: parent unknown/freed, inside a decode step, layers of unequal length,
+        or ``n_tokens`` outside ``[0, seq_len(parent)]``; PoolExhaustedError if flushing needs a
+        copy-on-write block and none can be freed.
+        """
+        s = self._get(parent)
+        n = self._uniform_len(s, "fork")
+        n_tokens = n if n_tokens is None else check_int("n_tokens", n_tokens, 0, n)
+        if n_tokens > min(s.pool_len):
+            self.flush(parent)
+        nb = math.ceil(n_tokens / self.block_size)
+        return self.add_sequence(prefix_blocks=self.allocator.table(parent)[:nb], prefix_len=n_tokens)
+
+    def flush(self, seq: int) -> None:
+        """Write every layer's decode-buffer tokens of ``seq`` to the pool (async, offload stream;
+        copy-on-write first if the block they go to is shared). Afterwards ``pool_len == layer_len``
+        for every layer. Needed before the sequence's blocks are shared (``fork``,
+        ``PrefixCache.insert`` call it). Raises ValueError inside a decode step;
+        PoolExhaustedError when a copy-on-write block is needed and none can be freed."""
+        s = self._get(seq)
+        if s.step is not None:
+            raise ValueError(f"flush: sequence {seq} is inside a decode step (call end_step first)")
+        layers = [l for l in range(self.num_layers) if s.dec_len[l]]
+        if not layers:
+            return
+        self._make_writable(s, min(s.pool_len[l] for l in layers), max(s.layer_len[l] for l in layers))
+        off = self._offload_stream
+        off.wait_event(self._sync.record())  # the decode buffer is written on the current stream
+        with self._sync.use(off):
+            for l in layers:
+                self._dec_to_pool(s, l)
+        ev = self._sync.record(off)
+        for l in layers:
+            s.write_ev[l] = ev
+            s.flush_ev[l] = ev
 
     def sequences(self) -> list[int]:
         """Ids of the live (added, not freed) sequences."""
@@ -146,7 +235,8 @@ class OffloadEngine:
         return self._get(seq).layer_len[self._layer(layer)]
 
     def block_table(self, seq: int) -> tuple[int, ...]:
-        """Physical pool block ids of ``seq`` (logical block i -> element i)."""
+        """Physical pool block ids of ``seq`` (logical block i -> element i); blocks may be shared
+        with other sequences or the prefix cache (``allocator.refcount(b) > 1``)."""
         self._get(seq)
         return self.allocator.table(seq)
 
@@ -157,7 +247,8 @@ class OffloadEngine:
 
     @property
     def num_free_blocks(self) -> int:
-        """Free pool blocks."""
+        """Free pool blocks (reference count 0; blocks only the prefix cache holds are not free
+        but are evicted on demand)."""
         return self.allocator.num_free
 
     # ==================================================================== prefill
@@ -196,7 +287,7 @@ class OffloadEngine:
             raise ValueError(
                 f"offload_layer: layer {l} of sequence {seq} would hold {new_len} tokens "
                 f"({s.layer_len[l]} + {T}), more than max_tokens={self.max_tokens}")
-        self._ensure_blocks(s, new_len)
+        self._make_writable(s, s.pool_len[l], new_len)
         self._pending.prune()
         off = self._offload_stream
         off.wait_event(self._sync.record())
@@ -235,7 +326,9 @@ class OffloadEngine:
         n = s.layer_len[0]
         if n + 1 > self.max_tokens:
             raise ValueError(f"begin_step: sequence {seq} already holds {n} tokens = max_tokens={self.max_tokens}")
-        self._ensure_blocks(s, n + 1)
+        # the new token (and any decode-buffer tokens) will be flushed into these blocks: copy a
+        # shared one now, so that end_layer never needs a block (it cannot fail half-way)
+        self._make_writable(s, min(s.pool_len), n + 1)
         if s.dec_k is None:
             shape = (self.num_layers, self.block_size, self.num_kv_heads, self.head_dim)
             s.dec_k = torch.empty(shape, dtype=self.dtype, device=self.device)
@@ -398,8 +491,9 @@ class OffloadEngine:
 
     # ================================================================== lifecycle
     def free(self, seq: int) -> None:
-        """Return every block of ``seq`` and drop every record of it (an open step is abandoned;
-        the ring returns to the engine). Later use of ``seq`` raises ValueError."""
+        """Drop one reference to each block of ``seq`` (a block returns to the free list when no
+        other sequence nor the prefix cache holds it) and every record of ``seq`` (an open step is
+        abandoned; the ring returns to the engine). Later use of ``seq`` raises ValueError."""
         s = self._get(seq)
         cur_ev = self._sync.record()
         if s.step is not None and s.step.ring is not None:
@@ -555,10 +649,61 @@ class OffloadEngine:
         s.dec_v[l, d].copy_(vn[0])
         return d
 
-    def _ensure_blocks(self, s, n_tokens):
-        need = math.ceil(n_tokens / self.block_size) - len(self.allocator.table(s.id))
-        if need > 0:
-            self.allocator.allocate(s.id, need)
+    def _uniform_len(self, s, what) -> int:
+        if s.step is not None:
+            raise ValueError(f"{what}: sequence {s.id} is inside a decode step (call end_step first)")
+        if len(set(s.layer_len)) != 1:
+            raise ValueError(
+                f"{what}: layers of sequence {s.id} hold different token counts {sorted(set(s.layer_len))}; "
+                f"give every layer the same tokens first")
+        return s.layer_len[0]
+
+    def _make_writable(self, s, start, end):
+        """Before ``s`` writes token rows ``[start, end)`` of any layer: blocks up to ``end`` exist
+        and none of those rows' blocks is shared (a shared one is copied, all layers, into a fresh
+        block: copy-on-write). All or nothing: room for every new block is made first."""
+        if end <= start:
+            return
+        bs = self.block_size
+        alloc = self.allocator
+        table = alloc.table(s.id)
+        shared = [i for i in range(start // bs, min(len(table), math.ceil(end / bs)))
+                  if alloc.is_shared(table[i])]
+        grow = max(0, math.ceil(end / bs) - len(table))
+        alloc.ensure_free(len(shared) + grow, s.id)
+        for i in shared:
+            old, new = alloc.replace_block(s.id, i)
+            self._copy_block(s, old, new)
+        if grow:
+            alloc.allocate(s.id, grow)
+
+    def _copy_block(self, s, old, new):
+        """Copy physical block ``old`` to ``new`` in every layer (K and V) for ``s``.
+
+        CUDA: on the offload stream (the only pool writer, so it runs after every pending write
+        of ``old``), bounced through a device buffer (a host-to-host copy of torch is not stream
+        ordered); ``s``'s reads then wait on the recorded event (``write_ev`` of every layer).
+        Host mode: a plain copy."""
+        pool = self.pool
+        self.cow_copies += 1
+        if self.device.type == "cpu":
+            for l in range(self.num_layers):
+                pool.k[l][new].copy_(pool.k[l][old])
+                pool.v[l][new].copy_(pool.v[l][old])
+            return
+        off = self._offload_stream
+        with self._sync.use(off):
+            tmp = torch.empty((2, self.block_size, self.num_kv_heads, self.head_dim), dtype=self.dtype,
+                              device=self.device)
+            for l in range(self.num_layers):  # one bounce buffer, reused in stream order
+                tmp[0].copy_(pool.k[l][old], non_blocking=True)
+                tmp[1].copy_(pool.v[l][old], non_blocking=True)
+                pool.k[l][new].copy_(tmp[0], non_blocking=True)
+                pool.v[l][new].copy_(tmp[1], non_blocking=True)
+        ev = self._sync.record(off)
+        self._pending.add(ev, tmp)
+        for l in range(self.num_layers):
+            s.write_ev[l] = ev
 
     def _write_pool(self, s, l, start, k, v):
         """Enqueue copies of k/v (token 0 = sequence token ``start``) into the pool, one per run."""
