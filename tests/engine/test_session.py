@@ -317,3 +317,54 @@ def test_gpu_history_staging_delayed_on_its_copy_stream(monkeypatch):
     monkeypatch.setattr(sess, "gather_blocks", slow)
     assert _conversation(llm, prompts, sp)[0] == want
     assert _conversation(llm, prompts, sp, history_budget=512)[0] is not None
+
+
+# ------------------------------------------------------------------------------ prefix caching
+def test_prefix_reuse_gives_the_same_tokens_as_no_reuse():
+    """Questions over one document: from the second request on, the document's blocks (full and
+    the partly filled last one) are reused and only the question is prefilled; answers equal an
+    LLM without prefix caching, with dense and with Quest decode (summaries rebuilt from the pool);
+    clearing the cache returns every block."""
+    m = tiny_random()
+    doc = _prompts([300], seed=50)[0]
+    qs = _prompts([20, 25, 30], seed=51)
+    for kw in ({}, {"sparse_decode": QUEST}):
+        want = [LLM(m, mode="offload", kv_block_size=32, max_model_len=1024, **SDPA, **kw).generate(doc + q, SP)[0]
+                for q in qs]
+        llm = LLM(m, mode="offload", kv_block_size=32, max_model_len=1024, prefix_caching=True, **SDPA, **kw)
+        outs = [llm.generate(doc + q, SP)[0] for q in qs]
+        assert [o.token_ids for o in outs] == [w.token_ids for w in want]
+        assert [o.prompt_token_ids for o in outs] == [doc + q for q in qs]
+        assert "prefix_reused_tokens" not in outs[0].timings
+        assert [o.timings["prefix_reused_tokens"] for o in outs[1:]] == [300, 300]
+        assert outs[1].timings["chunk_tokens"] == 25
+        eng = llm.engine
+        assert eng.sequences() == [] and eng.num_free_blocks < eng.allocator.num_blocks
+        llm.prefix_cache.clear()
+        assert eng.num_free_blocks == eng.allocator.num_blocks
+
+
+def test_session_first_turn_reuses_a_closed_sessions_blocks():
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=32, max_model_len=1024, prefix_caching=True, **SDPA)
+    p = _prompts([200, 30], seed=52)
+    a = _conversation(llm, p)[0]
+    s = llm.session()
+    o = s.generate(p[0] + a[0] + p[1], SP)  # the closed session's conversation, asked at once
+    assert o.timings["prefix_reused_tokens"] == 200 + len(a[0]) + 30 - 1
+    assert o.token_ids == a[1]
+    s.close()
+
+
+def test_prefix_cache_evicted_when_the_pool_runs_short():
+    """A pool of 10 blocks and 12 different 150-token prompts: cached blocks give way (LRU), every
+    request completes and equals its run without caching."""
+    m = tiny_random()
+    ps = _prompts([150] * 12, seed=53)
+    llm = LLM(m, mode="offload", kv_block_size=32, kv_cache_tokens=10 * 32, max_model_len=256,
+              prefix_caching=True, **SDPA)
+    ref = LLM(m, mode="offload", kv_block_size=32, max_model_len=256, **SDPA)
+    assert [llm.generate(p, SP)[0].token_ids for p in ps] == [ref.generate(p, SP)[0].token_ids for p in ps]
+    assert llm.prefix_cache.stats().evictions > 0
+    with pytest.raises(ValueError, match="prefix_caching"):
+        LLM(m, mode="gpu", prefix_caching=True)

@@ -85,6 +85,14 @@ class EngineConfig:
             needs one process per rank (``torchrun --nproc-per-node N``): attention / KV heads,
             MLP and vocabulary split across the ranks, each with its own KV store (its pinned
             pool and ring hold ``num_kv_heads / N`` heads); see :mod:`xoffload.models.parallel`.
+        prefix_caching: offload mode, one request at a time — a request (or a session's first
+            turn) whose leading tokens equal KV already in the pool (blocks of earlier requests
+            and closed sessions, matched by a chained hash of each block's token ids as vLLM's
+            automatic prefix caching) shares those blocks and prefills only the rest, attending to
+            the reused prefix as a session attends to its history; blocks are reference-counted,
+            a shared partly filled block is copied before it is written, and cached blocks no live
+            sequence holds are evicted (LRU, leaf first) when the pool runs short
+            (:class:`xoffload.runtime.PrefixCache`). Default False.
     """
 
     mode: str = "resident"
@@ -105,6 +113,7 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     kv_cache_tokens: int | None = None
     tensor_parallel_size: int = 1
+    prefix_caching: bool = False
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -158,6 +167,11 @@ class EngineConfig:
             raise ValueError(f"kv_block_size must be a power of two >= 16 for batched resident decode "
                              f"(max_num_seqs > 1: the page of the paged KV pool), got {b}")
         self.seed = int(self.seed)
+        check_bool("prefix_caching", self.prefix_caching)
+        if self.prefix_caching and (self.mode != "offload" or self.offload_decode == "ring" or self.max_num_seqs != 1):
+            raise ValueError(f"prefix_caching reuses KV blocks of the offload pool: it needs mode='offload' with "
+                             f"offload_decode 'direct' or 'uva' and max_num_seqs=1, got mode={self.mode!r}, "
+                             f"offload_decode={self.offload_decode!r}, max_num_seqs={self.max_num_seqs}")
         self.tensor_parallel_size = _positive("tensor_parallel_size", self.tensor_parallel_size)
 
     @property

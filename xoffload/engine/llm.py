@@ -88,6 +88,11 @@ class LLM:
         self._runner = BatchRunner(self) if cfg.max_num_seqs > 1 else None
         self.batch_stats: dict = {}
         self._sessions: dict = {}  # live sessions by id (see session())
+        self.prefix_cache = None
+        if cfg.prefix_caching:
+            from ..runtime import PrefixCache
+
+            self.prefix_cache = PrefixCache(self.engine)
         self._stop_ids = set(self.cfg.eos_token_ids)
         tok = self.tokenizer
         if tok is not None and getattr(tok, "eos_token_id", None) is not None:
@@ -255,6 +260,13 @@ class LLM:
         raise TypeError(f"sampling_params must be SamplingParams or a list of them, got {type(sp).__name__}")
 
     def _run_one(self, ids: list, sp: SamplingParams) -> RequestOutput:
+        if self.prefix_cache is not None:  # a one-turn session: reuses, then leaves, its blocks
+            from .session import Session
+
+            with Session(self) as s:
+                out = s.generate(ids, sp)
+            out.prompt_token_ids = list(ids)
+            return out
         dev = self.device
         cuda = dev.type == "cuda"
         req = Request.make(ids, sp, max_model_len=self.max_model_len, seed=self.seed, stop_ids=self._stop_ids,

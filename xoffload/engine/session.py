@@ -379,6 +379,9 @@ class Session:
         """Free the session's KV (pool blocks or device rows) and summaries. Safe to call twice."""
         if self.closed:
             return
+        cache = self.llm.prefix_cache
+        if cache is not None and self.seq is not None and self.history_len and not self.engine._closed:
+            cache.insert(self.seq, self._stored)  # later requests may reuse the conversation's blocks
         self._drop_kv()
         self.closed = True
         self.llm._sessions.pop(self.id, None)
@@ -415,13 +418,46 @@ class Session:
                            stop_ids=llm._stop_ids, device=self.device)
         ctx = cpu_backend("reference") if self.device.type == "cpu" else contextlib.nullcontext()
         self._busy = True
+        before = (list(self._stored), list(self._pending))
+        reused = 0
         try:
             with ctx, torch.no_grad():
+                if self.seq is None and n == 0 and llm.prefix_cache is not None:
+                    reused = self._reuse_prefix(chunk)
+                    n, chunk = reused, chunk[reused:]
                 self._reserve(total, req.max_new)
-                return self._run(chunk, req, n, answer)
+                out = self._run(chunk, req, n, answer)
+        except BaseException:
+            if reused or self.history_len != n or self._stored != before[0]:
+                self._drop_kv()  # the stored KV changed: the next turn prefills the conversation again
+                self._stored, self._pending = [], before[0] + before[1]
+            raise
         finally:
             self._busy = False
             self._last_used = next(_ids)
+        if reused:
+            t = out if isinstance(out, dict) else out.timings
+            t["prefix_reused_tokens"] = reused
+            if not isinstance(out, dict):
+                out.prompt_token_ids = list(req.ids[len(before[0]):])  # the turn's new tokens, reused or not
+        return out
+
+    def _reuse_prefix(self, chunk: list) -> int:
+        """First turn with the LLM's prefix cache: start the pool sequence on the cached blocks of
+        the longest cached prefix of ``chunk`` (its last token is always prefilled, for the
+        logits); their summaries, when needed, are computed from the pool. Returns the tokens
+        reused."""
+        eng = self.engine
+        self.seq, r = self.llm.prefix_cache.add_sequence(chunk[:-1])
+        if r:
+            self._stored, self.history_len = list(chunk[:r]), r
+            if self._need_summaries():
+                self._reserve(r, 1)  # allocates the summaries (no new blocks: they are held)
+                B = eng.block_size
+                for layer in range(self.cfg.num_layers):
+                    k, _ = eng.fetch_blocks(self.seq, layer, list(range(-(-r // B))))
+                    self._summarize(layer, 0, k[:r])
+        return r
 
     def _run(self, chunk, req, n, answer=True):
         llm, m = self.llm, self.m
@@ -437,7 +473,7 @@ class Session:
             logits = m.prefill(ids_t, sink, chunk=llm.prefill_chunk, policy=llm.policy,
                                densities=densities, attn_backend=llm.prefill_attn, start=n)
         except BaseException:
-            self._drop_kv()  # layers half written: the next turn prefills the conversation again
+            self._stored = self._stored + list(chunk)  # layers half written: _turn drops the KV
             raise
         self._stored = self._stored + list(chunk)
         self.history_len = n + T
@@ -513,6 +549,8 @@ class Session:
         owned = eng.num_seq_blocks(self.seq) if self.seq is not None else 0
         need = -(-total // B) - owned
         idle = sum(s.blocks_held() for s in self.llm._sessions.values() if s is not self and not s._busy)
+        if self.llm.prefix_cache is not None:
+            idle += self.llm.prefix_cache.evictable_blocks()
         if need > eng.num_free_blocks + idle:
             raise ValueError(f"the session needs {need} more pool blocks of {B} tokens ({total} tokens in all) but "
                              f"the pool has {eng.num_free_blocks} free of {eng.allocator.num_blocks} "
