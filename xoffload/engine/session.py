@@ -292,20 +292,16 @@ class Session:
         self.cuda = self.device.type == "cuda"
         self.policy = llm.config.decode_policy
         self.page = self.policy.page_size if self.policy is not None else HISTORY_PAGE
+        self._summ = None
         L = self.cfg.num_layers
-        if history_budget is not None:
-            if isinstance(history_budget, bool) or not isinstance(history_budget, int) or history_budget <= 0:
-                raise ValueError(f"history_budget must be None or a positive int, got {history_budget!r}")
         if isinstance(recent_pages, bool) or not isinstance(recent_pages, int) or recent_pages < 0:
             raise ValueError(f"recent_pages must be an int >= 0, got {recent_pages!r}")
-        if history_budget is not None and (history_budget % self.page or history_budget < 2 * self.page):
-            raise ValueError(f"history_budget must be a multiple of page_size={self.page} and at least 2 pages "
-                             f"({2 * self.page} tokens), got {history_budget}")
+        self.history_budget = history_budget
         if dense_layers is None:
             dense_layers = L - len(self.policy.sparse_layers(L)) if self.policy is not None else min(2, L)
         if isinstance(dense_layers, bool) or not isinstance(dense_layers, int) or not 0 <= dense_layers <= L:
             raise ValueError(f"dense_layers must be an int in [0, {L}], got {dense_layers!r}")
-        self.history_budget, self.dense_layers, self.recent_pages = history_budget, dense_layers, recent_pages
+        self.dense_layers, self.recent_pages = dense_layers, recent_pages
         self.engine = llm.engine  # None in resident mode
         self.id = next(_ids)
         self.seq = None
@@ -324,6 +320,23 @@ class Session:
         llm._sessions[self.id] = self
 
     # ------------------------------------------------------------------ public
+    @property
+    def history_budget(self) -> int | None:
+        """Sparse-history budget in tokens per KV head and sparse layer (None: dense history);
+        may be changed between turns. Raises ValueError unless None or a positive multiple of
+        ``page_size`` of at least two pages."""
+        return self._history_budget
+
+    @history_budget.setter
+    def history_budget(self, value) -> None:
+        if value is not None:
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"history_budget must be None or a positive int, got {value!r}")
+            if value % self.page or value < 2 * self.page:
+                raise ValueError(f"history_budget must be a multiple of page_size={self.page} and at least 2 pages "
+                                 f"({2 * self.page} tokens), got {value}")
+        self._history_budget = value
+
     @property
     def tokens(self) -> list:
         return self._stored + self._pending
@@ -521,7 +534,9 @@ class Session:
 
     # ------------------------------------------------------------------ storage
     def _need_summaries(self) -> bool:
-        return self.policy is not None or self.history_budget is not None
+        """Every session keeps its history's page summaries on the GPU (2 / page_size of K's bytes),
+        so the decode policy and a sparse history (set at any turn) can read them."""
+        return True
 
     def _reserve(self, total: int, max_new: int) -> None:
         """Room for ``total`` stored tokens (+ the decode's tail), before anything is written."""
