@@ -43,11 +43,19 @@ def test_store_choice():
     assert batch_store_class(llm._store, llm.config)[0] is SerialBatchKV
 
 
-def test_lengths_around_pages_and_blocks_equal_alone():
+@pytest.fixture(params=[None, False], ids=["dense-auto", "dense-in-pool"])
+def dense_on_gpu(request, monkeypatch):
+    """The store's choice for the dense layers: by memory (on the CPU: on the device) or forced
+    into the pinned pool (read in place)."""
+    monkeypatch.setattr(OffloadQuestBatchKV, "DENSE_ON_GPU", request.param)
+    return request.param is not False
+
+
+def test_lengths_around_pages_and_blocks_equal_alone(dense_on_gpu):
     """Prompts of 1 and 15 (under a page: no candidates), 16, 17, 31, 32, 33 (page and block
     edges), 100, 129, 200, 263 (k pages of many candidates; each row its own plan): each sequence's
     greedy tokens equal its one-request run; h2d per token counts the selected pages of the sparse
-    layers and every candidate page of the dense one."""
+    layers and (read in place) every candidate page of the dense one."""
     m = tiny_random()
     lens = [1, 15, 16, 17, 31, 32, 33, 100, 129, 200, 263]
     prompts = _prompts(lens, seed=11)
@@ -62,13 +70,13 @@ def test_lengths_around_pages_and_blocks_equal_alone():
     L = m.cfg.num_layers
     for n, o in zip(lens, outs):
         p = POL.plan(n)
-        want = ((L - 1) * p.pages_per_step + p.num_candidates) * 16 * tok_layer
+        want = ((L - 1) * p.pages_per_step + (0 if dense_on_gpu else p.num_candidates)) * 16 * tok_layer
         assert o.timings["h2d_bytes_per_token"] == want, n
     assert any(POL.plan(n).pages_per_step < POL.plan(n).num_candidates for n in lens)  # some rows select
     assert llm.engine.sequences() == [] and llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
 
 
-def test_join_mid_batch_and_finish_after_one_token():
+def test_join_mid_batch_and_finish_after_one_token(dense_on_gpu):
     """max_num_seqs=2: B finishes after its first token, C joins while A decodes, D waits; each
     sequence gives its tokens alone."""
     m = tiny_random()
@@ -86,7 +94,7 @@ def test_join_mid_batch_and_finish_after_one_token():
 
 
 @pytest.mark.parametrize("budget", [None, 4096])
-def test_budget_covering_the_context_is_dense(budget):
+def test_budget_covering_the_context_is_dense(budget, dense_on_gpu):
     """A budget >= the context (or None) reads every candidate page: tokens equal alone, and
     teacher-forced logits equal the dense resident store's to float rounding."""
     m = tiny_random()
@@ -100,12 +108,16 @@ def test_budget_covering_the_context_is_dense(budget):
                               kv_block_size=32, sparse_decode=pol)
 
 
-def test_every_layer_sparse_and_budget_below_resident():
-    """dense_layers=() (every layer selects) and a budget below sink + recent (no page read)."""
+def test_every_layer_sparse_or_dense_and_budget_below_resident(dense_on_gpu):
+    """dense_layers=() (every layer selects), every layer dense, and a budget below sink + recent
+    (no page read)."""
     m = tiny_random()
     prompts = _prompts([70, 130, 190], seed=14)
     sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    L = m.cfg.num_layers
     for pol in (QuestDecode(token_budget=64, page_size=16, sink_tokens=16, recent_tokens=16, dense_layers=()),
+                QuestDecode(token_budget=64, page_size=16, sink_tokens=16, recent_tokens=16,
+                            dense_layers=tuple(range(L))),
                 QuestDecode(token_budget=20, page_size=16, sink_tokens=16, recent_tokens=32)):
         ref = _alone(m, prompts, sp, 256, pol=pol)
         outs = _batched(m, 256, pol=pol, max_num_seqs=3).generate(prompts, sp)
@@ -147,7 +159,7 @@ def test_admission_waits_for_summary_room_and_refuses_what_never_fits(monkeypatc
     assert [o.token_ids for o in small.generate(prompts[:2], sp)] == ref[:2]  # still serving
 
 
-def test_store_step_triton_code_equals_reference():
+def test_store_step_triton_code_equals_reference(dense_on_gpu):
     """One decode step's attention of every layer through the store, for a padded batch of rows
     with different plans: the Triton code (interpreter: batched scores, topk, paged launches over
     the pool and the tail, merge) equals the fp32 reference to float rounding."""
@@ -164,6 +176,7 @@ def test_store_step_triton_code_equals_reference():
     seqs = [Sequence(i, Request.make(p, sp, max_model_len=300, seed=0, stop_ids=(), device=m.device))
             for i, p in enumerate(_prompts([263, 15, 129], seed=18))]
     st = OffloadQuestBatchKV.open(m, llm.config, llm.engine, seqs)
+    assert st.dense_on_gpu == dense_on_gpu
     with torch.no_grad(), cpu_backend("reference"):
         for s in seqs:
             st.admit(s)

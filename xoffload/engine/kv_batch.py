@@ -558,11 +558,20 @@ class OffloadQuestBatchKV(BatchKV):
     - per row, in a paged GPU tail pool (blocks of :data:`TAIL_BLOCK`, every layer): the prompt's
       sink and recent tokens (the plan's resident tokens) and every generated token.
 
-    The dense layers' KV stays in the pinned pool and is read in place over PCIe (UVA) each step,
-    not kept on the GPU per sequence: on the 8B shape at 32K it is 256 MiB per sequence (2 of 32
-    layers), 4 GiB for 16 sequences, more than the GPU has left under a 24 GiB cap once the weights
-    (15 GiB), the summaries (128 MiB per sequence) and a 32K prefill's buffers are there; the
-    price is PCIe bytes (each dense layer reads its whole prompt every step). There is no page
+    The policy's dense layers (whole prompt read every step): on the GPU in a paged dense pool
+    (``[dense layers, blocks * block, Hkv, D]``, the pool's block size, reserved per sequence at
+    admission, written during prefill; never copied to the pinned pool) *when the whole pool for
+    the ``max_num_seqs`` largest prompts fits* in the GPU memory left after the tails, the
+    summaries and a prefill's headroom (``dense_on_gpu``); otherwise they stay in the pinned pool
+    and are read in place over PCIe (UVA) each step, as :class:`OffloadBatchKV` reads its prompts.
+    Why the choice is made by memory, once per call: a dense layer read over PCIe moves its whole
+    prompt every step — on the 8B shape at 32K the 2 dense layers move 256 MiB per sequence and
+    step against ~240 MiB for the 30 sparse layers at budget 2048, so keeping them on the GPU
+    halves the step's PCIe bytes — but they cost 256 MiB of GPU memory per sequence (4 GiB for 16),
+    which under a 24 GiB cap competes with the summaries (~128 MiB per sequence) that admission
+    needs. Summaries come first (they decide how many sequences run); the dense pool is all or
+    nothing (one launch per dense layer reads one store). :attr:`DENSE_ON_GPU` overrides the
+    choice (tests, benchmarks). There is no page
     cache (the per-request one is 4x the pages a step reads, ~1 GB per sequence at 32K): every
     selected page crosses PCIe every step. A policy with ``prefetch=True`` or an explicit
     ``cache_pages > 0`` keeps the per-request stores (:class:`SerialBatchKV`, see
@@ -589,9 +598,13 @@ class OffloadQuestBatchKV(BatchKV):
     """
 
     capturable = True
+    #: None: the dense layers' KV on the GPU when its pool fits (see above); True / False: always / never
+    DENSE_ON_GPU: bool | None = None
 
     def __init__(self, model, config, shared, seqs):
         super().__init__(model, config, shared, seqs)
+        from types import SimpleNamespace
+
         from ..sparse.quest import PageSummaries
 
         self.eng = shared
@@ -627,6 +640,18 @@ class OffloadQuestBatchKV(BatchKV):
         self.memory_limited = limit is not None and (limit - self.tail.nbytes) // per_sb < nsb
         if self.memory_limited:
             nsb = max(0, (limit - self.tail.nbytes) // per_sb)
+        # the dense layers' pool on the GPU, when it fits whole
+        self._dl = {l: i for i, l in enumerate(sorted(self.dense))}
+        ndb = _top_sum([self._prompt_blocks(s) for s in seqs], self.max_num_seqs) if self.dense else 0
+        per_db = 2 * len(self.dense) * self.block * hkv * d * el
+        left = None if limit is None else limit - self.tail.nbytes - nsb * per_sb
+        fits = left is None or (not self.memory_limited and left >= ndb * per_db)
+        want = self.DENSE_ON_GPU
+        self.dense_on_gpu = bool(self.dense) and self.N > 0 and (fits if want is None else bool(want))
+        self.dpool = None
+        if self.dense_on_gpu:
+            dcfg = SimpleNamespace(num_layers=len(self.dense), num_kv_heads=hkv, head_dim=d)
+            self.dpool = RowPool(dcfg, ndb, self.block, self.dtype, self.device)
         self.sum_alloc = BlockAllocator(nsb, SUMMARY_BLOCK)
         self.summ_scratch = nsb * SUMMARY_BLOCK  # the scratch page (padding entries of the index)
         self.summ = PageSummaries(max(1, len(self.sparse)), hkv, d, self.summ_scratch + 1, P, self.dtype,
@@ -635,6 +660,8 @@ class OffloadQuestBatchKV(BatchKV):
         self.summ.kmax.zero_()
         Nw, Kw = max(self.N, 1), max(self.K, 1)
         self.cand_row = torch.zeros(R, Nw, dtype=torch.int32, device=self.device)  # pool row of candidate j
+        self.dcand_row = torch.zeros(R, Nw, dtype=torch.int32, device=self.device) if self.dpool is not None \
+            else self.cand_row  # dense pool row of candidate j
         self.sidx = torch.full((R, Nw), self.summ_scratch, dtype=torch.int32, device=self.device)
         self.nvalid = torch.zeros(R, dtype=torch.int32, device=self.device)  # candidates scored
         self.klens = torch.zeros(R, dtype=torch.int32, device=self.device)  # k_r * page tokens (sparse)
@@ -669,6 +696,9 @@ class OffloadQuestBatchKV(BatchKV):
 
     def check(self, seq):
         nb, nt, ns = self._needs(seq)
+        if self.dpool is not None and nb > self.dpool.num_blocks:  # cannot happen: sized from the requests
+            raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of dense-layer KV on the GPU but "
+                             f"the dense pool holds {self.dpool.num_blocks * self.block}")
         if nb > self.cap_blocks:
             raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of KV in the CPU pool ({seq.prompt_len} "
                              f"prompt tokens in blocks of {self.block}) but the pool holds {self.cap_blocks * self.block} "
@@ -688,7 +718,7 @@ class OffloadQuestBatchKV(BatchKV):
     def can_admit(self, seq) -> bool:
         nb, nt, ns = self._needs(seq)
         return (self._reserved + nb <= self.cap_blocks and nt <= self.tail.alloc.num_free
-                and ns <= self.sum_alloc.num_free)
+                and ns <= self.sum_alloc.num_free and (self.dpool is None or nb <= self.dpool.alloc.num_free))
 
     def admit(self, seq):
         p = self.policy.plan(seq.prompt_len)
@@ -698,16 +728,19 @@ class OffloadQuestBatchKV(BatchKV):
             tail = self.tail.reserve(sid, p.resident_prompt_tokens + self._new(seq))
             self.sum_alloc.add(sid)
             self.sum_alloc.allocate(sid, ns)
+            dtab = self.dpool.reserve(sid, seq.prompt_len) if self.dpool is not None else ()
         except Exception:
             self.tail.free(sid)
+            if self.dpool is not None:
+                self.dpool.free(sid)
             if self.sum_alloc.has(sid):
                 self.sum_alloc.free(sid)
             self.eng.free(sid)
             raise
         self._admitted[sid] = seq
         self._reserved += nb
-        seq.kv = {"sid": sid, "plan": p, "tail": tail, "stab": self.sum_alloc.table(sid), "events": [],
-                  "joined": False}
+        seq.kv = {"sid": sid, "plan": p, "tail": tail, "stab": self.sum_alloc.table(sid), "dtab": dtab,
+                  "events": [], "joined": False}
 
     def release(self, seq):
         kv = seq.kv
@@ -719,12 +752,14 @@ class OffloadQuestBatchKV(BatchKV):
         self.tail.free(sid)
         if self.sum_alloc.has(sid):
             self.sum_alloc.free(sid)
+        if self.dpool is not None:
+            self.dpool.free(sid)
         self.eng.free(sid)
         seq.kv = None
 
     def h2d_bytes_per_step(self, seq) -> int:
         p = seq.kv["plan"] if seq.kv is not None else self.policy.plan(seq.prompt_len)
-        pages = len(self.sparse) * p.pages_per_step + len(self.dense) * p.num_candidates
+        pages = len(self.sparse) * p.pages_per_step + (0 if self.dense_on_gpu else len(self.dense) * p.num_candidates)
         return pages * self.page * self._tok_layer_bytes
 
     def _summary_rows(self, stab, n: int) -> torch.Tensor:
@@ -746,6 +781,10 @@ class OffloadQuestBatchKV(BatchKV):
             srows = torch.empty(ns, dtype=torch.int64, device=self.device)
             _to_device(srows, self._summary_rows(kv["stab"], ns))
         f, s0, t0 = p.first_page, p.sink_len, p.tail_start
+        drows = None
+        if self.dpool is not None:
+            drows = torch.empty(T, dtype=torch.int64, device=self.device)
+            _to_device(drows, self.dpool.rows(kv["dtab"], T))
 
         def buffers(layer, t):
             if t != T:
@@ -774,6 +813,11 @@ class OffloadQuestBatchKV(BatchKV):
                 si = self._sl[layer]
                 self.summ.kmin[si].index_copy_(1, srows, kp.amin(1).transpose(0, 1))
                 self.summ.kmax[si].index_copy_(1, srows, kp.amax(1).transpose(0, 1))
+            if drows is not None and layer in self.dense:  # on the GPU only
+                di = self._dl[layer]
+                self.dpool.k[di].index_copy_(0, drows, k)
+                self.dpool.v[di].index_copy_(0, drows, v)
+                return
             ev = self.eng.offload_layer(sid, layer, k, v)
             self._stage_ev[layer & 1] = ev
             events.append(ev)
@@ -795,6 +839,7 @@ class OffloadQuestBatchKV(BatchKV):
                                                             for s, p in zip(seqs, plans)], rows)
         Nw, P, B = self.cand_row.shape[1], self.page, self.block
         cand = torch.zeros(rows, Nw, dtype=torch.int32)
+        dcand = torch.zeros(rows, Nw, dtype=torch.int32)
         sidx = torch.full((rows, Nw), self.summ_scratch, dtype=torch.int32)
         nval = torch.zeros(rows, dtype=torch.int32)
         klen = torch.zeros(rows, dtype=torch.int32)
@@ -802,17 +847,24 @@ class OffloadQuestBatchKV(BatchKV):
         for i, (s, p) in enumerate(zip(seqs, plans)):
             n = p.num_candidates
             if n:
-                bt = torch.tensor(self.eng.block_table(s.kv["sid"]), dtype=torch.int64)
                 tok = (torch.arange(n, dtype=torch.int64) + p.first_page) * P
-                cand[i, :n] = (bt[tok // B] * B + tok % B).to(torch.int32)
+                if self.sparse or self.dpool is None:  # (no pool blocks when every layer is dense on the GPU)
+                    bt = torch.tensor(self.eng.block_table(s.kv["sid"]), dtype=torch.int64)
+                    cand[i, :n] = (bt[tok // B] * B + tok % B).to(torch.int32)
+                if self.dpool is not None:
+                    dbt = torch.tensor(s.kv["dtab"], dtype=torch.int64)
+                    dcand[i, :n] = (dbt[tok // B] * B + tok % B).to(torch.int32)
                 dlen[i] = n * P
             ns = self._summary_pages(p)
             if ns:
                 sidx[i, :ns] = self._summary_rows(s.kv["stab"], ns).to(torch.int32)
                 nval[i] = ns
                 klen[i] = p.pages_per_step * P
-        for dst, src in ((self.cand_row, cand), (self.sidx, sidx), (self.nvalid, nval), (self.klens, klen),
-                         (self.dlens, dlen)):
+        pairs = [(self.cand_row, cand), (self.sidx, sidx), (self.nvalid, nval), (self.klens, klen),
+                 (self.dlens, dlen)]
+        if self.dpool is not None:
+            pairs.append((self.dcand_row, dcand))
+        for dst, src in pairs:
             _to_device(dst[:rows], src)
         self.n = rows
         return rows
@@ -823,8 +875,10 @@ class OffloadQuestBatchKV(BatchKV):
     def _pages(self, layer, q4, q):
         """Row r's pool pages of ``layer`` (all candidates, or its top ``k_r``): ``(out, lse)``."""
         n, pool = self.n, self.eng.pool
+        kr, vr = (pool.k_rows(layer), pool.v_rows(layer)) if self.dpool is None or layer in self.sparse else \
+            (self.dpool.k[self._dl[layer]], self.dpool.v[self._dl[layer]])
         if layer in self.dense:
-            table, lens = self.cand_row[:n, None], self.dlens[:n]
+            table, lens = self.dcand_row[:n, None], self.dlens[:n]
         else:
             from ..kernels.quest_score import quest_page_scores_batched
 
@@ -835,8 +889,8 @@ class OffloadQuestBatchKV(BatchKV):
             tab = self.cand_row[:n].gather(1, sel.flatten(1)).view(n, -1, self.K)
             self.table[:n].copy_(tab)
             table, lens = self.table[:n], self.klens[:n]
-        return paged_decode_attn_with_lse(q4, pool.k_rows(layer), pool.v_rows(layer), table, lens,
-                                          page_size=self.page, softmax_scale=self.scale, check=False)
+        return paged_decode_attn_with_lse(q4, kr, vr, table, lens, page_size=self.page, softmax_scale=self.scale,
+                                          check=False)
 
     def attend(self, layer, q, k_new, v_new):
         n, q4 = self.n, q[:, None]
@@ -851,7 +905,7 @@ class OffloadQuestBatchKV(BatchKV):
         for seq in list(self._admitted.values()):
             self.release(seq)
         self.tail = self.region = self._stage = self.summ = None
-        self.cand_row = self.sidx = self.table = self.scores = None
+        self.cand_row = self.dcand_row = self.sidx = self.table = self.scores = self.dpool = None
         super().close()
 
 
