@@ -1,6 +1,6 @@
 """Batched KV stores: the KV of every running sequence of a batched ``LLM.generate``, and one decode
 
-(Over 450 lines on purpose: the three batched stores share one row-pool and position
+(Over 450 lines on purpose: the four batched stores share one row-pool and position
 bookkeeping base class; split apart they would each re-import and re-document it.)
 step's attention for all of them.
 
@@ -33,7 +33,13 @@ Stores:
   engine's pinned CPU pool, read in place over PCIe by one paged launch per layer for the batch
   (a page table of pool blocks per row); generated tokens in a paged GPU tail pool (a second
   launch); the two merged by LSE.
-- :class:`SerialBatchKV`: every other store (decode policies, the ring, stores registered later):
+- :class:`OffloadQuestBatchKV` (``offload`` + :class:`~xoffload.sparse.QuestDecode`, direct
+  decode, no page cache or prefetch asked for): prompts in the pinned pool, every admitted
+  sequence's page summaries in one shared GPU summary pool, sink + recent + generated tokens in the
+  paged GPU tail pool, the dense layers on the GPU when they fit (else read in place); per layer
+  one batched score launch, one topk and one paged launch for the whole batch.
+- :class:`SerialBatchKV`: every other store (Quest resident, Quest with a page cache or prefetch,
+  the ring, stores registered later):
   one per-request store per sequence, the batch's model step shared (one read of the weights for
   all rows) but attention one sequence at a time, eager.
 
@@ -267,6 +273,10 @@ class BatchKV:
     def decode_stats(self, seq) -> dict:
         """Extra figures of ``seq``'s decode steps for its timings (read before it is released)."""
         return {}
+
+    def describe(self) -> dict:
+        """What the store chose for this call (its class, pool sizes in bytes; read before close)."""
+        return {"store": type(self).__name__}
 
     # decode
     def _set_positions(self, seqs, rows: int) -> None:
@@ -678,6 +688,16 @@ class OffloadQuestBatchKV(BatchKV):
         """Bytes of the GPU summary pool."""
         return self.summ.nbytes
 
+    def describe(self) -> dict:
+        """The call's choices: ``dense_on_gpu``, ``memory_limited`` (the summary pool was cut to the
+        free GPU memory), pool sizes (``summary_pages``, bytes of the summary / tail / dense pools),
+        ``N`` / ``K`` (padded candidate and per-step page counts)."""
+        return {"store": type(self).__name__, "dense_on_gpu": self.dense_on_gpu,
+                "memory_limited": self.memory_limited, "summary_pages": self.sum_alloc.num_blocks * SUMMARY_BLOCK,
+                "summary_bytes": self.summ.nbytes, "tail_bytes": self.tail.nbytes,
+                "dense_pool_bytes": self.dpool.nbytes if self.dpool is not None else 0,
+                "candidate_pages": self.N, "pages_per_step": self.K}
+
     @staticmethod
     def _new(seq) -> int:
         return max(seq.req.max_new - 1, 0)
@@ -700,9 +720,9 @@ class OffloadQuestBatchKV(BatchKV):
             raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of dense-layer KV on the GPU but "
                              f"the dense pool holds {self.dpool.num_blocks * self.block}")
         if nb > self.cap_blocks:
-            raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of KV in the CPU pool ({seq.prompt_len} "
-                             f"prompt tokens in blocks of {self.block}) but the pool holds {self.cap_blocks * self.block} "
-                             f"tokens (kv_cache_tokens)")
+            raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of KV in the CPU pool "
+                             f"({seq.prompt_len} prompt tokens in blocks of {self.block}) but the pool holds "
+                             f"{self.cap_blocks * self.block} tokens (kv_cache_tokens)")
         if nt > self.tail.num_blocks:
             raise ValueError(f"prompt {seq.index} needs {nt * TAIL_BLOCK} tokens of GPU tail (sink, recent and new "
                              f"tokens) but the tail pool holds {self.tail.num_blocks * TAIL_BLOCK}")
