@@ -136,21 +136,16 @@ def test_admission_waits_for_summary_room_and_refuses_what_never_fits(monkeypatc
     ref = [r.token_ids for r in _alone(m, prompts, sp, 512)]
     el = 4  # fp32
     per_block = 2 * (m.cfg.num_layers - 1) * m.cfg.num_kv_heads * kb.SUMMARY_BLOCK * m.cfg.head_dim * el
-    tail_bytes = {}
-    real_pool = kb.RowPool
-
-    def pool(*a, **k):  # remember the tail pool's bytes: the limit leaves them and one summary block
-        p = real_pool(*a, **k)
-        tail_bytes["n"] = p.nbytes
-        return p
-
-    monkeypatch.setattr(kb, "RowPool", pool)
-    monkeypatch.setattr(kb, "_gpu_kv_limit_bytes", lambda dev, headroom: tail_bytes["n"] + per_block)
+    c = m.cfg  # the tail pool's bytes (3 rows of sink + recent + new, blocks of 64, one scratch block)
+    tail_blocks = sum(-(-(POL.plan(len(p)).resident_prompt_tokens + 3) // kb.TAIL_BLOCK) for p in prompts)
+    tail_bytes = 2 * c.num_layers * (tail_blocks + 1) * kb.TAIL_BLOCK * c.num_kv_heads * c.head_dim * el
+    # the limit leaves room for the tails and one summary block
+    monkeypatch.setattr(kb, "_gpu_kv_limit_bytes", lambda dev, headroom: tail_bytes + per_block)
     llm = _batched(m, 512, max_num_seqs=3)
     assert [o.token_ids for o in llm.generate(prompts, sp)] == ref  # 200-token prompts: 11 candidates, one block
     assert llm.batch_stats["max_running"] == 1
     with pytest.raises(ValueError, match=r"prompt 1 needs 32 pages of Quest summaries .*holds 16 pages"):
-        llm.generate([prompts[0], _prompts([400], seed=16)[0]], sp)
+        llm.generate([prompts[0], _prompts([400], seed=16)[0], prompts[2]], sp)
     assert llm.engine.sequences() == []
     monkeypatch.undo()
     small = _batched(m, 512, max_num_seqs=2, kv_cache_tokens=256)

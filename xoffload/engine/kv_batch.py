@@ -631,6 +631,13 @@ class OffloadQuestBatchKV(BatchKV):
         plans = [pol.plan(max(s.prompt_len, 1)) for s in seqs]
         self.N = max([p.num_candidates for p in plans] + [0])
         self.K = max([p.pages_per_step for p in plans] + [0]) if self.sparse else 0
+        # the GPU memory free for the pools, measured before any of them is allocated
+        T = max([s.prompt_len for s in seqs] + [1])
+        limit = _gpu_kv_limit_bytes(self.device, _prefill_headroom(model, T, config.prefill_chunk))
+        tp = getattr(model, "tp", None)
+        if tp is not None and limit is not None:  # every rank the same pools, so the same admissions
+            t = torch.tensor([limit], dtype=torch.int64, device=self.device)
+            limit = int(tp.all_reduce_min(t))
         R = self.buckets[-1]
         tail_need = [p.resident_prompt_tokens + self._new(s) for p, s in zip(plans, seqs)] + [1]
         self.tail = RowPool(self.cfg, _top_sum([_blocks(n, TAIL_BLOCK) for n in tail_need], self.max_num_seqs),
@@ -641,12 +648,6 @@ class OffloadQuestBatchKV(BatchKV):
         nsb = _top_sum(sneed, self.max_num_seqs)
         el = torch.empty((), dtype=self.dtype).element_size()
         per_sb = 2 * max(1, len(self.sparse)) * hkv * SUMMARY_BLOCK * d * el
-        T = max([s.prompt_len for s in seqs] + [1])
-        limit = _gpu_kv_limit_bytes(self.device, _prefill_headroom(model, T, config.prefill_chunk))
-        tp = getattr(model, "tp", None)
-        if tp is not None and limit is not None:  # every rank the same pools, so the same admissions
-            t = torch.tensor([limit], dtype=torch.int64, device=self.device)
-            limit = int(tp.all_reduce_min(t))
         self.memory_limited = limit is not None and (limit - self.tail.nbytes) // per_sb < nsb
         if self.memory_limited:
             nsb = max(0, (limit - self.tail.nbytes) // per_sb)
