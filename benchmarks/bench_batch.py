@@ -16,9 +16,15 @@ Parts (``--part``, comma-separated; default both):
   logits processor records at every token; a batch it cannot hold is recorded as OOM.
 - ``cap``: under a 24 GiB GPU memory cap (``torch.cuda.set_per_process_memory_fraction``), same
   shape and context: ``offload`` with Quest sparse decode (``--budget``, default 2048 tokens) at
-  every batch of ``--cap-batches`` (pinned host memory: B * ctx * 128 KiB), and ``resident`` given
-  16 prompts, whose KV pool is sized to the free memory under the cap (it runs as many at once as
-  fit); both decode tok/s and how many sequences ran together.
+  every batch of ``--cap-batches`` (pinned host memory: B * ctx * 128 KiB) through the batched
+  Quest store (``OffloadQuestBatchKV``: one summary pool, one selection and one paged launch per
+  layer for the batch, CUDA graphs; its choices — dense layers on the GPU or read from the pool,
+  summary pool size — are recorded as ``store``), and ``resident`` given ``--cap-resident``
+  prompts, whose KV pool is sized to the free memory under the cap (it runs as many at once as
+  fit); both decode tok/s and how many sequences ran together. Each batch is guarded (an OOM or
+  any other error is recorded and the next runs) and the JSON is rewritten after each one, so a
+  run cut short still leaves its finished batches. ``--quick``: cap batches 1 and 16, 16 new
+  tokens, resident given 4 prompts (about 2 minutes on an H200 with ``--part cap``).
 
 Writes ``benchmarks/results/batch.json`` and ``batch.png`` (throughput against batch size). Needs a
 CUDA GPU (``--help`` works anywhere).
@@ -64,6 +70,7 @@ def run_ours(model, batch, ctx, new, **kw) -> dict:
         rec["peak_gpu_memory_bytes"] = outs[0].peak_gpu_memory_bytes
         rec["token_ids"] = [o.token_ids[:8] for o in outs[:2]]
         rec["h2d_bytes_per_token"] = outs[0].timings.get("h2d_bytes_per_token")
+        rec["store"] = llm.batch_stats.get("store")
         return rec
     finally:
         llm.close()
@@ -142,39 +149,56 @@ def part_gpu(res, model, batches, ctx, new, peers):
     return {"ours": ours, "hf": hf_rows, "targets": t, "weights_bytes": weights, "kv_bytes_per_token": kvt}
 
 
-def part_cap(res, model, batches, ctx, new, budget):
+def _cap_targets(out) -> dict:
+    ok = {b: r for b, r in out["offload_quest"].items() if r.get("tok_per_s")}
+    best_q = max([r["tok_per_s"] for r in ok.values()] or [0])
+    g = (out["resident"] or {}).get("tok_per_s")
+    return {"offload_quest_best_tok_per_s": best_q, "resident_under_cap_tok_per_s": g,
+            "offload_quest_over_resident": best_q / g if g else None,
+            "most_offload_quest_seqs": max([r.get("max_running") or b for b, r in ok.items()] or [0])}
+
+
+def part_cap(res, model, batches, ctx, new, budget, resident_prompts, save=lambda: None):
+    """The cap part (module docstring); ``save()`` is called after every batch (partial JSON)."""
+    import time
+    import traceback
+
     from xoffload.sparse import QuestDecode
 
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_BYTES / total))
     out = {"cap_bytes": CAP_BYTES, "budget": budget, "offload_quest": {}, "resident": None}
+    res["results"]["cap_part"] = out  # filled in as batches finish (the JSON written after each)
 
-    def guarded(fn):
+    def guarded(what, fn):
+        t = time.perf_counter()
+        print(f"cap {what}: running ...", flush=True)
         try:
-            return fn()
+            r = fn()
         except torch.cuda.OutOfMemoryError as e:
-            _free()
-            return {"status": "OOM", "error": str(e).splitlines()[0][:200]}
+            r = {"status": "OOM", "error": str(e).splitlines()[0][:200]}
+        except Exception as e:  # record it and go on with the next batch
+            r = {"status": "error", "error": f"{type(e).__name__}: {e}"[:300],
+                 "traceback": traceback.format_exc()[-2000:]}
+        _free()
+        r["wall_s"] = time.perf_counter() - t
+        print(f"cap {what}: {r.get('tok_per_s') or r.get('status')} tok/s, {r.get('max_running')} at once, "
+              f"{r['wall_s']:.0f} s, store {r.get('store')}", flush=True)
+        return r
 
     try:
         for b in batches:
-            r = guarded(lambda b=b: run_ours(model, b, ctx, new, mode="offload",
-                                             sparse_decode=QuestDecode(token_budget=budget),
-                                             kv_cache_tokens=b * (ctx + 64)))
-            out["offload_quest"][b] = r
-            print(f"cap offload+quest b={b}: {r.get('tok_per_s') or r.get('status')}", flush=True)
-        n = max(batches)
-        out["resident"] = guarded(lambda: run_ours(model, n, ctx, new, mode="resident"))
-        print(f"cap resident (given {n}): {out['resident'].get('tok_per_s') or out['resident'].get('status')}, "
-              f"{out['resident'].get('max_running')} at once", flush=True)
+            out["offload_quest"][b] = guarded(f"offload+quest b={b}", lambda b=b: run_ours(
+                model, b, ctx, new, mode="offload", sparse_decode=QuestDecode(token_budget=budget),
+                kv_cache_tokens=b * (ctx + 64)))
+            out["targets"] = _cap_targets(out)
+            save()
+        out["resident"] = guarded(f"resident (given {resident_prompts})",
+                                  lambda: run_ours(model, resident_prompts, ctx, new, mode="resident"))
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    best_q = max([r["tok_per_s"] for r in out["offload_quest"].values() if r.get("tok_per_s")] or [0])
-    g = (out["resident"] or {}).get("tok_per_s")
-    out["targets"] = {"offload_quest_best_tok_per_s": best_q, "resident_under_cap_tok_per_s": g,
-                      "offload_quest_over_resident": best_q / g if g else None,
-                      "most_offload_quest_seqs": max([b for b, r in out["offload_quest"].items() if r.get("tok_per_s")]
-                                                     or [0])}
+    out["targets"] = _cap_targets(out)
+    save()
     return out
 
 
@@ -224,6 +248,8 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,2,4,8,16", help="batch sizes of the gpu part")
     ap.add_argument("--cap-batches", default="1,4,8,16", help="batch sizes of offload + Quest under the cap")
     ap.add_argument("--budget", type=int, default=2048, help="Quest token budget of the cap part")
+    ap.add_argument("--cap-resident", type=int, default=None,
+                    help="prompts given to resident under the cap (default: the largest cap batch; 4 with --quick)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
     a = parse_gpu_args(ap, argv)
     if a is None:
@@ -242,7 +268,9 @@ def main(argv=None):
         if "gpu" in parts:
             _section(res, "gpu_part", lambda: part_gpu(res, model, batches, a.ctx, new, not a.no_peers))
         if "cap" in parts:
-            _section(res, "cap_part", lambda: part_cap(res, model, cap_batches, a.ctx, new, a.budget))
+            n_res = a.cap_resident or (4 if a.quick else max(cap_batches))
+            _section(res, "cap_part", lambda: part_cap(res, model, cap_batches, a.ctx, new, a.budget, n_res,
+                                                       save=lambda: write_json(a.out, res)))
     finally:
         model = None
         _free()

@@ -69,3 +69,32 @@ def test_gpu_bf16_long():
     s = quest_page_scores(q, kmin, kmax)
     ref = quest_page_scores_ref(q, kmin, kmax)
     assert float((s - ref).abs().max()) <= 1e-3 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_batched_scores_match_per_row_and_mask_past_count(dtype, device):
+    """quest_page_scores_batched: row r over its own pages of a shared pool (gathered by an index,
+    int32 and int64) equals quest_page_scores of that row's pages; -inf past each row's count."""
+    from xoffload.kernels.quest_score import quest_page_scores_batched
+    from xoffload.kernels.reference import quest_page_scores_batched_ref
+
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d, npg, n = 8, 2, 32, 90, 70
+    _, kmin, kmax = _summaries(hkv, npg, 16, d, dtype, "cpu", seed=4)
+    q = torch.randn(4, hq, d, generator=g).to(dtype)
+    idx = torch.stack([torch.randperm(npg, generator=g)[:n] for _ in range(4)])
+    nv = torch.tensor([n, 5, 0, 64], dtype=torch.int32)
+    for index in (idx, idx.to(torch.int32)):
+        s = quest_page_scores_batched(q.to(device), kmin.to(device), kmax.to(device), index.to(device), nv.to(device))
+        assert s.shape == (4, hkv, n) and s.dtype == torch.float32
+        ref = quest_page_scores_batched_ref(q, kmin, kmax, index, nv)
+        s = s.cpu()
+        assert torch.equal(torch.isneginf(s), torch.isneginf(ref))
+        for r in range(4):
+            m = int(nv[r])
+            assert bool(torch.isneginf(s[r, :, m:]).all())
+            if m:
+                one = quest_page_scores_ref(q[r], kmin[:, idx[r, :m]], kmax[:, idx[r, :m]])
+                big = torch.maximum(kmax.float().abs(), kmin.float().abs()).amax((0, 1))
+                scale = float((q[r].float().abs() @ big).max())
+                assert float((s[r, :, :m] - one).abs().max()) <= 2 * d * EPS32 * scale

@@ -12,8 +12,8 @@
   bucket: :class:`BatchGraphs`);
 - batched generation (``max_num_seqs > 1``): :mod:`.scheduler` (:class:`Sequence`,
   :class:`Scheduler`: queues and admission), :mod:`.kv_batch` (batched KV stores:
-  :class:`ResidentBatchKV`, :class:`OffloadBatchKV`, :class:`SerialBatchKV`), :mod:`.runner`
-  (:class:`BatchRunner`, the generate loop);
+  :class:`ResidentBatchKV`, :class:`OffloadBatchKV`, :class:`OffloadQuestBatchKV`,
+  :class:`SerialBatchKV`), :mod:`.runner` (:class:`BatchRunner`, the generate loop);
 - :mod:`.llm`: :class:`LLM`, which wires them.
 
 Layering: kernels -> runtime | sparse -> models -> engine -> integrations / cli.
@@ -25,7 +25,7 @@ from .cuda_graph import BatchGraphs, GraphDecode
 from .kv_store import (MODE_ALIASES, STORES, KVStore, OffloadKV, ResidentKV, Splits, canonical_mode,
                        register_store, store_class)
 from .kv_paged import OffloadPagedKV, PagedKV, ResidentPagedKV
-from .kv_batch import BatchKV, OffloadBatchKV, ResidentBatchKV, SerialBatchKV, batch_store_class
+from .kv_batch import BatchKV, OffloadBatchKV, OffloadQuestBatchKV, ResidentBatchKV, SerialBatchKV, batch_store_class
 from .llm import LLM
 from .request import Clock, Request, RequestOutput, TokenLog
 from .runner import BatchRunner
@@ -35,4 +35,4 @@ from .scheduler import Scheduler, Sequence
 __all__ = ["LLM", "EngineConfig", "SamplingParams", "RequestOutput", "KVStore", "ResidentKV", "OffloadKV",
            "Splits", "PagedKV", "OffloadPagedKV", "ResidentPagedKV", "STORES", "MODE_ALIASES", "register_store", "canonical_mode", "store_class", "GraphDecode",
            "Clock", "Request", "TokenLog", "sample", "BatchGraphs", "BatchKV", "ResidentBatchKV", "OffloadBatchKV",
-           "SerialBatchKV", "batch_store_class", "BatchRunner", "Scheduler", "Sequence"]
+           "OffloadQuestBatchKV", "SerialBatchKV", "batch_store_class", "BatchRunner", "Scheduler", "Sequence"]

@@ -1,6 +1,6 @@
 """Batched KV stores: the KV of every running sequence of a batched ``LLM.generate``, and one decode
 
-(Over 450 lines on purpose: the three batched stores share one row-pool and position
+(Over 450 lines on purpose: the four batched stores share one row-pool and position
 bookkeeping base class; split apart they would each re-import and re-document it.)
 step's attention for all of them.
 
@@ -33,7 +33,13 @@ Stores:
   engine's pinned CPU pool, read in place over PCIe by one paged launch per layer for the batch
   (a page table of pool blocks per row); generated tokens in a paged GPU tail pool (a second
   launch); the two merged by LSE.
-- :class:`SerialBatchKV`: every other store (decode policies, the ring, stores registered later):
+- :class:`OffloadQuestBatchKV` (``offload`` + :class:`~xoffload.sparse.QuestDecode`, direct
+  decode, no page cache or prefetch asked for): prompts in the pinned pool, every admitted
+  sequence's page summaries in one shared GPU summary pool, sink + recent + generated tokens in the
+  paged GPU tail pool, the dense layers on the GPU when they fit (else read in place); per layer
+  one batched score launch, one topk and one paged launch for the whole batch.
+- :class:`SerialBatchKV`: every other store (Quest resident, Quest with a page cache or prefetch,
+  the ring, stores registered later):
   one per-request store per sequence, the batch's model step shared (one read of the weights for
   all rows) but attention one sequence at a time, eager.
 
@@ -47,11 +53,14 @@ from ..kernels import merge_attention_states, paged_decode_attn_with_lse
 from ..runtime.allocator import BlockAllocator
 from .kv_store import ResidentKV
 
-__all__ = ["BatchKV", "ResidentBatchKV", "OffloadBatchKV", "SerialBatchKV", "RowPool", "batch_store_class",
-           "batch_buckets", "TAIL_BLOCK"]
+__all__ = ["BatchKV", "ResidentBatchKV", "OffloadBatchKV", "OffloadQuestBatchKV", "SerialBatchKV", "RowPool",
+           "batch_store_class", "batch_buckets", "TAIL_BLOCK", "SUMMARY_BLOCK"]
 
 #: tokens per block of the GPU tail pool of generated tokens (offload): one page per kernel tile
 TAIL_BLOCK = 64
+
+#: Quest summary pages per block of the batched Quest store's shared summary pool
+SUMMARY_BLOCK = 16
 
 
 def batch_buckets(max_num_seqs: int) -> tuple:
@@ -264,6 +273,10 @@ class BatchKV:
     def decode_stats(self, seq) -> dict:
         """Extra figures of ``seq``'s decode steps for its timings (read before it is released)."""
         return {}
+
+    def describe(self) -> dict:
+        """What the store chose for this call (its class, pool sizes in bytes; read before close)."""
+        return {"store": type(self).__name__}
 
     # decode
     def _set_positions(self, seqs, rows: int) -> None:
@@ -539,6 +552,384 @@ class OffloadBatchKV(BatchKV):
         super().close()
 
 
+class OffloadQuestBatchKV(BatchKV):
+    """``offload`` + :class:`~xoffload.sparse.QuestDecode` (direct decode): the batched Quest store.
+
+    Where each sequence's KV lives:
+
+    - every layer's prompt KV (the policy's dense layers too) in the offload engine's pinned CPU
+      pool (``kv_cache_tokens``), copied there layer by layer during prefill as
+      :class:`OffloadBatchKV` does;
+    - the page summaries (per page of ``page_size`` tokens and KV head, the min and max of K) of
+      every admitted sequence's candidate pages, sparse layers only, in one shared GPU summary pool
+      ``[sparse layers, Hkv, pages + 1, D]`` (the last page is scratch), reserved in blocks of
+      :data:`SUMMARY_BLOCK` pages at admission and written during the sequence's prefill as
+      :meth:`~xoffload.engine.kv_paged.PagedKV.done` writes its own;
+    - per row, in a paged GPU tail pool (blocks of :data:`TAIL_BLOCK`, every layer): the prompt's
+      sink and recent tokens (the plan's resident tokens) and every generated token.
+
+    The policy's dense layers (whole prompt read every step): on the GPU in a paged dense pool
+    (``[dense layers, blocks * block, Hkv, D]``, the pool's block size, reserved per sequence at
+    admission, written during prefill; never copied to the pinned pool) *when the whole pool for
+    the ``max_num_seqs`` largest prompts fits* in the GPU memory left after the tails, the
+    summaries and a prefill's headroom (``dense_on_gpu``); otherwise they stay in the pinned pool
+    and are read in place over PCIe (UVA) each step, as :class:`OffloadBatchKV` reads its prompts.
+    Why the choice is made by memory, once per call: a dense layer read over PCIe moves its whole
+    prompt every step — on the 8B shape at 32K the 2 dense layers move 256 MiB per sequence and
+    step against ~240 MiB for the 30 sparse layers at budget 2048, so keeping them on the GPU
+    halves the step's PCIe bytes — but they cost 256 MiB of GPU memory per sequence (4 GiB for 16),
+    which under a 24 GiB cap competes with the summaries (~128 MiB per sequence) that admission
+    needs. Summaries come first (they decide how many sequences run); the dense pool is all or
+    nothing (one launch per dense layer reads one store). :attr:`DENSE_ON_GPU` overrides the
+    choice (tests, benchmarks). There is no page
+    cache (the per-request one is 4x the pages a step reads, ~1 GB per sequence at 32K): every
+    selected page crosses PCIe every step. A policy with ``prefetch=True`` or an explicit
+    ``cache_pages > 0`` keeps the per-request stores (:class:`SerialBatchKV`, see
+    :func:`batch_store_class`).
+
+    Decode, per layer, for all rows at once (every shape fixed for the call, so one CUDA graph per
+    batch-size bucket): the new K/V written to each row's tail, one paged launch over the tails;
+    for a sparse layer one :func:`~xoffload.kernels.quest_score.quest_page_scores_batched` launch
+    (row r's query against its own candidate pages, ``-inf`` past its count), one ``topk`` over
+    ``[rows, Hkv, N]`` (sorted, so row r's first ``k_r`` entries are its own top ``k_r``), one
+    gather turning candidate indices into pool rows (``[rows, Hkv, K]`` page table) and one
+    :func:`~xoffload.kernels.paged_decode_attn_with_lse` launch over the pinned pool with
+    ``k_r * page_size`` tokens per row; for a dense layer one paged launch over every candidate
+    page of each row (the tokens between sink and recent tail); the two parts merged by LSE.
+    ``N`` / ``K`` are the largest candidate / per-step page counts of the call's requests; each
+    row has its own plan (:meth:`QuestDecode.plan` of its prompt length), so its selection and
+    attention are those of the per-request store (same pages; float sums in another order).
+    Padding rows have length 0 everywhere and write into the tail's scratch block.
+
+    GPU memory: the tail pool (what the ``max_num_seqs`` largest requests need) and the summary
+    pool (the same, or on CUDA what fits in the free memory after a prefill's headroom: fewer
+    sequences are admitted at a time then); nothing scales with the prompt length but the
+    summaries (``2 / page_size`` of K's bytes of the sparse layers).
+    """
+
+    capturable = True
+    #: None: the dense layers' KV on the GPU when its pool fits (see above); True / False: always / never
+    DENSE_ON_GPU: bool | None = None
+
+    def __init__(self, model, config, shared, seqs):
+        super().__init__(model, config, shared, seqs)
+        from types import SimpleNamespace
+
+        from ..sparse.quest import PageSummaries
+
+        self.eng = shared
+        self.block = self.eng.block_size
+        pol = self.policy = config.decode_policy
+        P = self.page = int(pol.page_size)
+        if self.block % P:
+            raise ValueError(f"QuestDecode.page_size {P} must divide the pool's block size {self.block}")
+        L, hkv, d = self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
+        self.sparse = frozenset(pol.sparse_layers(L))
+        self.dense = frozenset(range(L)) - self.sparse
+        self._sl = {l: i for i, l in enumerate(sorted(self.sparse))}
+        self.cap_blocks = self.eng.num_free_blocks  # the pool is this call's
+        plans = [pol.plan(max(s.prompt_len, 1)) for s in seqs]
+        self.N = max([p.num_candidates for p in plans] + [0])
+        self.K = max([p.pages_per_step for p in plans] + [0]) if self.sparse else 0
+        # the GPU memory free for the pools, measured before any of them is allocated
+        T = max([s.prompt_len for s in seqs] + [1])
+        limit = _gpu_kv_limit_bytes(self.device, _prefill_headroom(model, T, config.prefill_chunk))
+        tp = getattr(model, "tp", None)
+        if tp is not None and limit is not None:  # every rank the same pools, so the same admissions
+            t = torch.tensor([limit], dtype=torch.int64, device=self.device)
+            limit = int(tp.all_reduce_min(t))
+        R = self.buckets[-1]
+        tail_need = [p.resident_prompt_tokens + self._new(s) for p, s in zip(plans, seqs)] + [1]
+        self.tail = RowPool(self.cfg, _top_sum([_blocks(n, TAIL_BLOCK) for n in tail_need], self.max_num_seqs),
+                            TAIL_BLOCK, self.dtype, self.device)
+        self.region = _Region(self.tail, R, _blocks(max(tail_need), TAIL_BLOCK), self.device)
+        # the summary pool, sized from the requests and (CUDA) the free memory
+        sneed = [_blocks(self._summary_pages(p), SUMMARY_BLOCK) for p in plans]
+        nsb = _top_sum(sneed, self.max_num_seqs)
+        el = torch.empty((), dtype=self.dtype).element_size()
+        per_sb = 2 * max(1, len(self.sparse)) * hkv * SUMMARY_BLOCK * d * el
+        self.memory_limited = limit is not None and (limit - self.tail.nbytes) // per_sb < nsb
+        if self.memory_limited:
+            nsb = max(0, (limit - self.tail.nbytes) // per_sb)
+        # the dense layers' pool on the GPU, when it fits whole
+        self._dl = {l: i for i, l in enumerate(sorted(self.dense))}
+        ndb = _top_sum([self._prompt_blocks(s) for s in seqs], self.max_num_seqs) if self.dense else 0
+        per_db = 2 * len(self.dense) * self.block * hkv * d * el
+        left = None if limit is None else limit - self.tail.nbytes - nsb * per_sb
+        fits = left is None or (not self.memory_limited and left >= ndb * per_db)
+        want = self.DENSE_ON_GPU
+        self.dense_on_gpu = bool(self.dense) and self.N > 0 and (fits if want is None else bool(want))
+        self.dpool = None
+        if self.dense_on_gpu:
+            dcfg = SimpleNamespace(num_layers=len(self.dense), num_kv_heads=hkv, head_dim=d)
+            self.dpool = RowPool(dcfg, ndb, self.block, self.dtype, self.device)
+        self.sum_alloc = BlockAllocator(nsb, SUMMARY_BLOCK)
+        self.summ_scratch = nsb * SUMMARY_BLOCK  # the scratch page (padding entries of the index)
+        self.summ = PageSummaries(max(1, len(self.sparse)), hkv, d, self.summ_scratch + 1, P, self.dtype,
+                                  self.device)
+        self.summ.kmin.zero_()
+        self.summ.kmax.zero_()
+        Nw, Kw = max(self.N, 1), max(self.K, 1)
+        self.cand_row = torch.zeros(R, Nw, dtype=torch.int32, device=self.device)  # pool row of candidate j
+        self.dcand_row = torch.zeros(R, Nw, dtype=torch.int32, device=self.device) if self.dpool is not None \
+            else self.cand_row  # dense pool row of candidate j
+        self.sidx = torch.full((R, Nw), self.summ_scratch, dtype=torch.int32, device=self.device)
+        self.nvalid = torch.zeros(R, dtype=torch.int32, device=self.device)  # candidates scored
+        self.klens = torch.zeros(R, dtype=torch.int32, device=self.device)  # k_r * page tokens (sparse)
+        self.dlens = torch.zeros(R, dtype=torch.int32, device=self.device)  # n_r * page tokens (dense)
+        self.table = torch.zeros(R, hkv, Kw, dtype=torch.int32, device=self.device)
+        self.scores = torch.empty(R, hkv, Nw, dtype=torch.float32, device=self.device)
+        self._reserved = 0
+        self._admitted: dict = {}
+        self._stage, self._stage_ev = None, [None, None]
+        self._tok_layer_bytes = self.cfg.kv_bytes_per_token(self.dtype) // L  # K and V, one token, one layer
+
+    @property
+    def summary_bytes(self) -> int:
+        """Bytes of the GPU summary pool."""
+        return self.summ.nbytes
+
+    def describe(self) -> dict:
+        """The call's choices: ``dense_on_gpu``, ``memory_limited`` (the summary pool was cut to the
+        free GPU memory), pool sizes (``summary_pages``, bytes of the summary / tail / dense pools),
+        ``N`` / ``K`` (padded candidate and per-step page counts)."""
+        return {"store": type(self).__name__, "dense_on_gpu": self.dense_on_gpu,
+                "memory_limited": self.memory_limited, "summary_pages": self.sum_alloc.num_blocks * SUMMARY_BLOCK,
+                "summary_bytes": self.summ.nbytes, "tail_bytes": self.tail.nbytes,
+                "dense_pool_bytes": self.dpool.nbytes if self.dpool is not None else 0,
+                "candidate_pages": self.N, "pages_per_step": self.K}
+
+    @staticmethod
+    def _new(seq) -> int:
+        return max(seq.req.max_new - 1, 0)
+
+    def _summary_pages(self, plan) -> int:
+        """Summary pages a sequence with ``plan`` reserves: its candidates when it selects (k > 0)."""
+        return plan.num_candidates if (self.sparse and plan.pages_per_step > 0) else 0
+
+    def _prompt_blocks(self, seq) -> int:
+        return _blocks(seq.prompt_len, self.block)
+
+    def _needs(self, seq) -> tuple:
+        p = self.policy.plan(seq.prompt_len)
+        return (self._prompt_blocks(seq), _blocks(p.resident_prompt_tokens + self._new(seq), TAIL_BLOCK),
+                _blocks(self._summary_pages(p), SUMMARY_BLOCK))
+
+    def check(self, seq):
+        nb, nt, ns = self._needs(seq)
+        if self.dpool is not None and nb > self.dpool.num_blocks:  # cannot happen: sized from the requests
+            raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of dense-layer KV on the GPU but "
+                             f"the dense pool holds {self.dpool.num_blocks * self.block}")
+        if nb > self.cap_blocks:
+            raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of KV in the CPU pool "
+                             f"({seq.prompt_len} prompt tokens in blocks of {self.block}) but the pool holds "
+                             f"{self.cap_blocks * self.block} tokens (kv_cache_tokens)")
+        if nt > self.tail.num_blocks:
+            raise ValueError(f"prompt {seq.index} needs {nt * TAIL_BLOCK} tokens of GPU tail (sink, recent and new "
+                             f"tokens) but the tail pool holds {self.tail.num_blocks * TAIL_BLOCK}")
+        if ns > self.sum_alloc.num_blocks:
+            raise ValueError(f"prompt {seq.index} needs {ns * SUMMARY_BLOCK} pages of Quest summaries "
+                             f"({ns * self._sum_block_bytes()} bytes on the GPU) but the summary pool holds "
+                             f"{self.sum_alloc.num_blocks * SUMMARY_BLOCK} pages (the GPU memory free for it)")
+
+    def _sum_block_bytes(self) -> int:
+        return 2 * max(1, len(self.sparse)) * self.cfg.num_kv_heads * SUMMARY_BLOCK * self.cfg.head_dim * \
+            self.summ.kmin.element_size()
+
+    def can_admit(self, seq) -> bool:
+        nb, nt, ns = self._needs(seq)
+        return (self._reserved + nb <= self.cap_blocks and nt <= self.tail.alloc.num_free
+                and ns <= self.sum_alloc.num_free and (self.dpool is None or nb <= self.dpool.alloc.num_free))
+
+    def admit(self, seq):
+        p = self.policy.plan(seq.prompt_len)
+        nb, _, ns = self._needs(seq)
+        sid = self.eng.add_sequence()
+        try:
+            tail = self.tail.reserve(sid, p.resident_prompt_tokens + self._new(seq))
+            self.sum_alloc.add(sid)
+            self.sum_alloc.allocate(sid, ns)
+            dtab = self.dpool.reserve(sid, seq.prompt_len) if self.dpool is not None else ()
+        except Exception:
+            self.tail.free(sid)
+            if self.dpool is not None:
+                self.dpool.free(sid)
+            if self.sum_alloc.has(sid):
+                self.sum_alloc.free(sid)
+            self.eng.free(sid)
+            raise
+        self._admitted[sid] = seq
+        self._reserved += nb
+        seq.kv = {"sid": sid, "plan": p, "tail": tail, "stab": self.sum_alloc.table(sid), "dtab": dtab,
+                  "events": [], "joined": False}
+
+    def release(self, seq):
+        kv = seq.kv
+        if kv is None:
+            return
+        sid = kv["sid"]
+        self._admitted.pop(sid, None)
+        self._reserved -= self._prompt_blocks(seq)
+        self.tail.free(sid)
+        if self.sum_alloc.has(sid):
+            self.sum_alloc.free(sid)
+        if self.dpool is not None:
+            self.dpool.free(sid)
+        self.eng.free(sid)
+        seq.kv = None
+
+    def h2d_bytes_per_step(self, seq) -> int:
+        p = seq.kv["plan"] if seq.kv is not None else self.policy.plan(seq.prompt_len)
+        pages = len(self.sparse) * p.pages_per_step + (0 if self.dense_on_gpu else len(self.dense) * p.num_candidates)
+        return pages * self.page * self._tok_layer_bytes
+
+    def _summary_rows(self, stab, n: int) -> torch.Tensor:
+        """int64 ``[n]`` (host): summary page of each of a sequence's ``n`` candidates."""
+        j = torch.arange(n, dtype=torch.int64)
+        bt = torch.tensor(list(stab) or [0], dtype=torch.int64)
+        return bt[j // SUMMARY_BLOCK] * SUMMARY_BLOCK + j % SUMMARY_BLOCK
+
+    def sink(self, seq):
+        kv = seq.kv
+        sid, events, p = kv["sid"], kv["events"], kv["plan"]
+        P, T = self.page, seq.prompt_len
+        res = p.resident_prompt_tokens
+        trows = torch.empty(res, dtype=torch.int64, device=self.device)
+        _to_device(trows, self.tail.rows(kv["tail"], res))
+        ns = self._summary_pages(p)
+        srows = None
+        if ns:
+            srows = torch.empty(ns, dtype=torch.int64, device=self.device)
+            _to_device(srows, self._summary_rows(kv["stab"], ns))
+        f, s0, t0 = p.first_page, p.sink_len, p.tail_start
+        drows = None
+        if self.dpool is not None:
+            drows = torch.empty(T, dtype=torch.int64, device=self.device)
+            _to_device(drows, self.dpool.rows(kv["dtab"], T))
+
+        def buffers(layer, t):
+            if t != T:
+                raise ValueError(f"prompt {seq.index} has {T} tokens, its prefill has {t}")
+            if self._stage is None or self._stage[0][0].shape[0] < t:
+                shape = (t, self.cfg.num_kv_heads, self.cfg.head_dim)
+                self._stage = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                                torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(2)]
+                self._stage_ev = [None, None]
+            ev = self._stage_ev[layer & 1]
+            if ev is not None and self.device.type == "cuda":
+                torch.cuda.current_stream(self.device).wait_event(ev)
+            self.eng.reclaim()
+            k, v = self._stage[layer & 1]
+            return k[:t], v[:t]
+
+        def done(layer, k, v):
+            if res:  # the resident tokens: sink, then the recent tail
+                tk, tv = self.tail.k[layer], self.tail.v[layer]
+                tk.index_copy_(0, trows[:s0], k[:s0])
+                tv.index_copy_(0, trows[:s0], v[:s0])
+                tk.index_copy_(0, trows[s0:], k[t0:])
+                tv.index_copy_(0, trows[s0:], v[t0:])
+            if srows is not None and layer in self.sparse:
+                kp = k[f * P:(f + ns) * P].unflatten(0, (ns, P))  # [n, P, Hkv, D]
+                si = self._sl[layer]
+                self.summ.kmin[si].index_copy_(1, srows, kp.amin(1).transpose(0, 1))
+                self.summ.kmax[si].index_copy_(1, srows, kp.amax(1).transpose(0, 1))
+            if drows is not None and layer in self.dense:  # on the GPU only
+                di = self._dl[layer]
+                self.dpool.k[di].index_copy_(0, drows, k)
+                self.dpool.v[di].index_copy_(0, drows, v)
+                return
+            ev = self.eng.offload_layer(sid, layer, k, v)
+            self._stage_ev[layer & 1] = ev
+            events.append(ev)
+
+        return _StagedSink(buffers, done)
+
+    def set_batch(self, seqs) -> int:
+        rows = self.bucket(len(seqs))
+        cur = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        for s in seqs:
+            if not s.kv["joined"]:  # its prompt's copies into the pool come before its first read
+                if cur is not None:
+                    for ev in s.kv["events"]:
+                        cur.wait_event(ev)
+                s.kv["events"], s.kv["joined"] = [], True
+        self._set_positions(seqs, rows)
+        plans = [s.kv["plan"] for s in seqs]
+        self.region.set_rows([s.kv["tail"] for s in seqs], [s.prompt_len - p.resident_prompt_tokens
+                                                            for s, p in zip(seqs, plans)], rows)
+        Nw, P, B = self.cand_row.shape[1], self.page, self.block
+        cand = torch.zeros(rows, Nw, dtype=torch.int32)
+        dcand = torch.zeros(rows, Nw, dtype=torch.int32)
+        sidx = torch.full((rows, Nw), self.summ_scratch, dtype=torch.int32)
+        nval = torch.zeros(rows, dtype=torch.int32)
+        klen = torch.zeros(rows, dtype=torch.int32)
+        dlen = torch.zeros(rows, dtype=torch.int32)
+        for i, (s, p) in enumerate(zip(seqs, plans)):
+            n = p.num_candidates
+            if n:
+                tok = (torch.arange(n, dtype=torch.int64) + p.first_page) * P
+                if self.sparse or self.dpool is None:  # (no pool blocks when every layer is dense on the GPU)
+                    bt = torch.tensor(self.eng.block_table(s.kv["sid"]), dtype=torch.int64)
+                    cand[i, :n] = (bt[tok // B] * B + tok % B).to(torch.int32)
+                if self.dpool is not None:
+                    dbt = torch.tensor(s.kv["dtab"], dtype=torch.int64)
+                    dcand[i, :n] = (dbt[tok // B] * B + tok % B).to(torch.int32)
+                dlen[i] = n * P
+            ns = self._summary_pages(p)
+            if ns:
+                sidx[i, :ns] = self._summary_rows(s.kv["stab"], ns).to(torch.int32)
+                nval[i] = ns
+                klen[i] = p.pages_per_step * P
+        pairs = [(self.cand_row, cand), (self.sidx, sidx), (self.nvalid, nval), (self.klens, klen),
+                 (self.dlens, dlen)]
+        if self.dpool is not None:
+            pairs.append((self.dcand_row, dcand))
+        for dst, src in pairs:
+            _to_device(dst[:rows], src)
+        self.n = rows
+        return rows
+
+    def begin_step(self):
+        self.region.step(self.pos, self.active, self.n)
+
+    def _pages(self, layer, q4, q):
+        """Row r's pool pages of ``layer`` (all candidates, or its top ``k_r``): ``(out, lse)``."""
+        n, pool = self.n, self.eng.pool
+        kr, vr = (pool.k_rows(layer), pool.v_rows(layer)) if self.dpool is None or layer in self.sparse else \
+            (self.dpool.k[self._dl[layer]], self.dpool.v[self._dl[layer]])
+        if layer in self.dense:
+            table, lens = self.dcand_row[:n, None], self.dlens[:n]
+        else:
+            from ..kernels.quest_score import quest_page_scores_batched
+
+            si = self._sl[layer]
+            sc = quest_page_scores_batched(q.to(self.dtype), self.summ.kmin[si], self.summ.kmax[si], self.sidx[:n],
+                                           self.nvalid[:n], out=self.scores[:n])
+            sel = sc.topk(self.K, dim=-1, sorted=True).indices  # [n, Hkv, K]: row r's top k_r first
+            tab = self.cand_row[:n].gather(1, sel.flatten(1)).view(n, -1, self.K)
+            self.table[:n].copy_(tab)
+            table, lens = self.table[:n], self.klens[:n]
+        return paged_decode_attn_with_lse(q4, kr, vr, table, lens, page_size=self.page, softmax_scale=self.scale,
+                                          check=False)
+
+    def attend(self, layer, q, k_new, v_new):
+        n, q4 = self.n, q[:, None]
+        o_t, l_t = self.region.attend(layer, q4, k_new, v_new, n, self.scale)
+        if (self.N if layer in self.dense else self.K) == 0:  # no row of the call reads a page here
+            return o_t[:, 0]
+        o_p, l_p = self._pages(layer, q4, q)
+        o, _ = merge_attention_states(o_p, l_p, o_t, l_t)
+        return o[:, 0]
+
+    def close(self):
+        for seq in list(self._admitted.values()):
+            self.release(seq)
+        self.tail = self.region = self._stage = self.summ = None
+        self.cand_row = self.dcand_row = self.sidx = self.table = self.scores = self.dpool = None
+        super().close()
+
+
 class SerialBatchKV(BatchKV):
     """Any per-request store (:class:`~xoffload.engine.kv_store.KVStore`) in a batch: one store per
     sequence (``for_request``), each its own prefill sink; a decode step runs the model once for
@@ -636,13 +1027,21 @@ class SerialBatchKV(BatchKV):
 def batch_store_class(store_cls, config):
     """``(batched store class, open keyword arguments)`` serving the LLM's per-request store class
     ``store_cls`` under ``config``: :class:`ResidentBatchKV` for :class:`ResidentKV`,
-    :class:`OffloadBatchKV` for offload's direct store without a decode policy, else
-    :class:`SerialBatchKV` around ``store_cls``."""
+    :class:`OffloadBatchKV` for offload's direct store without a decode policy,
+    :class:`OffloadQuestBatchKV` for it with a :class:`~xoffload.sparse.QuestDecode` policy that
+    asks for no page cache or prefetch (``cache_pages`` None — the per-request default cache is not
+    built in a batch — or 0, ``prefetch=False``), else :class:`SerialBatchKV` around ``store_cls``
+    (an explicit ``cache_pages > 0`` or ``prefetch=True`` keeps the per-request stores and their
+    caches)."""
+    from ..sparse.quest import QuestDecode
     from .kv_paged import OffloadPagedKV
 
     if store_cls is ResidentKV:
         return ResidentBatchKV, {}
     if store_cls is OffloadPagedKV and config.decode_policy is None:
         return OffloadBatchKV, {}
+    pol = config.decode_policy
+    if store_cls is OffloadPagedKV and isinstance(pol, QuestDecode) and not pol.prefetch and not pol.cache_pages:
+        return OffloadQuestBatchKV, {}
     return SerialBatchKV, {"store_cls": store_cls}
 

@@ -84,7 +84,8 @@ class BatchTokenLog:
 class BatchRunner:
     """Runs one batched ``generate`` call for an :class:`~.llm.LLM` (its model, config, store class
     and shared engine). :meth:`run` returns the :class:`RequestOutput` of each prompt, in order, and
-    leaves per-call figures in :attr:`stats`."""
+    leaves per-call figures in :attr:`stats` (with ``store``: the batched store's
+    :meth:`~.kv_batch.BatchKV.describe`)."""
 
     def __init__(self, llm):
         self.llm, self.m, self.config = llm, llm.model, llm.config
@@ -113,6 +114,7 @@ class BatchRunner:
             for s in seqs:
                 sched.add(s)
             graphs = BatchGraphs(m, store, cfg.cuda_graph)
+            self._store_info = store.describe()
             self._loop(sched, store, graphs, clock, cuda, use_tqdm, len(seqs))
         finally:
             if graphs is not None:
@@ -229,4 +231,5 @@ class BatchRunner:
             "max_running": sched.max_running,
             "graph_buckets": graphs.captured if graphs is not None else [],
             "host": dict(self._host),
+            "store": dict(self._store_info),
         }

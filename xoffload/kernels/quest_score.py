@@ -8,8 +8,13 @@ nine small kernels per layer (two clamps, two batched products, casts, a sum and
 one launch: a program per (KV head, block of pages) holds the group's queries as the M rows of two
 ``tl.dot`` products and writes the group maximum, accumulating in fp32.
 
-CPU tensors run :func:`xoffload.kernels.reference.quest_page_scores_ref` unless Triton's
-interpreter is on.
+:func:`quest_page_scores_batched` scores a whole decode batch in one launch: row ``r``'s query against
+its own candidate pages, gathered by a ``[R, N]`` index from one shared summary pool, padded to ``N``
+per row with ``-inf`` past the row's count (the batched Quest store,
+:class:`xoffload.engine.kv_batch.OffloadQuestBatchKV`).
+
+CPU tensors run :func:`xoffload.kernels.reference.quest_page_scores_ref` (and
+``quest_page_scores_batched_ref``) unless Triton's interpreter is on.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import triton.language as tl
 from . import reference
 from .checks import check_out, check_tensor, next_pow2, use_triton
 
-__all__ = ["check_summaries", "quest_page_scores"]
+__all__ = ["check_summaries", "quest_page_scores", "quest_page_scores_batched"]
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -111,4 +116,101 @@ def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *
                         q.stride(0), kmin.stride(0), kmin.stride(1), out.stride(0),
                         BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
                         DOT_PREC=prec, num_warps=4)
+    return out
+
+
+@triton.jit(do_not_specialize=["N"])
+def _batched_score_kernel(Q, KMIN, KMAX, IDX, NV, S, N, GROUP, D,
+                          s_qr, s_qh, s_kh, s_kn, s_ir, s_sr, s_sh,
+                          BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          DOT_PREC: tl.constexpr):
+    r = tl.program_id(0)
+    h = tl.program_id(1)
+    nb = tl.program_id(2)
+    og = tl.arange(0, BLOCK_G)
+    od = tl.arange(0, BLOCK_D)
+    on = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    gm = og < GROUP
+    dm = od < D
+    nv = tl.load(NV + r)
+    valid = on < nv
+    idx = tl.load(IDX + r.to(tl.int64) * s_ir + on, mask=valid, other=0).to(tl.int64)
+    q = tl.load(Q + r.to(tl.int64) * s_qr + (h * GROUP + og)[:, None] * s_qh + od[None, :],
+                mask=gm[:, None] & dm[None, :], other=0.0)
+    base = h.to(tl.int64) * s_kh + idx[:, None] * s_kn + od[None, :]
+    kmax = tl.load(KMAX + base, mask=valid[:, None] & dm[None, :], other=0.0)
+    kmin = tl.load(KMIN + base, mask=valid[:, None] & dm[None, :], other=0.0)
+    qp = tl.where(q > 0, q, 0.0).to(kmax.dtype)
+    qn = tl.where(q < 0, q, 0.0).to(kmax.dtype)
+    s = tl.dot(qp, tl.trans(kmax), input_precision=DOT_PREC)
+    s += tl.dot(qn, tl.trans(kmin), input_precision=DOT_PREC)
+    s = tl.where(gm[:, None], s, float("-inf"))
+    best = tl.where(valid, tl.max(s, axis=0), float("-inf"))
+    tl.store(S + r.to(tl.int64) * s_sr + h * s_sh + on, best, mask=on < N)
+
+
+def quest_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, index: torch.Tensor,
+                              n_valid: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Quest page bounds of a decode batch in one launch, each row over its own candidate pages.
+
+    Args:
+        q: ``[R, Hq, D]`` one layer's (post-RoPE) query per row; fp16/bf16/fp32; last dim contiguous.
+        kmin, kmax: ``[Hkv, NP, D]`` a shared summary pool (page minima / maxima of the keys), q's
+            dtype and device, last dim contiguous, the same strides. ``Hq % Hkv == 0``, ``D <= 256``.
+        index: int32 or int64 ``[R, N]`` on q's device: summary page of row r's candidate j
+            (entries ``j >= n_valid[r]`` are never read; the others must be in ``[0, NP)``, not
+            checked: no host read).
+        n_valid: int32 ``[R]`` on q's device: candidates of each row (``0 <= n_valid[r] <= N``).
+        out: optional fp32 ``[R, Hkv, N]`` written in place (last dim contiguous).
+    Returns:
+        fp32 ``[R, Hkv, N]``: ``max over g of (q_g⁺ · M + q_g⁻ · m)`` of row r's candidate j
+        (as :func:`quest_page_scores`), ``-inf`` for ``j >= n_valid[r]``.
+    Raises:
+        TypeError / ValueError: dtypes, shapes or devices that do not fit (named in the message).
+    """
+    check_tensor("q", q, 3)
+    R, hq, d = q.shape
+    check_summaries(q[0] if R else q.new_empty(hq, d), kmin, kmax)
+    hkv = kmin.shape[0]
+    if d > 256:
+        raise ValueError(f"head_dim must be <= 256, got {d}")
+    if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:
+        raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
+    if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int32, torch.int64) or index.dim() != 2 \
+            or index.shape[0] != R:
+        raise ValueError(f"index must be an int32/int64 [R={R}, N] tensor, got "
+                         f"{tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__}"
+                         f"{' ' + str(index.dtype) if isinstance(index, torch.Tensor) else ''}")
+    if not isinstance(n_valid, torch.Tensor) or n_valid.dtype != torch.int32 or tuple(n_valid.shape) != (R,):
+        raise ValueError(f"n_valid must be an int32 [R={R}] tensor, got "
+                         f"{tuple(n_valid.shape) if isinstance(n_valid, torch.Tensor) else type(n_valid).__name__}"
+                         f"{' ' + str(n_valid.dtype) if isinstance(n_valid, torch.Tensor) else ''}")
+    devs = {q.device, kmin.device, kmax.device, index.device, n_valid.device}
+    if len(devs) != 1:
+        raise ValueError(f"q, kmin, kmax, index, n_valid must share a device, got {sorted(map(str, devs))}")
+    for nm_, t in (("q", q), ("kmin", kmin), ("kmax", kmax)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{nm_} must have a contiguous last dim, got strides {tuple(t.stride())}")
+    if kmin.stride() != kmax.stride():
+        raise ValueError(f"kmin and kmax must have the same strides, got {kmin.stride()} and {kmax.stride()}")
+    n = index.shape[1]
+    if out is None:
+        out = torch.empty(R, hkv, n, dtype=torch.float32, device=q.device)
+    else:
+        check_out("out", out, (R, hkv, n), torch.float32, q.device)
+    if n == 0 or R == 0:
+        return out
+    if not use_triton(q):
+        out.copy_(reference.quest_page_scores_batched_ref(q, kmin, kmax, index, n_valid))
+        return out
+    group = hq // hkv
+    block_n = 64 if d <= 128 else 32
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    index = index.contiguous()
+    grid = (R, hkv, triton.cdiv(n, block_n))
+    _batched_score_kernel[grid](q, kmin, kmax, index, n_valid.contiguous(), out, n, group, d,
+                                q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), index.stride(0),
+                                out.stride(0), out.stride(1),
+                                BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
+                                DOT_PREC=prec, num_warps=4)
     return out

@@ -357,6 +357,22 @@ def quest_page_scores_ref(q, kmin, kmax):
     return s.amax(1)
 
 
+def quest_page_scores_batched_ref(q, kmin, kmax, index, n_valid):
+    """fp32 ``[R, Hkv, N]``: :func:`quest_page_scores_ref` of row r's query ``q[r]`` ``[Hq, D]``
+    over the summary pages ``index[r]`` of a shared pool ``[Hkv, NP, D]``; ``-inf`` for candidates
+    ``j >= n_valid[r]`` (their index entries are clamped into the pool, never trusted)."""
+    hkv, npg, d = kmin.shape
+    R, hq, _ = q.shape
+    n = index.shape[1]
+    idx = index.long().clamp(0, max(npg - 1, 0))
+    qg = q.float().view(R, hkv, hq // hkv, d)
+    km = kmin.float()[:, idx].permute(1, 0, 3, 2)  # [R, Hkv, D, N]
+    kM = kmax.float()[:, idx].permute(1, 0, 3, 2)
+    s = (torch.matmul(qg.clamp(min=0), kM) + torch.matmul(qg.clamp(max=0), km)).amax(2)
+    valid = torch.arange(n, device=q.device)[None, :] < n_valid.long()[:, None]
+    return s.masked_fill(~valid[:, None, :], float("-inf"))
+
+
 def merge_ref(outs, lses):
     """Reference for merging N partial attention states.
 

@@ -1,0 +1,257 @@
+"""The batched Quest store (offload + QuestDecode, ``OffloadQuestBatchKV``): every sequence of a batch
+gives the greedy tokens it gives alone through the one-request path (``LLM(max_num_seqs=1)``, same
+policy; CPU fp32: token for token), with prompt lengths shorter than a page, on page and pool-block
+boundaries and past them, sequences joining mid-batch and finishing after one token, a budget that
+covers the whole context (every page, dense through the same path: teacher-forced logits equal the
+dense resident store's), admission waiting for summary-pool room and refusing what never fits.
+GPU tests (marked) compare within bf16 rounding and CUDA graphs against eager."""
+import pytest
+import torch
+
+from xoffload.engine import LLM, SamplingParams
+from xoffload.engine.kv_batch import OffloadQuestBatchKV, SerialBatchKV, batch_store_class
+from xoffload.models import random_model
+from xoffload.sparse import QuestDecode
+
+from .llm_helpers import tiny_random
+from .test_batch import _check_batch_tracks_alone, _prompts
+
+# pages of 16 in pool blocks of 32: selections cross block boundaries; dense layer 0 read from the pool
+POL = QuestDecode(token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,))
+KW = {"mode": "offload", "kv_block_size": 32, "prefill_attn": "sdpa"}
+
+
+def _alone(m, prompts, sps, max_model_len, pol=POL, **kw):
+    llm = LLM(m, max_model_len=max_model_len, sparse_decode=pol, **KW, **kw)
+    sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+    return [llm.generate(p, sp)[0] for p, sp in zip(prompts, sps)]
+
+
+def _batched(m, max_model_len, pol=POL, **kw):
+    llm = LLM(m, max_model_len=max_model_len, sparse_decode=pol, **KW, **kw)
+    assert batch_store_class(llm._store, llm.config)[0] is OffloadQuestBatchKV
+    return llm
+
+
+def test_store_choice():
+    m = tiny_random()
+    for pol, cls in ((POL, OffloadQuestBatchKV), (QuestDecode(cache_pages=0), OffloadQuestBatchKV),
+                     (QuestDecode(cache_pages=8), SerialBatchKV), (QuestDecode(prefetch=True), SerialBatchKV)):
+        llm = LLM(m, mode="offload", max_model_len=64, kv_block_size=32, max_num_seqs=2, sparse_decode=pol)
+        assert batch_store_class(llm._store, llm.config)[0] is cls, pol
+    llm = LLM(m, mode="gpu", max_model_len=64, kv_block_size=32, max_num_seqs=2, sparse_decode=POL)
+    assert batch_store_class(llm._store, llm.config)[0] is SerialBatchKV
+
+
+@pytest.fixture(params=[None, False], ids=["dense-auto", "dense-in-pool"])
+def dense_on_gpu(request, monkeypatch):
+    """The store's choice for the dense layers: by memory (on the CPU: on the device) or forced
+    into the pinned pool (read in place)."""
+    monkeypatch.setattr(OffloadQuestBatchKV, "DENSE_ON_GPU", request.param)
+    return request.param is not False
+
+
+def test_lengths_around_pages_and_blocks_equal_alone(dense_on_gpu):
+    """Prompts of 1 and 15 (under a page: no candidates), 16, 17, 31, 32, 33 (page and block
+    edges), 100, 129, 200, 263 (k pages of many candidates; each row its own plan): each sequence's
+    greedy tokens equal its one-request run; h2d per token counts the selected pages of the sparse
+    layers and (read in place) every candidate page of the dense one."""
+    m = tiny_random()
+    lens = [1, 15, 16, 17, 31, 32, 33, 100, 129, 200, 263]
+    prompts = _prompts(lens, seed=11)
+    sp = SamplingParams(max_tokens=7, ignore_eos=True)
+    ref = _alone(m, prompts, sp, 300)
+    llm = _batched(m, 300, max_num_seqs=16, max_num_batched_tokens=4096)
+    outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    st = llm.batch_stats
+    assert st["max_running"] == len(lens) and {x["rows"] for x in st["decode_steps"]} == {16}
+    tok_layer = m.cfg.kv_bytes_per_token(m.dtype) // m.cfg.num_layers
+    L = m.cfg.num_layers
+    for n, o in zip(lens, outs):
+        p = POL.plan(n)
+        want = ((L - 1) * p.pages_per_step + (0 if dense_on_gpu else p.num_candidates)) * 16 * tok_layer
+        assert o.timings["h2d_bytes_per_token"] == want, n
+    assert any(POL.plan(n).pages_per_step < POL.plan(n).num_candidates for n in lens)  # some rows select
+    assert llm.engine.sequences() == [] and llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+
+
+def test_join_mid_batch_and_finish_after_one_token(dense_on_gpu):
+    """max_num_seqs=2: B finishes after its first token, C joins while A decodes, D waits; each
+    sequence gives its tokens alone."""
+    m = tiny_random()
+    prompts = _prompts([140, 60, 210, 9], seed=12)
+    sps = [SamplingParams(max_tokens=14, ignore_eos=True), SamplingParams(max_tokens=1),
+           SamplingParams(max_tokens=4, ignore_eos=True), SamplingParams(max_tokens=6, ignore_eos=True)]
+    ref = _alone(m, prompts, sps, 256)
+    llm = _batched(m, 256, max_num_seqs=2)
+    outs = llm.generate(prompts, sps)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert [len(o.token_ids) for o in outs] == [14, 1, 4, 6] and outs[1].timings["decode_steps"] == 0
+    seqs = [x["seqs"] for x in llm.batch_stats["decode_steps"]]
+    assert seqs[0] == 1 and seqs[1] == 2 and seqs[-1] == 1 and sum(seqs) == 13 + 0 + 3 + 5
+    assert llm.engine.sequences() == []
+
+
+@pytest.mark.parametrize("budget", [None, 4096])
+def test_budget_covering_the_context_is_dense(budget, dense_on_gpu):
+    """A budget >= the context (or None) reads every candidate page: tokens equal alone, and
+    teacher-forced logits equal the dense resident store's to float rounding."""
+    m = tiny_random()
+    pol = QuestDecode(token_budget=budget, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(1,))
+    prompts = _prompts([5, 48, 90, 177], seed=13)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = _alone(m, prompts, sp, 256, pol=pol)
+    outs = _batched(m, 256, pol=pol, max_num_seqs=4).generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    _check_batch_tracks_alone(m, prompts, "offload", 4, lambda la: 1e-4 * float(la.abs().max()),
+                              kv_block_size=32, sparse_decode=pol)
+
+
+def test_every_layer_sparse_or_dense_and_budget_below_resident(dense_on_gpu):
+    """dense_layers=() (every layer selects), every layer dense, and a budget below sink + recent
+    (no page read)."""
+    m = tiny_random()
+    prompts = _prompts([70, 130, 190], seed=14)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    L = m.cfg.num_layers
+    for pol in (QuestDecode(token_budget=64, page_size=16, sink_tokens=16, recent_tokens=16, dense_layers=()),
+                QuestDecode(token_budget=64, page_size=16, sink_tokens=16, recent_tokens=16,
+                            dense_layers=tuple(range(L))),
+                QuestDecode(token_budget=20, page_size=16, sink_tokens=16, recent_tokens=32)):
+        ref = _alone(m, prompts, sp, 256, pol=pol)
+        outs = _batched(m, 256, pol=pol, max_num_seqs=3).generate(prompts, sp)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], pol
+
+
+def test_admission_waits_for_summary_room_and_refuses_what_never_fits(monkeypatch):
+    """A summary pool with room for one sequence at a time (the GPU memory limit, faked here) runs
+    them one by one with the same tokens; a prompt whose summaries alone pass the pool, or whose
+    KV passes the CPU pool, is refused before anything runs, naming the sizes."""
+    import xoffload.engine.kv_batch as kb
+
+    m = tiny_random()
+    prompts = _prompts([200, 210, 190], seed=15)
+    sp = SamplingParams(max_tokens=4, ignore_eos=True)
+    ref = [r.token_ids for r in _alone(m, prompts, sp, 512)]
+    el = 4  # fp32
+    per_block = 2 * (m.cfg.num_layers - 1) * m.cfg.num_kv_heads * kb.SUMMARY_BLOCK * m.cfg.head_dim * el
+    c = m.cfg  # the tail pool's bytes (3 rows of sink + recent + new, blocks of 64, one scratch block)
+    tail_blocks = sum(-(-(POL.plan(len(p)).resident_prompt_tokens + 3) // kb.TAIL_BLOCK) for p in prompts)
+    tail_bytes = 2 * c.num_layers * (tail_blocks + 1) * kb.TAIL_BLOCK * c.num_kv_heads * c.head_dim * el
+    # the limit leaves room for the tails and one summary block
+    monkeypatch.setattr(kb, "_gpu_kv_limit_bytes", lambda dev, headroom: tail_bytes + per_block)
+    llm = _batched(m, 512, max_num_seqs=3)
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == ref  # 200-token prompts: 11 candidates, one block
+    assert llm.batch_stats["max_running"] == 1
+    with pytest.raises(ValueError, match=r"prompt 1 needs 32 pages of Quest summaries .*holds 16 pages"):
+        llm.generate([prompts[0], _prompts([400], seed=16)[0], prompts[2]], sp)
+    assert llm.engine.sequences() == []
+    monkeypatch.undo()
+    small = _batched(m, 512, max_num_seqs=2, kv_cache_tokens=256)
+    with pytest.raises(ValueError, match=r"prompt 0 needs 320 tokens of KV in the CPU pool.*holds 256 tokens"):
+        small.generate([_prompts([300], seed=17)[0]], sp)
+    assert [o.token_ids for o in small.generate(prompts[:2], sp)] == ref[:2]  # still serving
+
+
+def test_store_step_triton_code_equals_reference(dense_on_gpu):
+    """One decode step's attention of every layer through the store, for a padded batch of rows
+    with different plans: the Triton code (interpreter: batched scores, topk, paged launches over
+    the pool and the tail, merge) equals the fp32 reference to float rounding."""
+    from xoffload.engine.request import Request
+    from xoffload.engine.scheduler import Sequence
+    from xoffload.kernels import cpu_backend
+    from xoffload.kernels.checks import interpreter_on
+
+    if not interpreter_on():
+        pytest.skip("needs TRITON_INTERPRET=1 (set by conftest without a GPU)")
+    m = tiny_random()
+    llm = _batched(m, 300, max_num_seqs=4)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    seqs = [Sequence(i, Request.make(p, sp, max_model_len=300, seed=0, stop_ids=(), device=m.device))
+            for i, p in enumerate(_prompts([263, 15, 129], seed=18))]
+    st = OffloadQuestBatchKV.open(m, llm.config, llm.engine, seqs)
+    assert st.dense_on_gpu == dense_on_gpu
+    with torch.no_grad(), cpu_backend("reference"):
+        for s in seqs:
+            st.admit(s)
+            m.prefill(torch.tensor(s.req.ids), st.sink(s))
+            s.n_out = 1
+    rows = st.set_batch(seqs)
+    assert rows == 4
+    g = torch.Generator().manual_seed(19)
+    c = m.cfg
+    st.begin_step()
+    for layer in range(c.num_layers):
+        q = torch.randn(rows, c.num_heads, c.head_dim, generator=g)
+        k, v = (torch.randn(rows, c.num_kv_heads, c.head_dim, generator=g) for _ in range(2))
+        outs = []
+        for backend in ("reference", "interpreter"):
+            with cpu_backend(backend):
+                outs.append(st.attend(layer, q, k, v))
+        assert float((outs[0][:3] - outs[1][:3]).abs().max()) <= 1e-5, layer
+        assert float(outs[1][3].abs().max()) == 0.0  # the padding row attends to nothing
+    for s in seqs:
+        st.release(s)
+    st.close()
+    assert llm.engine.sequences() == []
+
+
+def test_batched_scores_bad_input():
+    from xoffload.kernels.quest_score import quest_page_scores_batched
+
+    q, km = torch.zeros(2, 4, 16), torch.zeros(2, 8, 16)
+    idx, nv = torch.zeros(2, 5, dtype=torch.int32), torch.zeros(2, dtype=torch.int32)
+    assert quest_page_scores_batched(q, km, km, idx, nv).shape == (2, 2, 5)
+    with pytest.raises(ValueError, match=r"index must be an int32/int64 \[R=2, N\] tensor, got \(3, 5\)"):
+        quest_page_scores_batched(q, km, km, torch.zeros(3, 5, dtype=torch.int32), nv)
+    with pytest.raises(ValueError, match=r"n_valid must be an int32 \[R=2\] tensor, got \(2,\) torch.int64"):
+        quest_page_scores_batched(q, km, km, idx, nv.long())
+    with pytest.raises(ValueError, match="does not fit summaries"):
+        quest_page_scores_batched(torch.zeros(2, 3, 16), km, km, idx, nv)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@pytest.mark.cuda
+def test_gpu_quest_batch_graphs_equal_eager_and_track_alone():
+    """bf16, random Llama-3.2-1B, prompts 1, 700, 1024, 1025, 4100, 8192 with Quest (budget 512,
+    pages of 32, pool blocks of 1024): (1) the CUDA-graph batch gives the eager batch's tokens
+    exactly; (2) budget None (every page, dense through the same path): fed the one-request
+    tokens, each row's logits stay within bf16 rounding of the dense resident store's; (3) budget
+    512: the batch's greedy tokens agree with the one-request path's for >= 90% of the tokens (a
+    near-tied page score can round the other way in bf16 and change one selection)."""
+    m = random_model("llama-3.2-1b", dtype=torch.bfloat16, device="cuda", seed=0, std=0.02)
+    prompts = _prompts([1, 700, 1024, 1025, 4100, 8192], vocab=m.cfg.vocab_size)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    pol = QuestDecode(token_budget=512)
+    kw = {"mode": "offload", "kv_block_size": 1024, "max_model_len": 8300, "sparse_decode": pol}
+    graph = LLM(m, max_num_seqs=8, max_num_batched_tokens=16384, **kw)
+    assert batch_store_class(graph._store, graph.config)[0] is OffloadQuestBatchKV
+    a = [o.token_ids for o in graph.generate(prompts, sp)]
+    assert graph.batch_stats["graph_buckets"] == [8]
+    eager = LLM(m, max_num_seqs=8, max_num_batched_tokens=16384, cuda_graph=False, **kw)
+    assert a == [o.token_ids for o in eager.generate(prompts, sp)]
+    alone = LLM(m, **kw)
+    ref = [alone.generate(p, sp)[0].token_ids for p in prompts]
+    same = sum(x == y for ra, rr in zip(a, ref) for x, y in zip(ra, rr))
+    assert same >= 0.9 * sum(map(len, ref)), (a, ref)
+    eps = torch.finfo(torch.bfloat16).eps
+    _check_batch_tracks_alone(m, prompts, "offload", 8, lambda la: m.cfg.num_layers * eps * float(la.abs().max()),
+                              kv_block_size=1024, sparse_decode=QuestDecode(token_budget=None))
+
+
+@pytest.mark.cuda
+def test_gpu_quest_continuous_batching_graphs_equal_eager():
+    """40 requests through max_num_seqs=4 (bf16, Quest budget 256): the buckets' graphs, captured
+    while sequences join and leave, give the eager batch's tokens."""
+    m = random_model("llama-3.2-1b", dtype=torch.bfloat16, device="cuda", seed=0, std=0.02)
+    g = torch.Generator().manual_seed(5)
+    lens = [int(x) for x in torch.randint(1, 3000, (40,), generator=g)]
+    prompts = _prompts(lens, seed=6, vocab=m.cfg.vocab_size)
+    sps = [SamplingParams(max_tokens=int(1 + i % 9), ignore_eos=True) for i in range(40)]
+    kw = dict(mode="offload", max_model_len=3100, kv_block_size=256, max_num_seqs=4,
+              sparse_decode=QuestDecode(token_budget=256))
+    a = LLM(m, **kw).generate(prompts, sps)
+    b = LLM(m, cuda_graph=False, **kw).generate(prompts, sps)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    assert [len(o.token_ids) for o in a] == [1 + i % 9 for i in range(40)]
