@@ -7,7 +7,7 @@ Parts (``--part``, comma-separated; default both):
   every question costs without sessions), then a 64-token question is asked with dense history
   (every history block crosses PCIe once: the floor is history bytes / H2D bandwidth, measured in
   the same run) and again with sparse history (``history_budget`` = ``--sparse-frac`` of the history
-  per KV head). Per turn: time to first token (CUDA events), bytes copied from the pool, their
+  per KV head, every layer: the decode policy keeps its own dense layers). Per turn: time to first token (CUDA events), bytes copied from the pool, their
   ratio to the first turn's prefill and to the floor. Targets: dense <= 0.05x and sparse <= 0.02x
   the first turn's prefill.
 - ``prefix``: ``prefix_caching=True``, 8 questions of 64 tokens over one ``--doc``-token document
@@ -42,14 +42,16 @@ def part_turns(model, history: int, sparse_frac: float, h2d: float) -> dict:
     V = model.cfg.vocab_size
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     llm = _llm(model, history + 1024)
-    # warm-up on a short conversation: compiles every kernel shape the long one uses
+    budget = max(1024, int(history * sparse_frac) // 32 * 32)
+    # warm-up on a shorter conversation with the same budget: compiles the kernel variants the
+    # long one uses (the first sparse turn of a process otherwise pays Triton's compile)
     with llm.session() as w:
-        w.append(_prompt(3000, V, 9))
+        w.append(_prompt(min(history, 2 * budget + 1024), V, 9))
         w.generate(_prompt(Q_TOKENS, V, 8), sp)
-        w.history_budget = 1024
+        w.history_budget = budget
         w.generate(_prompt(Q_TOKENS, V, 7), sp)
     out = {"history_tokens": history, "question_tokens": Q_TOKENS}
-    s = llm.session()
+    s = llm.session(dense_layers=0)  # sparse history in every layer (the decode policy keeps its own)
     t1 = s.append(_prompt(history, V, 1))
     out["turn1"] = t1
     kv_bytes = history * model.cfg.kv_bytes_per_token(model.dtype)
@@ -63,7 +65,6 @@ def part_turns(model, history: int, sparse_frac: float, h2d: float) -> dict:
     dense["target"] = "<= 0.05x turn 1"
     dense["met"] = dense["ratio_to_turn1"] <= 0.05
     out["turn2_dense"] = dense
-    budget = max(1024, int(s.history_len * sparse_frac) // s.page * s.page)
     s.history_budget = budget
     o = s.generate(_prompt(Q_TOKENS, V, 3), sp)
     sparse = {k: o.timings.get(k) for k in ("ttft_ms", "prefill_ms", "history_h2d_bytes", "chunk_tokens",
@@ -77,6 +78,32 @@ def part_turns(model, history: int, sparse_frac: float, h2d: float) -> dict:
     s.close()
     llm.close()
     return out
+
+
+def part_profile(model, history: int, budget_frac: float, path: str) -> dict:
+    """One sparse-history turn over a ``history``-token conversation under torch.profiler: the
+    CUDA and CPU time of its top operators (a table written to ``path``)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from xoffload import SamplingParams
+
+    V = model.cfg.vocab_size
+    sp = SamplingParams(max_tokens=1)
+    llm = _llm(model, history + 1024)
+    s = llm.session()
+    s.append(_prompt(history, V, 1))
+    s.history_budget = max(1024, int(history * budget_frac) // s.page * s.page)
+    s.generate(_prompt(Q_TOKENS, V, 2), sp)  # warm-up of the sparse path
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        o = s.generate(_prompt(Q_TOKENS, V, 3), sp)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    table_cpu = prof.key_averages().table(sort_by="cpu_time_total", row_limit=30)
+    with open(path, "w") as f:
+        f.write(table + "\n\n" + table_cpu + "\n")
+    s.close()
+    llm.close()
+    return {"history": history, "ttft_ms": o.timings["ttft_ms"], "history_h2d_bytes": o.timings["history_h2d_bytes"],
+            "table": path}
 
 
 def part_prefix(model, doc: int, n_q: int = 8) -> dict:
@@ -109,7 +136,8 @@ def part_prefix(model, doc: int, n_q: int = 8) -> dict:
 
 def main(argv=None):
     ap = bench_parser(__doc__, "session", "history 32K, document 8K")
-    ap.add_argument("--part", default="turns,prefix", help="comma-separated parts: turns, prefix")
+    ap.add_argument("--part", default="turns,prefix", help="comma-separated parts: turns, prefix, profile (one "
+                    "sparse turn over 32K under torch.profiler)")
     ap.add_argument("--history", type=int, default=131072 - 1024, help="tokens of the first turn's document")
     ap.add_argument("--doc", type=int, default=32768, help="tokens of the prefix part's document")
     ap.add_argument("--sparse-frac", type=float, default=0.10, help="sparse history budget / history")
@@ -124,7 +152,9 @@ def main(argv=None):
     h2d = h2d_bandwidth_gbps()
     res = {"name": "session", "preset": PRESET, "h2d_GBps": h2d, "results": {}, "errors": {}}
     print(f"H2D {h2d:.1f} GB/s", flush=True)
-    for part, fn in (("turns", lambda: part_turns(model, history, a.sparse_frac, h2d)),
+    prof_path = (a.out[:-5] if a.out.endswith(".json") else a.out) + "_profile.txt"
+    for part, fn in (("profile", lambda: part_profile(model, 32768 - 1024, a.sparse_frac, prof_path)),
+                     ("turns", lambda: part_turns(model, history, a.sparse_frac, h2d)),
                      ("prefix", lambda: part_prefix(model, doc))):
         if part not in parts:
             continue
