@@ -188,7 +188,7 @@ def test_idle_session_evicted_lru_never_the_one_in_use():
     assert [a1.token_ids, a2.token_ids] == want_a
     assert a2.timings["history_tokens"] == 0 and a2.timings["chunk_tokens"] == 150 + 6 + 20
     assert sb.history_len == 0 and sc.history_len == 180
-    with pytest.raises(ValueError, match=r"needs \d+ more pool blocks .* free of 12 .* idle sessions hold 6"):
+    with pytest.raises(ValueError, match=r"needs \d+ more pool blocks .* free of 12 .* cached prefixes hold 6 more"):
         sc.generate(list(range(1, 200)), SP)  # 180 + 6 + 199 tokens > 12 blocks even alone
     assert sc.history_len == 180 and sa.history_len == 176
     assert len(sc.generate(p[4], SP).token_ids) == SP.max_tokens
@@ -368,3 +368,56 @@ def test_prefix_cache_evicted_when_the_pool_runs_short():
     assert llm.prefix_cache.stats().evictions > 0
     with pytest.raises(ValueError, match="prefix_caching"):
         LLM(m, mode="gpu", prefix_caching=True)
+
+
+def test_first_turn_on_a_reused_prefix_reads_it_whole():
+    """A session with sparse history whose first turn reuses a cached prefix reads that prefix
+    whole: prefix caching never changes the tokens."""
+    m = tiny_random()
+    x, q = _prompts([200, 20], seed=60)
+    res = []
+    for pc in (False, True):
+        llm = LLM(m, mode="offload", kv_block_size=16, max_model_len=512, prefix_caching=pc, **SDPA)
+        if pc:
+            llm.generate(x, SP)
+        s = llm.session(history_budget=64, dense_layers=0, recent_pages=0)
+        o = s.generate(x + q, SP)
+        assert o.timings["history_sparse_layers"] == 0
+        res.append(o.token_ids)
+        s.close()
+    assert res[0] == res[1]
+
+
+def test_reserve_counts_the_copy_of_a_shared_partial_block():
+    """Reusing a cached partial block costs a copy before the first write: with the pool full of
+    an idle session's blocks the turn evicts it up front instead of failing mid-prefill."""
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=16, kv_cache_tokens=128, max_model_len=256, prefix_caching=True,
+              **SDPA)
+    x, y = _prompts([40, 80], seed=61)
+    llm.generate(x, SP)  # cached: 2 full blocks + a partial one of 8 tokens
+    d = llm.session()
+    d.generate(y, SP)
+    assert llm.engine.num_free_blocks == 0
+    b = llm.session()
+    assert len(b.generate(x + [7] * 8, SP).token_ids) == SP.max_tokens
+    assert d.history_len == 0  # evicted
+    llm.engine.allocator.check()
+
+
+def test_blocks_shared_with_a_session_in_use_are_not_counted_as_freeable():
+    """An idle session sharing cached blocks with the turn's own prefix frees nothing by leaving:
+    the turn that cannot fit raises before evicting anyone."""
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=16, kv_cache_tokens=128, max_model_len=256, prefix_caching=True,
+              **SDPA)
+    x = _prompts([64], seed=62)[0]
+    llm.generate(x, SP)
+    a = llm.session()
+    a.generate(x + [1], SP)
+    held = a.blocks_held()
+    b = llm.session()
+    with pytest.raises(ValueError, match="could be freed"):
+        b.generate(x + list(range(76)), SP)  # 140 tokens: 9 blocks > the 8-block pool
+    assert a.blocks_held() == held
+    llm.engine.allocator.check()

@@ -176,16 +176,34 @@ class LLM:
 
         return Session(self, history_budget=history_budget, dense_layers=dense_layers, recent_pages=recent_pages)
 
+    def _reclaimable_blocks(self, keep=None) -> int:
+        """Pool blocks that evicting every idle session (not ``keep``, none in a turn) and the
+        prefix cache could free: allocated blocks that no other live engine sequence holds."""
+        eng = self.engine
+        if eng is None:
+            return 0
+        idle = {s.seq for s in self._sessions.values() if s is not keep and not s._busy and s.seq is not None}
+        protected = set()
+        for sid in eng.sequences():
+            if sid not in idle:
+                protected.update(eng.block_table(sid))
+        return eng.allocator.num_blocks - eng.num_free_blocks - len(protected)
+
     def _make_room(self, blocks: int, keep=None) -> int:
         """Evict idle sessions, least recently used first, until the offload pool has ``blocks``
-        free blocks (or no idle session is left); never ``keep`` or a session in a turn. Returns
-        the blocks freed."""
+        free blocks counting what the prefix cache can evict (or no idle session is left); never
+        ``keep`` or a session in a turn. Returns the sessions' blocks released."""
         eng = self.engine
         if eng is None:
             return 0
         freed = 0
+
+        def room():
+            cache = self.prefix_cache.evictable_blocks() if self.prefix_cache is not None else 0
+            return eng.num_free_blocks + cache
+
         for s in sorted(self._sessions.values(), key=lambda s: s._last_used):
-            if eng.num_free_blocks >= blocks:
+            if room() >= blocks:
                 break
             if s is keep or s._busy or s.seq is None:
                 continue

@@ -25,8 +25,12 @@ over UVA — and attended. A budget at least the history reads every page (equal
 
 Pool accounting (offload): a turn first makes room in the pool for the history it will hold; when
 the pool is short it evicts the least recently used *idle* sessions of the same LLM (their KV is
-dropped; their next turn prefills their whole token history again), never the session in use; if
-that is not enough it raises ValueError naming the sizes and changes nothing.
+dropped; their next turn prefills their whole token history again — exactly, so with sparse
+history its answer can differ from the approximate sparse read it would have had), never the
+session in use; if even evicting every idle session and cached prefix could not make the room, it
+raises ValueError naming the sizes before changing anything. A first turn that reuses a cached
+prefix (``prefix_caching``) reads that prefix whole, whatever ``history_budget`` says: reuse never
+changes the tokens.
 """
 from __future__ import annotations
 
@@ -103,7 +107,7 @@ class _ChunkSink:
     """The model's prefill sink for one turn's chunk of ``T`` tokens at positions ``n .. n+T-1``:
     ``buffers`` / ``done`` as any sink, plus ``history(layer, q)``. Built by :class:`Session`."""
 
-    def __init__(self, sess: "Session", n: int, T: int):
+    def __init__(self, sess: "Session", n: int, T: int, dense: bool = False):
         self.s, self.n, self.T = sess, n, T
         self.h2d_bytes = 0
         self.events = []
@@ -111,7 +115,7 @@ class _ChunkSink:
         self._stage_ev = [None, None]
         self._to_release = None
         s = sess
-        self.sparse_layers = s._history_sparse_layers(n)
+        self.sparse_layers = frozenset() if dense else s._history_sparse_layers(n)
         self.dense_layers = [l for l in range(s.cfg.num_layers) if l not in self.sparse_layers]
         self._staging = s.engine is not None and n > 0 and bool(self.dense_layers)
         if self._staging:
@@ -322,6 +326,7 @@ class Session:
         self._stored: list = []  # tokens whose K/V are stored (length history_len)
         self._pending: list = []  # the last answer's tokens (K/V not stored yet)
         self.turns = 0
+        self._exact_turn = False
         self.closed = False
         self._busy = False
         self._last_used = 0
@@ -442,11 +447,13 @@ class Session:
         self._busy = True
         before = (list(self._stored), list(self._pending))
         reused = 0
+        self._exact_turn = False
         try:
             with ctx, torch.no_grad():
                 if self.seq is None and n == 0 and llm.prefix_cache is not None:
                     reused = self._reuse_prefix(chunk)
                     n, chunk = reused, chunk[reused:]
+                    self._exact_turn = True  # a reused prefix is read whole: reuse never changes tokens
                 self._reserve(total, req.max_new)
                 out = self._run(chunk, req, n, answer)
         except BaseException:
@@ -489,7 +496,7 @@ class Session:
             torch.cuda.reset_peak_memory_stats(self.device)
         marks = {"t0": clock.mark()}
         ids_t = torch.tensor(chunk, dtype=torch.int64).to(self.device)
-        sink = _ChunkSink(self, n, T)
+        sink = _ChunkSink(self, n, T, dense=self._exact_turn)
         densities = None if llm.policy.dense else []
         try:
             logits = m.prefill(ids_t, sink, chunk=llm.prefill_chunk, policy=llm.policy,
@@ -570,16 +577,16 @@ class Session:
             return
         eng = self.engine
         B = eng.block_size
-        owned = eng.num_seq_blocks(self.seq) if self.seq is not None else 0
-        need = -(-total // B) - owned
-        idle = sum(s.blocks_held() for s in self.llm._sessions.values() if s is not self and not s._busy)
-        if self.llm.prefix_cache is not None:
-            idle += self.llm.prefix_cache.evictable_blocks()
+        table = eng.block_table(self.seq) if self.seq is not None else ()
+        need = -(-total // B) - len(table)
+        if table and self.history_len % B and eng.allocator.is_shared(table[-1]):
+            need += 1  # the shared, partly filled last block is copied before it is written
+        idle = self.llm._reclaimable_blocks(keep=self)
         if need > eng.num_free_blocks + idle:
             raise ValueError(f"the session needs {need} more pool blocks of {B} tokens ({total} tokens in all) but "
                              f"the pool has {eng.num_free_blocks} free of {eng.allocator.num_blocks} "
-                             f"(kv_cache_tokens) and idle sessions hold {idle} more; close sessions or raise "
-                             f"kv_cache_tokens")
+                             f"(kv_cache_tokens) and idle sessions and cached prefixes hold {idle} more that could "
+                             f"be freed; close sessions or raise kv_cache_tokens")
         if need > eng.num_free_blocks:
             self.llm._make_room(need, keep=self)
         if self.seq is None:
@@ -613,7 +620,8 @@ class Session:
         self.history_len = 0
 
     def blocks_held(self) -> int:
-        """Pool blocks this session's stored KV holds (0 in resident mode or once evicted)."""
+        """Pool blocks this session's stored KV holds, shared ones included (0 in resident mode or
+        once evicted)."""
         if self.engine is None or self.seq is None or self.engine._closed:
             return 0
         return self.engine.num_seq_blocks(self.seq)
