@@ -421,3 +421,36 @@ def test_blocks_shared_with_a_session_in_use_are_not_counted_as_freeable():
         b.generate(x + list(range(76)), SP)  # 140 tokens: 9 blocks > the 8-block pool
     assert a.blocks_held() == held
     llm.engine.allocator.check()
+
+
+def test_cached_prefixes_give_way_before_idle_sessions():
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=16, kv_cache_tokens=128, max_model_len=256, prefix_caching=True,
+              **SDPA)
+    p = _prompts([64, 40, 60], seed=63)
+    llm.generate(p[0], SP)  # 4 blocks held only by the cache
+    a = llm.session()
+    a.generate(p[1], SP)  # 3 blocks
+    llm.session().generate(p[2], SP)  # needs 4: 1 free + cached ones, A untouched
+    assert a.blocks_held() == 3
+
+
+def test_plain_request_evicts_only_when_its_prompt_needs_the_room():
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=16, kv_cache_tokens=128, max_model_len=256, **SDPA)
+    a = llm.session()
+    a.generate(_prompts([60], seed=64)[0], SP)
+    llm.generate(_prompts([20], seed=65)[0], SamplingParams(max_tokens=100, ignore_eos=True))  # tokens: GPU tail
+    assert a.blocks_held() == 4
+
+
+def test_a_refused_first_turn_still_reuses_the_cache_next_time():
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=16, kv_cache_tokens=128, max_model_len=256, prefix_caching=True,
+              **SDPA)
+    x = _prompts([64], seed=66)[0]
+    llm.generate(x, SP)
+    s = llm.session()
+    with pytest.raises(ValueError, match="more pool blocks"):
+        s.generate([1] * 200, SP)
+    assert s.generate(x + [3], SP).timings["prefix_reused_tokens"] == 64

@@ -295,7 +295,8 @@ class LLM:
         ids_t = torch.tensor(ids, dtype=torch.int64).to(dev)
         marks = {"t0": clock.mark()}
         if self.engine is not None and self._sessions:  # idle sessions give way to a request
-            self._make_room(-(-req.final_len // self.engine.block_size))
+            pooled = req.final_len if self.config.offload_decode == "ring" else len(ids)  # else: GPU tail
+            self._make_room(-(-pooled // self.engine.block_size))
         kv = self._store.for_request(self.model, self.engine, req, self.config)
         try:
             densities = None if self.policy.dense else []

@@ -457,6 +457,9 @@ class Session:
                 self._reserve(total, req.max_new)
                 out = self._run(chunk, req, n, answer)
         except BaseException:
+            if self.history_len == 0 and self.seq is not None and self.engine is not None:
+                self.engine.free(self.seq)  # an empty sequence (a refused first turn): the next asks the cache again
+                self.seq = None
             if reused or self.history_len != n or self._stored != before[0]:
                 self._drop_kv()  # the stored KV changed: the next turn prefills the conversation again
                 self._stored, self._pending = [], before[0] + before[1]
