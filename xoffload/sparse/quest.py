@@ -82,7 +82,12 @@ class QuestDecode(DecodePolicy):
             down to a page boundary).
         dense_layers: layers that read all their KV every step (kept resident on the GPU by the
             offload store); default ``(0, 1)`` as in Quest, whose first two layers show < 10%
-            sparsity. ``()`` makes every layer sparse.
+            sparsity. ``()`` makes every layer sparse. Indices may be negative (from the end) and
+            need not be contiguous; :func:`calibrate_dense_layers` adds the layers where the
+            min/max bound loses the most attention on calibration prompts (SmolLM2: ``(0, 1, 8,
+            15, 18, 19)``, whose retrieval layers 18-19 the bound misses at any budget; see
+            ``benchmarks/calibrate_quest_layers.py``). Checked against the model's layers when the
+            store is built (ValueError naming the layers outside it); a non-int entry is a TypeError.
         group_score: how a KV head's query heads combine their page bounds (:func:`page_scores`):
             ``"max"`` (default, measured on the H200) or ``"softmax"`` (per-head softmax over pages,
             summed; better on one SmolLM2 prompt on the CPU, not yet measured on a GPU).
