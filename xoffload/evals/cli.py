@@ -54,7 +54,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="engine configuration(s), comma-separated: resident (alias gpu), offload, offload-uva, "
                         "offload-ring, offload+quest, resident+quest, ... (xoffload.engine.modes), a decode policy's "
                         "budget as @N (offload+quest@512) and its GQA group score as /GROUP "
-                        "(offload+quest@512/softmax) and its dense layers as /dense=I.J.K (offload+quest@512/dense=0.1.18), "
+                        "(offload+quest@512/softmax) and its dense layers as /dense=I.J.K "
+                        "(offload+quest@512/dense=0.1.18), "
                         "both (= resident,offload; default), or hf: transformers' own "
                         "model (SDPA, greedy generate; every other mode's answers are also compared with it); "
                         "the first is the reference for answer agreement")
