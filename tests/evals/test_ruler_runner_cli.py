@@ -204,3 +204,20 @@ def test_mode_group_score_suffix():
     for bad, msg in (("offload+quest@512/bad", "group_score"), ("offload@512/softmax", "@BUDGET")):
         with pytest.raises(ValueError, match=msg):
             mode_options(bad)
+
+
+def test_mode_dense_layers_suffix():
+    """``NAME@BUDGET/dense=I.J.K`` (alone or with /GROUP) sets the decode policy's dense layers; a
+    bad list is a one-line error naming it."""
+    from xoffload.evals.cli import mode_options
+    from xoffload.sparse import QuestDecode
+
+    kw = mode_options("resident+quest@512/dense=0.1.18")
+    assert kw["sparse_decode"] == QuestDecode(token_budget=512, dense_layers=(0, 1, 18))
+    kw = mode_options("offload+quest@256/softmax/dense=0.7")
+    assert kw["sparse_decode"] == QuestDecode(token_budget=256, group_score="softmax", dense_layers=(0, 7))
+    assert mode_options("resident+quest@512/dense=")["sparse_decode"].dense_layers == ()
+    for bad, msg in (("resident+quest@512/dense=1,2", "joined by '.'"), ("resident+quest@512/dense=a.1", "dense=a.1"),
+                     ("resident+quest@512/dense=-1", "joined by '.'")):
+        with pytest.raises(ValueError, match=msg):
+            mode_options(bad)

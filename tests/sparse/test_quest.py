@@ -204,3 +204,71 @@ def test_prefetch_needs_the_cache():
     with pytest.raises(ValueError, match="cache_pages"):
         QuestDecode(cache_pages=-1)
     assert QuestDecode(cache_pages=0).cache_slots(QuestDecode().plan(4096)) == 0
+
+
+def _decoy_layer(fooled: bool, T=160, S=2, D=16, hq=2):
+    """(q [S, Hq, D], k [T + S, 1, D]) with one needle key in candidate page 3 that every query
+    head's softmax puts most of its mass on; ``fooled``: every other candidate page holds keys
+    ``c (e_i - e_{i+1})`` with q·k = 0 but a min/max spread whose Quest bound (96) beats the
+    needle's (48), so the bound picks a decoy while the exact mass says the needle."""
+    g = torch.Generator().manual_seed(7)
+    u = torch.ones(D) / D ** 0.5
+    k = 0.01 * torch.randn(T + S, 1, D, generator=g)
+    needle = 16 + 3 * 16 + 5
+    k[needle, 0] = 16 * u
+    if fooled:
+        for p in range(8):
+            if p == 3:
+                continue
+            for t in range(16):
+                e = torch.zeros(D)
+                e[t % D], e[(t + 1) % D] = 8.0, -8.0
+                k[16 + p * 16 + t, 0] = e
+    q = (3 * u).expand(S, hq, D).clone()
+    return q, k
+
+
+_DECOY_POLICY = dict(token_budget=48, page_size=16, sink_tokens=16, recent_tokens=16)
+
+
+def test_selection_loss_decoy_pages_and_dense_plan():
+    """The bound fooled by spread pages loses the needle's mass (the oracle keeps it); a plain layer
+    loses nothing; a plan that reads every page loses nothing; bad shapes are one-line errors."""
+    from xoffload.sparse.quest import selection_loss
+
+    pol = QuestDecode(dense_layers=(), **_DECOY_POLICY)
+    assert pol.plan(160).pages_per_step == 1 and pol.plan(160).num_candidates == 8
+    q, k = _decoy_layer(True)
+    lost, olost = selection_loss(q, k, pol, 160, scale=0.25)
+    assert lost > 0.5 and olost < 0.05, (lost, olost)
+    q, k = _decoy_layer(False)
+    lost, olost = selection_loss(q, k, pol, 160, scale=0.25)
+    assert lost < 0.05 and olost < 0.05, (lost, olost)
+    q, k = _decoy_layer(True)
+    assert selection_loss(q, k, QuestDecode(token_budget=None, page_size=16, sink_tokens=16, recent_tokens=16),
+                          160) == (0.0, 0.0)
+    with pytest.raises(ValueError, match="need 162"):
+        selection_loss(q, k[:161], pol, 160)
+    with pytest.raises(ValueError, match=r"q must be \[S, Hq, D\]"):
+        selection_loss(q[0], k, pol, 160)
+    with pytest.raises(ValueError, match="do not fit"):
+        selection_loss(q[..., :8], k, pol, 160)
+
+
+def test_calibrate_dense_layers_adds_the_fooled_layer():
+    """calibrate_dense_layers keeps the policy's dense layers and adds the sparse layer whose
+    selection loses the most over the oracle's; bad extra / no records raise naming the value."""
+    from xoffload.sparse.quest import calibrate_dense_layers
+
+    layers = [_decoy_layer(f) for f in (False, False, True, False)]
+    rec = dict(q=torch.stack([q for q, _ in layers], 1), k=torch.stack([k for _, k in layers]), T=160, scale=0.25)
+    pol = QuestDecode(dense_layers=(0,), **_DECOY_POLICY)
+    dense, excess = calibrate_dense_layers([rec], pol, 1)
+    assert dense == (0, 2) and set(excess) == {1, 2, 3} and excess[2] > 0.5 > max(excess[1], excess[3])
+    assert calibrate_dense_layers([rec], pol, 0)[0] == (0,)
+    with pytest.raises(ValueError, match="extra=4 is more than the 3 sparse layers"):
+        calibrate_dense_layers([rec], pol, 4)
+    with pytest.raises(ValueError, match="extra"):
+        calibrate_dense_layers([rec], pol, -1)
+    with pytest.raises(ValueError, match="no calibration records"):
+        calibrate_dense_layers([], pol, 1)

@@ -54,7 +54,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="engine configuration(s), comma-separated: resident (alias gpu), offload, offload-uva, "
                         "offload-ring, offload+quest, resident+quest, ... (xoffload.engine.modes), a decode policy's "
                         "budget as @N (offload+quest@512) and its GQA group score as /GROUP "
-                        "(offload+quest@512/softmax), a :session suffix to ask each prompt as the second turn of a session whose first turn gave the context (offload:session; :session@N: sparse history of N tokens), both (= resident,offload; default), or hf: transformers' own "
+                        "(offload+quest@512/softmax) and its dense layers as /dense=I.J.K "
+                        "(offload+quest@512/dense=0.1.18), a :session suffix to ask each prompt as the "
+                        "second turn of a session whose first turn gave the context (offload:session; "
+                        ":session@N: sparse history of N tokens), "
+                        "both (= resident,offload; default), or hf: transformers' own "
                         "model (SDPA, greedy generate; every other mode's answers are also compared with it); "
                         "the first is the reference for answer agreement")
     p.add_argument("--hf-weights", default="ours", choices=list(HF_WEIGHTS),
@@ -111,8 +115,10 @@ def mode_options(name: str) -> dict:
     :func:`xoffload.engine.modes.configurations` (``resident``, ``offload``, ``offload+quest``, ...;
     ``gpu`` = ``resident``), with ``@N`` after a decode-policy configuration setting its token
     budget (``offload+quest@512``) and an optional ``/GROUP`` after it the policy's GQA group score
-    (``offload+quest@512/softmax``, see :class:`xoffload.sparse.QuestDecode`). Raises ValueError
-    naming the known names."""
+    (``offload+quest@512/softmax``, see :class:`xoffload.sparse.QuestDecode`) and/or its dense layers
+    as ``/dense=I.J.K`` (``resident+quest@512/dense=0.1.7.18``: layer indices joined by ``.``; the
+    mode list itself is comma-separated). Raises ValueError naming the known names or the bad
+    suffix."""
     from xoffload.engine.modes import configurations
 
     from .hf_peer import HF_MODE
@@ -144,11 +150,21 @@ def mode_options(name: str) -> dict:
             from xoffload.sparse.policy import resolve_decode
 
             pol = resolve_decode(kw.pop("sparse_decode"), kw.pop("token_budget"))
-            if not hasattr(pol, "group_score"):
-                raise _ArgError(f"--mode {name!r}: /GROUP needs a decode policy with a group score")
+            fields = {}
+            for part in group.split("/"):
+                if part.startswith("dense="):  # /dense=0.1.7: the policy's dense layers
+                    ids = part[len("dense="):].split(".") if part != "dense=" else []
+                    if not all(x.isascii() and x.isdigit() for x in ids):
+                        raise _ArgError(f"--mode {name!r}: /dense= takes layer indices joined by '.', got {part!r}")
+                    fields["dense_layers"] = tuple(int(x) for x in ids)
+                else:
+                    fields["group_score"] = part
+            if any(not hasattr(pol, f) for f in fields):
+                raise _ArgError(f"--mode {name!r}: /GROUP and /dense= need a decode policy with a group score "
+                                f"and dense layers")
             try:
-                kw["sparse_decode"] = dataclasses.replace(pol, group_score=group)
-            except ValueError as e:
+                kw["sparse_decode"] = dataclasses.replace(pol, **fields)
+            except (TypeError, ValueError) as e:
                 raise _ArgError(f"--mode {name!r}: {e}") from None
     if session is not None:
         kw["session"] = session
