@@ -11,7 +11,12 @@ For a sample of ``--task`` at ``--length`` (xoffload.evals.tasks.build), prints:
   for the scoring variants of :func:`xoffload.sparse.quest.page_scores`.
 
 Usage: ``PYTHONPATH=$PWD python benchmarks/diag_quest_ruler.py --task niah_single_2 --length 4096
---sample 0 [--budget 512] [--page 32] [--steps 10]``.
+--sample 0 [--budget 512] [--page 32] [--steps 10] [--cache REC.pt --record-only]``.
+
+Replay (decode only, from recorded prefills: seconds per variant instead of a 4K prefill each):
+``... diag_quest_ruler.py --replay REC.pt[,REC.pt] --variants '[{"token_budget": 512}, {"token_budget":
+512, "dense_layers": [0, 1, 8, 15, 18, 19]}]' [--steps 12] [--out FILE.json]`` greedy-decodes each
+record under each ``QuestDecode(**variant)`` after the recorded (dense) prefill's K/V and first token.
 """
 from __future__ import annotations
 
@@ -53,6 +58,49 @@ def teacher_forced(m, ids, kv, toks):
     return out
 
 
+def replay(m, rec, pol, n):
+    """Greedy tokens (``n``, the first being the recorded prefill's) of a resident PagedKV under
+    ``pol`` whose prompt K/V are the record's (no prefill)."""
+    T = rec["T"]
+    kv = PagedKV(m.cfg, torch.float32, torch.device("cpu"), m.scale, prompt_len=T, max_new=n, policy=pol)
+    for layer in range(m.cfg.num_layers):
+        kb, vb = kv.buffers(layer, T)
+        kb.copy_(rec["k"][layer, :T])
+        vb.copy_(rec["v"][layer, :T])
+        kv.done(layer, kb, vb)
+    toks = [rec["dense"][0]]
+    for i in range(n - 1):
+        kv.begin_step(T + i)
+        lg = m.decode_step(torch.tensor([toks[-1]]), T + i, kv)
+        kv.end_step()
+        toks.append(int(lg[-1].argmax()))
+    kv.close()
+    return toks
+
+
+def run_replays(args):
+    m = load()
+    tok = m.tokenizer
+    out = []
+    for path in args.replay.split(","):
+        rec = torch.load(path)
+        dense = rec["dense"][:args.steps]
+        refs = rec.get("outputs", [])
+        print(path, "dense", repr(tok.decode(dense)), refs)
+        for v in json.loads(args.variants):
+            with xoffload.kernels.cpu_backend("reference"), torch.no_grad():
+                t = replay(m, rec, QuestDecode(**v), min(args.steps, len(dense)))
+            fd = next((i for i, (a, b) in enumerate(zip(dense, t)) if a != b), None)
+            txt = tok.decode(t)
+            ok = bool(refs) and all(r in txt for r in refs)
+            print(f"  {json.dumps(v):70s} answer={ok} first_diff={fd} {txt!r}")
+            out.append(dict(record=path, task=rec.get("task"), sample=rec.get("sample"), variant=v, answer_found=ok,
+                            first_diff=fd, text=txt, dense=tok.decode(dense)))
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(out, fh, indent=1)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--task", default="niah_single_2")
@@ -66,7 +114,11 @@ def main():
     ap.add_argument("--out", default=None)
     ap.add_argument("--cache", default=None, help="save the dense run (ids, K, V, decode queries) to this .pt")
     ap.add_argument("--record-only", action="store_true", help="with --cache: stop after the dense run")
+    ap.add_argument("--replay", default=None, help="comma-separated records (--cache) to replay")
+    ap.add_argument("--variants", default='[{"token_budget": 512}]', help="JSON list of QuestDecode kwargs")
     args = ap.parse_args()
+    if args.replay:
+        return run_replays(args)
     from xoffload.evals.tasks import build
     m = load()
     tok = m.tokenizer
