@@ -25,6 +25,10 @@ Parts (``--part``, comma-separated; default both):
   any other error is recorded and the next runs) and the JSON is rewritten after each one, so a
   run cut short still leaves its finished batches. ``--quick``: cap batches 1 and 16, 16 new
   tokens, resident given 4 prompts (about 2 minutes on an H200 with ``--part cap``).
+- ``long`` (not in the default; not yet run): no cap, ``--long-ctx`` tokens per sequence (128K):
+  offload + Quest at batch sizes up to what 80% of host memory holds in the pinned pool, against
+  ``resident`` up to what 90% of the free GPU memory holds; the best throughput of each and
+  their ratio.
 
 Writes ``benchmarks/results/batch.json`` and ``batch.png`` (throughput against batch size). Needs a
 CUDA GPU (``--help`` works anywhere).
@@ -240,9 +244,65 @@ def plot(res, path):
     return path
 
 
+def _host_bytes() -> int:
+    """Total host memory in bytes (``/proc/meminfo``; 0 when unreadable)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def part_long(res, model, ctx, new, budget, batches=None, save=lambda: None):
+    """No cap, ``ctx`` tokens per sequence (128K by default): offload + Quest at batch sizes up to
+    what host memory allows for the pinned pool (80% of RAM), against ``resident`` at batch sizes
+    up to what GPU memory allows; each batch size guarded (OOM and any other error recorded)."""
+    from xoffload.sparse import QuestDecode
+
+    kv = ctx * model.cfg.kv_bytes_per_token(model.dtype)
+    host_max = max(1, int(0.8 * _host_bytes()) // kv)
+    free, _total = torch.cuda.mem_get_info()
+    gpu_max = max(1, int(0.9 * free) // kv)
+    out = {"ctx": ctx, "budget": budget, "kv_bytes_per_seq": kv, "host_max_seqs": host_max,
+           "gpu_max_seqs": gpu_max, "offload_quest": {}, "resident": {}}
+    res["results"]["long_part"] = out  # partial results reach the JSON written after each size
+
+    def sizes(cap):
+        return sorted({b for b in (batches or [1, 2, 4, 8, 16]) if b <= cap} | {cap})
+
+    for name, cap, kw in (("offload_quest", host_max,
+                           {"mode": "offload", "sparse_decode": QuestDecode(token_budget=budget)}),
+                          ("resident", gpu_max, {"mode": "resident"})):
+        for b in sizes(cap):
+            print(f"long {name} b={b}: running ...", flush=True)
+            try:
+                extra = {"kv_cache_tokens": b * (ctx + 64)} if kw["mode"] == "offload" else {}
+                r = run_ours(model, b, ctx, new, **kw, **extra)
+            except torch.cuda.OutOfMemoryError as e:
+                _free()
+                r = {"status": "OOM", "error": str(e).splitlines()[0][:200]}
+            except Exception as e:  # noqa: BLE001 - recorded, the next size still runs
+                _free()
+                r = {"status": "error", "error": f"{type(e).__name__}: {str(e)[:200]}"}
+            out[name][b] = r
+            print(f"long {name} b={b}: {r.get('tok_per_s') or r.get('status')}", flush=True)
+            save()
+    best = {n: max([r["tok_per_s"] for r in out[n].values() if r.get("tok_per_s")] or [0])
+            for n in ("offload_quest", "resident")}
+    out["best_tok_per_s"] = best
+    out["offload_quest_over_resident"] = best["offload_quest"] / best["resident"] if best["resident"] else None
+    return out
+
+
 def main(argv=None):
     ap = bench_parser(__doc__, "batch", "batches 1, 4, 16 and 16 new tokens")
-    ap.add_argument("--part", default="gpu,cap", help="comma-separated parts: gpu, cap")
+    ap.add_argument("--part", default="gpu,cap", help="comma-separated parts: gpu, cap, long (no cap, "
+                    "--long-ctx tokens: the largest batches host memory (offload + Quest) and GPU memory "
+                    "(resident) allow)")
+    ap.add_argument("--long-ctx", type=int, default=131072, help="tokens per sequence of the long part")
     ap.add_argument("--ctx", type=int, default=32768, help="tokens per sequence (prompt + new)")
     ap.add_argument("--new", type=int, default=32, help="new tokens per sequence")
     ap.add_argument("--batches", default="1,2,4,8,16", help="batch sizes of the gpu part")
@@ -271,13 +331,16 @@ def main(argv=None):
             n_res = a.cap_resident or (4 if a.quick else max(cap_batches))
             _section(res, "cap_part", lambda: part_cap(res, model, cap_batches, a.ctx, new, a.budget, n_res,
                                                        save=lambda: write_json(a.out, res)))
+        if "long" in parts:
+            _section(res, "long_part", lambda: part_long(res, model, a.long_ctx, new, a.budget,
+                                                         save=lambda: write_json(a.out, res)))
     finally:
         model = None
         _free()
     rows = []
-    for part in ("gpu_part", "cap_part"):
+    for part in ("gpu_part", "cap_part", "long_part"):
         p = res["results"].get(part) or {}
-        for name in ("ours", "hf", "offload_quest"):
+        for name in ("ours", "hf", "offload_quest", "resident"):
             for b, r in (p.get(name) or {}).items():
                 rows.append({"what": f"{part}/{name}", "batch": b, "tok/s": r.get("tok_per_s") or float("nan"),
                              "step_ms": r.get("step_ms") or float("nan"),

@@ -82,6 +82,18 @@ def _top_sum(values, k: int) -> int:
     return sum(sorted(values, reverse=True)[:k])
 
 
+def _join(seqs, device) -> None:
+    """A sequence's first decode step: the current stream waits (on the GPU) for the copies of its
+    prompt into the pool (``seq.kv["events"]``) before anything reads them."""
+    cur = torch.cuda.current_stream(device) if device.type == "cuda" else None
+    for s in seqs:
+        if not s.kv["joined"]:
+            if cur is not None:
+                for ev in s.kv["events"]:
+                    cur.wait_event(ev)
+            s.kv["events"], s.kv["joined"] = [], True
+
+
 def _to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy a small host tensor into ``dst`` without making the host wait for the GPU (through
     pinned memory on CUDA: torch keeps the pinned buffer until the copy has run)."""
@@ -512,13 +524,7 @@ class OffloadBatchKV(BatchKV):
 
     def set_batch(self, seqs) -> int:
         rows = self.bucket(len(seqs))
-        cur = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        for s in seqs:
-            if not s.kv["joined"]:  # its prompt's copies into the pool come before its first read
-                if cur is not None:
-                    for ev in s.kv["events"]:
-                        cur.wait_event(ev)
-                s.kv["events"], s.kv["joined"] = [], True
+        _join(seqs, self.device)
         self._set_positions(seqs, rows)
         self.region.set_rows([s.kv["tail"] for s in seqs], [s.prompt_len for s in seqs], rows)
         tab = torch.zeros(rows, self.hpages, dtype=torch.int32)
@@ -847,13 +853,7 @@ class OffloadQuestBatchKV(BatchKV):
 
     def set_batch(self, seqs) -> int:
         rows = self.bucket(len(seqs))
-        cur = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
-        for s in seqs:
-            if not s.kv["joined"]:  # its prompt's copies into the pool come before its first read
-                if cur is not None:
-                    for ev in s.kv["events"]:
-                        cur.wait_event(ev)
-                s.kv["events"], s.kv["joined"] = [], True
+        _join(seqs, self.device)
         self._set_positions(seqs, rows)
         plans = [s.kv["plan"] for s in seqs]
         self.region.set_rows([s.kv["tail"] for s in seqs], [s.prompt_len - p.resident_prompt_tokens
