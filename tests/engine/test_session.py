@@ -454,3 +454,22 @@ def test_a_refused_first_turn_still_reuses_the_cache_next_time():
     with pytest.raises(ValueError, match="more pool blocks"):
         s.generate([1] * 200, SP)
     assert s.generate(x + [3], SP).timings["prefix_reused_tokens"] == 64
+
+
+def test_dense_layers_as_indices_and_from_the_decode_policy():
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=32, max_model_len=1024, **SDPA)
+    assert llm.session().dense_layers == (0, 1)
+    assert llm.session(dense_layers=1).dense_layers == (0,)
+    assert llm.session(dense_layers=[1]).dense_layers == (1,)
+    q = LLM(m, mode="offload", kv_block_size=32, max_model_len=1024, sparse_decode=QuestDecode(
+        token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(1,)), **SDPA)
+    assert q.session().dense_layers == (1,)
+    for bad in (3, -1, [2], ["a"], 1.5):
+        with pytest.raises(ValueError, match="dense_layers"):
+            llm.session(dense_layers=bad)
+    # layer 1 dense, layer 0 sparse: the sparse path reads every page (recent pages cover them)
+    prompts = _prompts([150, 30], seed=67)
+    dense = _conversation(llm, prompts)[0]
+    a, outs = _conversation(llm, prompts, history_budget=96, recent_pages=16, dense_layers=[1])
+    assert a == dense and outs[1].timings["history_sparse_layers"] == 1

@@ -163,7 +163,7 @@ class LLM:
         return ids
 
     # ------------------------------------------------------------------ sessions
-    def session(self, *, history_budget: int | None = None, dense_layers: int | None = None,
+    def session(self, *, history_budget: int | None = None, dense_layers=None,
                 recent_pages: int = 4):
         """A conversation whose KV stays stored between turns (:class:`~.session.Session`):
         ``s.generate(prompt, params)`` / ``s.chat(message, params)`` prefill only the new tokens

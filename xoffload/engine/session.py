@@ -15,7 +15,7 @@ tokens, as a chunk that continues the history:
   computed by that chunk's prefill (as a one-shot run over the concatenated conversation computes
   them), never kept from the decode tail.
 
-Sparse history (``history_budget``): per layer past the first ``dense_layers`` and per KV head,
+Sparse history (``history_budget``): per layer not in ``dense_layers`` and per KV head,
 the history pages (``page_size`` tokens) whose Quest bound (Tang et al. 2024: elementwise min/max
 of each page's K, kept on the GPU for the whole session; ``q⁺·max + q⁻·min`` maximised over the
 chunk's query tokens and the KV head's query-head group) is highest, up to ``history_budget``
@@ -276,8 +276,9 @@ class Session:
             tokens of history each sparse layer's chunk attends to per KV head (*sparse history*:
             a multiple of ``page_size``, at least two pages; the sink, the recent pages and the
             partial last page are read even when they pass it).
-        dense_layers: leading layers that always read the whole history (default: the decode
-            policy's dense layers, else 2 — Quest's choice).
+        dense_layers: layers that always read the whole history: an int N (the first N) or layer
+            indices (default: the decode policy's dense layers — e.g. a set calibrated with
+            :func:`xoffload.sparse.calibrate_dense_layers` —, else layers 0 and 1, Quest's choice).
         recent_pages: history pages before the chunk always read by a sparse layer (default 4).
 
     Attributes: ``tokens`` (every token of the conversation so far: stored history + the last
@@ -311,9 +312,20 @@ class Session:
             raise ValueError(f"recent_pages must be an int >= 0, got {recent_pages!r}")
         self.history_budget = history_budget
         if dense_layers is None:
-            dense_layers = L - len(self.policy.sparse_layers(L)) if self.policy is not None else min(2, L)
-        if isinstance(dense_layers, bool) or not isinstance(dense_layers, int) or not 0 <= dense_layers <= L:
-            raise ValueError(f"dense_layers must be an int in [0, {L}], got {dense_layers!r}")
+            sparse = set(self.policy.sparse_layers(L)) if self.policy is not None else set(range(2, L))
+            dense_layers = tuple(l for l in range(L) if l not in sparse)
+        elif isinstance(dense_layers, int) and not isinstance(dense_layers, bool):
+            if not 0 <= dense_layers <= L:
+                raise ValueError(f"dense_layers must be an int in [0, {L}] or layer indices, got {dense_layers!r}")
+            dense_layers = tuple(range(dense_layers))
+        else:
+            try:
+                ids = tuple(dense_layers)
+            except TypeError:
+                raise ValueError(f"dense_layers must be an int or layer indices, got {dense_layers!r}") from None
+            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < L for x in ids):
+                raise ValueError(f"dense_layers must hold layer indices in [0, {L}), got {dense_layers!r}")
+            dense_layers = tuple(sorted(set(ids)))
         self.dense_layers, self.recent_pages = dense_layers, recent_pages
         self.engine = llm.engine  # None in resident mode
         self.id = next(_ids)
@@ -429,7 +441,7 @@ class Session:
     def _history_sparse_layers(self, n: int) -> frozenset:
         if self.history_budget is None or n // self.page * self.page <= self.history_budget:
             return frozenset()
-        return frozenset(range(self.dense_layers, self.cfg.num_layers))
+        return frozenset(range(self.cfg.num_layers)) - frozenset(self.dense_layers)
 
     def _turn(self, chunk: list, sp, validate: bool = False, answer: bool = True):
         llm = self.llm
