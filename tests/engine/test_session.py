@@ -301,7 +301,7 @@ def test_gpu_offload_session_equals_resident_session():
 def test_gpu_history_staging_delayed_on_its_copy_stream(monkeypatch):
     """The seeds' race: copies on one stream, their readers on another. Each dense-history layer's
     gather is delayed ~2 ms on the copy stream; the answers must not change."""
-    import xoffload.engine.session as sess
+    import xoffload.engine.kv_history as sess
 
     m = _gpu_model()
     prompts = _prompts([2500, 40], seed=41)

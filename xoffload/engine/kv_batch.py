@@ -1,8 +1,8 @@
 """Batched KV stores: the KV of every running sequence of a batched ``LLM.generate``, and one decode
+step's attention for all of them.
 
 (Over 450 lines on purpose: the four batched stores share one row-pool and position
 bookkeeping base class; split apart they would each re-import and re-document it.)
-step's attention for all of them.
 
 A batched store is opened per ``generate`` call (:meth:`BatchKV.open`, its pools sized from the
 requests submitted) and serves the :class:`~xoffload.engine.scheduler.Scheduler`:

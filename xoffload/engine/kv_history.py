@@ -1,0 +1,236 @@
+"""The prefill sink of a chunk that continues a stored history (a session's turn): the chunk's
+K/V go where the session stores them, and ``history(layer, q)`` attends the chunk's queries to the
+history — every block (dense history: staged layer by layer into two GPU buffers by the UVA gather
+kernel on a copy stream, or read in place on the device) or the pages Quest's bound picks per KV
+head (sparse history: :func:`history_page_ids`, only those pages copied). Used by
+:class:`~xoffload.engine.session.Session`; see that module for the design.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..kernels import flash_attn_with_lse, gather_blocks, paged_decode_attn_with_lse
+from ..kernels.page_cache import page_cache_fill
+
+if TYPE_CHECKING:
+    from .session import Session
+
+__all__ = ["ChunkSink", "history_page_ids"]
+
+_Q_CHUNK = 64  # query tokens per block of the page-bound computation (bounds its memory)
+
+
+def _to_device(values, dtype, device) -> torch.Tensor:
+    """A host list as a device tensor without making the host wait for the stream (a pageable
+    copy would): staged in pinned memory, copied asynchronously."""
+    t = torch.tensor(list(values), dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def history_page_ids(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k: int, *,
+                     recent_pages: int = 4) -> torch.Tensor:
+    """The history pages a chunk's sparse layer reads, per KV head (Quest's bound, Tang et al. 2024).
+
+    Args:
+        q: ``[T, Hq, D]`` the chunk's (post-RoPE) queries of one layer, any float dtype.
+        kmin, kmax: ``[Hkv, n_pages, D]`` page minima / maxima of the history's K (whole pages).
+        k: pages to read per KV head (clamped to ``[forced, n_pages]``).
+        recent_pages: the last pages always read (with page 0, the sink).
+    Returns:
+        int64 ``[Hkv, k']`` distinct page ids per KV head (no particular order), ``k' = min(n_pages,
+        max(k, forced))``: the sink page, the ``recent_pages`` last pages, then the highest bounds
+        ``q_t⁺·max + q_t⁻·min`` maximised over the chunk's tokens t and each KV head's query-head
+        group (an upper bound of every ``q·k`` of the page for every query of the chunk).
+    Raises:
+        ValueError: shapes that do not fit, ``k < 0``.
+    """
+    if q.dim() != 3 or kmin.dim() != 3 or kmin.shape != kmax.shape or q.shape[-1] != kmin.shape[-1]:
+        raise ValueError(f"q must be [T, Hq, D] and kmin/kmax [Hkv, n_pages, D] with the same D, got "
+                         f"{tuple(q.shape)}, {tuple(kmin.shape)}, {tuple(kmax.shape)}")
+    hkv, full, d = kmin.shape
+    if q.shape[1] % hkv:
+        raise ValueError(f"Hq={q.shape[1]} is not a multiple of Hkv={hkv}")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+        raise ValueError(f"k must be an int >= 0, got {k!r}")
+    g = q.shape[1] // hkv
+    forced = sorted({0, *range(max(1, full - recent_pages), full)}) if full else []
+    k = min(full, max(k, len(forced)))
+    if k >= full:
+        return torch.arange(full, device=kmin.device).expand(hkv, full)
+    best = torch.full((hkv, full), float("-inf"), dtype=torch.float32, device=kmin.device)
+    mx, mn = kmax.float(), kmin.float()
+    for a in range(0, q.shape[0], _Q_CHUNK):
+        qc = q[a:a + _Q_CHUNK].float().view(-1, hkv, g, d)  # [t, Hkv, g, D]
+        b = torch.einsum("thgd,hpd->thgp", qc.clamp(min=0), mx) + torch.einsum("thgd,hpd->thgp", qc.clamp(max=0), mn)
+        best = torch.maximum(best, b.amax(dim=(0, 2)))
+    best[:, forced] = float("inf")
+    return best.topk(k, dim=-1, sorted=False).indices
+
+
+class ChunkSink:
+    """The model's prefill sink for one turn's chunk of ``T`` tokens at positions ``n .. n+T-1``
+    of session ``sess`` (whose stored history holds tokens ``0 .. n-1``): ``buffers`` / ``done``
+    as any sink (resident: views of the session's device rows; offload: two staging buffers whose
+    layers go to the pool), plus ``history(layer, q)``. ``dense=True`` reads the whole history in
+    every layer whatever the session's budget. ``h2d_bytes`` counts what it copied from the pool;
+    ``events`` are the chunk's pool writes."""
+
+    def __init__(self, sess: "Session", n: int, T: int, dense: bool = False):
+        self.s, self.n, self.T = sess, n, T
+        self.h2d_bytes = 0
+        self.events = []
+        self._stage = None
+        self._stage_ev = [None, None]
+        self._to_release = None
+        s = sess
+        self.sparse_layers = frozenset() if dense else s._history_sparse_layers(n)
+        self.dense_layers = [l for l in range(s.cfg.num_layers) if l not in self.sparse_layers]
+        self._staging = s.engine is not None and n > 0 and bool(self.dense_layers)
+        if self._staging:
+            self._open_staging()
+
+    # -- prefill sink
+    def buffers(self, layer, T):
+        s = self.s
+        if s.engine is None:
+            return s._rows[0][layer, self.n:self.n + T], s._rows[1][layer, self.n:self.n + T]
+        if self._stage is None:
+            shape = (T, s.cfg.num_kv_heads, s.cfg.head_dim)
+            self._stage = [(torch.empty(shape, dtype=s.dtype, device=s.device),
+                            torch.empty(shape, dtype=s.dtype, device=s.device)) for _ in range(2)]
+        ev = self._stage_ev[layer & 1]
+        if ev is not None and s.cuda:
+            torch.cuda.current_stream(s.device).wait_event(ev)
+        s.engine.reclaim()
+        return self._stage[layer & 1]
+
+    def done(self, layer, k, v):
+        s = self.s
+        self._release(layer)  # the history attention that read its staging buffer is enqueued
+        s._summarize(layer, self.n, k)
+        if s.engine is not None:
+            ev = s.engine.offload_layer(s.seq, layer, k, v)
+            self._stage_ev[layer & 1] = ev
+            s._write_ev[layer] = ev
+            self.events.append(ev)
+            if layer == s.cfg.num_layers - 1:
+                self._stage = None
+
+    # -- history attention
+    def history(self, layer, q):
+        """Attention of the chunk's queries ``q [T, Hq, D]`` over the history of ``layer``:
+        ``(o [1, T, Hq, D], lse fp32 [1, Hq, T])``."""
+        if layer in self.sparse_layers:
+            return self._sparse(layer, q)
+        s, n = self.s, self.n
+        if s.engine is None:
+            k, v = s._rows[0][layer, :n], s._rows[1][layer, :n]
+        else:
+            k, v = self._staged(layer)
+        return flash_attn_with_lse(q[None], k[None], v[None], causal=False, softmax_scale=s.scale)
+
+    def _open_staging(self):
+        """Two GPU buffers of whole pool blocks; dense-history layer ``dense_layers[i]`` is copied
+        into buffer ``i % 2`` (one gather kernel over UVA, on a copy stream) while the layer before
+        it computes."""
+        s = self.s
+        eng = s.engine
+        B = eng.block_size
+        nb = -(-self.n // B)
+        cfg = s.cfg
+        self._sbuf = [(torch.empty(nb, B, cfg.num_kv_heads, cfg.head_dim, dtype=s.dtype, device=s.device),
+                       torch.empty(nb, B, cfg.num_kv_heads, cfg.head_dim, dtype=s.dtype, device=s.device))
+                      for _ in range(min(2, len(self.dense_layers)))]
+        self._bt = _to_device(eng.block_table(s.seq)[:nb], torch.int32, s.device)
+        self._cs = torch.cuda.Stream(s.device) if s.cuda else None
+        self._copied, self._freed = {}, [None, None]
+        if self._cs is not None:
+            self._cs.wait_stream(torch.cuda.current_stream(s.device))
+        for i in range(min(2, len(self.dense_layers))):
+            self._stage_layer(i)
+
+    def _stage_layer(self, i):
+        s, layer = self.s, self.dense_layers[i]
+        kb, vb = self._sbuf[i & 1]
+        cs = self._cs
+        ctx = torch.cuda.stream(cs) if cs is not None else contextlib.nullcontext()
+        with ctx:
+            if cs is not None:
+                if s._write_ev[layer] is not None:
+                    cs.wait_event(s._write_ev[layer])
+                if self._freed[i & 1] is not None:
+                    cs.wait_event(self._freed[i & 1])
+            pool = s.engine.pool
+            gather_blocks(pool.k[layer], pool.v[layer], self._bt, kb, vb)
+            if cs is not None:
+                ev = torch.cuda.Event()
+                ev.record(cs)
+                self._copied[layer] = ev
+        self.h2d_bytes += 2 * kb.numel() * kb.element_size()
+
+    def _staged(self, layer):
+        i = self.dense_layers.index(layer)
+        s = self.s
+        if self._cs is not None:
+            cur = torch.cuda.current_stream(s.device)
+            cur.wait_event(self._copied.pop(layer))
+        kb, vb = self._sbuf[i & 1]
+        k, v = kb.flatten(0, 1)[:self.n], vb.flatten(0, 1)[:self.n]
+        if i + 2 < len(self.dense_layers):
+            self._to_release = i  # refilled by :meth:`_release` once this layer's attention is enqueued
+        return k, v
+
+    def _release(self, layer):
+        """Once layer ``layer``'s history attention is enqueued (the model calls ``done`` after
+        it): its staging buffer is refilled with the dense-history layer two ahead."""
+        i = self._to_release
+        if i is None or self.dense_layers[i] != layer:
+            return
+        self._to_release = None
+        if self._cs is not None:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.s.device))
+            self._freed[i & 1] = ev
+        self._stage_layer(i + 2)
+
+    def _sparse(self, layer, q):
+        """Quest-selected history pages of ``layer`` (see the module docstring)."""
+        s, n = self.s, self.n
+        P = s.page
+        full = n // P
+        r = n - full * P
+        k_sel = min(full, s.history_budget // P - (1 if r else 0))
+        hkv = s.cfg.num_kv_heads
+        ids = history_page_ids(q, s._summ.kmin[layer, :, :full], s._summ.kmax[layer, :, :full], k_sel,
+                               recent_pages=s.recent_pages)
+        k_sel = ids.shape[1]
+        tok = ids * P  # first token of each chosen page, [Hkv, k]
+        if r:
+            tok = torch.cat([tok, torch.full((hkv, 1), full * P, dtype=tok.dtype, device=s.device)], 1)
+        m = tok.shape[1]
+        lens = torch.full((1,), k_sel * P + r, dtype=torch.int32, device=s.device)
+        if s.engine is None:
+            table = tok.to(torch.int32)[None]
+            kr, vr = s._rows[0][layer], s._rows[1][layer]
+        else:
+            eng = s.engine
+            B = eng.block_size
+            bt = _to_device(eng.block_table(s.seq), torch.int64, s.device)
+            src = (bt[tok // B] * B + tok % B).to(torch.int32)
+            cfg = s.cfg
+            kr = torch.empty(m * P, hkv, cfg.head_dim, dtype=s.dtype, device=s.device)
+            vr = torch.empty_like(kr)
+            table = torch.arange(0, m * P, P, dtype=torch.int32, device=s.device).expand(hkv, m).contiguous()
+            if s.cuda and s._write_ev[layer] is not None:
+                torch.cuda.current_stream(s.device).wait_event(s._write_ev[layer])
+            page_cache_fill(eng.pool.k_rows(layer), eng.pool.v_rows(layer), kr, vr, src, table, page_size=P)
+            table = table[None]
+            self.h2d_bytes += 2 * m * P * hkv * cfg.head_dim * kr.element_size()
+        o, lse = paged_decode_attn_with_lse(q[None], kr, vr, table, lens, page_size=P, causal=False,
+                                            softmax_scale=s.scale, check=False)
+        return o, lse
