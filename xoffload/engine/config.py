@@ -167,12 +167,14 @@ class EngineConfig:
             raise ValueError(f"kv_block_size must be a power of two >= 16 for batched resident decode "
                              f"(max_num_seqs > 1: the page of the paged KV pool), got {b}")
         self.seed = int(self.seed)
-        check_bool("prefix_caching", self.prefix_caching)
-        if self.prefix_caching and (self.mode != "offload" or self.offload_decode == "ring" or self.max_num_seqs != 1):
-            raise ValueError(f"prefix_caching reuses KV blocks of the offload pool: it needs mode='offload' with "
-                             f"offload_decode 'direct' or 'uva' and max_num_seqs=1, got mode={self.mode!r}, "
-                             f"offload_decode={self.offload_decode!r}, max_num_seqs={self.max_num_seqs}")
         self.tensor_parallel_size = _positive("tensor_parallel_size", self.tensor_parallel_size)
+        check_bool("prefix_caching", self.prefix_caching)
+        if self.prefix_caching and (self.mode != "offload" or self.offload_decode == "ring" or self.max_num_seqs != 1
+                                    or self.tensor_parallel_size != 1):
+            raise ValueError(f"prefix_caching reuses KV blocks of the offload pool: it needs mode='offload' with "
+                             f"offload_decode 'direct' or 'uva', max_num_seqs=1 and one device, got mode={self.mode!r}, "
+                             f"offload_decode={self.offload_decode!r}, max_num_seqs={self.max_num_seqs}, "
+                             f"tensor_parallel_size={self.tensor_parallel_size}")
 
     @property
     def policy(self) -> PrefillPolicy:

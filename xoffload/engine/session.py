@@ -75,7 +75,8 @@ class Session:
     answer), ``history_len`` (tokens whose K/V are stored), ``turns``, ``closed``.
 
     Raises:
-        ValueError: a ``ring`` offload store, ``max_num_seqs > 1``, a bad ``history_budget`` /
+        ValueError: a ``ring`` offload store, ``max_num_seqs > 1``, ``tensor_parallel_size > 1``, a bad
+            ``history_budget`` /
             ``dense_layers`` / ``recent_pages``, a closed LLM.
     """
 
@@ -87,6 +88,9 @@ class Session:
             raise ValueError("this LLM was closed; create a new one")
         if llm.config.max_num_seqs != 1:
             raise ValueError(f"sessions need max_num_seqs=1, got {llm.config.max_num_seqs}")
+        if llm.config.tensor_parallel_size != 1:
+            raise ValueError(f"sessions run on one device; tensor_parallel_size={llm.config.tensor_parallel_size} "
+                             f"is not supported for them yet")
         store = llm._store
         if store is not ResidentPagedKV and not issubclass(store, PagedKV) and llm.mode != "resident":
             raise ValueError(f"sessions read the pool page by page; offload_decode={llm.config.offload_decode!r} "
