@@ -473,3 +473,29 @@ def test_dense_layers_as_indices_and_from_the_decode_policy():
     dense = _conversation(llm, prompts)[0]
     a, outs = _conversation(llm, prompts, history_budget=96, recent_pages=16, dense_layers=[1])
     assert a == dense and outs[1].timings["history_sparse_layers"] == 1
+
+
+def test_prefix_caching_in_a_batch():
+    """8 questions over one document in one batched call (max_num_seqs=4): every sequence after
+    the first reuses the document, prefilled once; answers equal a batched LLM without caching
+    and each prompt alone; a second call reuses it too; the pool is whole after clear()."""
+    m = tiny_random()
+    doc = _prompts([300], seed=70)[0]
+    prompts = [doc + q for q in _prompts([20 + i for i in range(8)], seed=71)]
+    kw = dict(mode="offload", kv_block_size=32, max_model_len=1024, max_num_seqs=4, **SDPA)
+    want = [o.token_ids for o in LLM(m, **kw).generate(prompts, SP)]
+    llm = LLM(m, prefix_caching=True, **kw)
+    outs = llm.generate(prompts, SP)
+    assert [o.token_ids for o in outs] == want
+    reused = [o.timings.get("prefix_reused_tokens", 0) for o in outs]
+    assert reused[0] == 0 and all(r >= 300 for r in reused[1:]), reused
+    again = llm.generate(prompts[:2], SP)
+    assert [o.token_ids for o in again] == want[:2]
+    assert all(o.timings.get("prefix_reused_tokens", 0) >= 300 for o in again)
+    eng = llm.engine
+    assert eng.sequences() == []
+    llm.prefix_cache.clear()
+    assert eng.num_free_blocks == eng.allocator.num_blocks
+    eng.allocator.check()
+    with pytest.raises(ValueError, match="no decode"):
+        LLM(m, prefix_caching=True, sparse_decode=QUEST, **kw)

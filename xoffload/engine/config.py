@@ -85,7 +85,7 @@ class EngineConfig:
             needs one process per rank (``torchrun --nproc-per-node N``): attention / KV heads,
             MLP and vocabulary split across the ranks, each with its own KV store (its pinned
             pool and ring hold ``num_kv_heads / N`` heads); see :mod:`xoffload.models.parallel`.
-        prefix_caching: offload mode, one request at a time — a request (or a session's first
+        prefix_caching: offload mode (batched: dense decode only) — a request (or a session's first
             turn) whose leading tokens equal KV already in the pool (blocks of earlier requests
             and closed sessions, matched by a chained hash of each block's token ids as vLLM's
             automatic prefix caching) shares those blocks and prefills only the rest, attending to
@@ -169,11 +169,13 @@ class EngineConfig:
         self.seed = int(self.seed)
         self.tensor_parallel_size = _positive("tensor_parallel_size", self.tensor_parallel_size)
         check_bool("prefix_caching", self.prefix_caching)
-        if self.prefix_caching and (self.mode != "offload" or self.offload_decode == "ring" or self.max_num_seqs != 1
+        if self.prefix_caching and (self.mode != "offload" or self.offload_decode == "ring"
+                                    or (self.max_num_seqs != 1 and self.sparse_decode is not None)
                                     or self.tensor_parallel_size != 1):
             raise ValueError(f"prefix_caching reuses KV blocks of the offload pool: it needs mode='offload' with "
-                             f"offload_decode 'direct' or 'uva', max_num_seqs=1 and one device, got mode={self.mode!r}, "
-                             f"offload_decode={self.offload_decode!r}, max_num_seqs={self.max_num_seqs}, "
+                             f"offload_decode 'direct' or 'uva', one device, and (with max_num_seqs > 1) no decode "
+                             f"policy; got mode={self.mode!r}, offload_decode={self.offload_decode!r}, "
+                             f"max_num_seqs={self.max_num_seqs}, sparse_decode={self.sparse_decode!r}, "
                              f"tensor_parallel_size={self.tensor_parallel_size}")
 
     @property

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import merge_attention_states, paged_decode_attn_with_lse
+from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
 from ..runtime.allocator import BlockAllocator
 from .kv_store import ResidentKV
 
@@ -320,10 +320,14 @@ class BatchKV:
 
 
 class _StagedSink:
-    """Prefill sink of one sequence: K/V buffers the model fills per layer, handed to ``on_done``."""
+    """Prefill sink of one sequence: K/V buffers the model fills per layer, handed to ``on_done``;
+    with ``history`` (a prefill continuing KV already stored: a reused prefix), also the model's
+    ``history(layer, q) -> (o, lse)``."""
 
-    def __init__(self, buffers, on_done):
+    def __init__(self, buffers, on_done, history=None):
         self.buffers, self._done = buffers, on_done
+        if history is not None:
+            self.history = history
 
     def done(self, layer, k, v):
         self._done(layer, k, v)
@@ -444,11 +448,15 @@ class OffloadBatchKV(BatchKV):
 
     capturable = True
 
-    def __init__(self, model, config, shared, seqs):
+    def __init__(self, model, config, shared, seqs, prefix_cache=None):
         super().__init__(model, config, shared, seqs)
         self.eng = shared
         self.block = self.eng.block_size
+        self.cache = prefix_cache
         self.cap_blocks = self.eng.num_free_blocks  # the pool is this call's (requests run one call at a time)
+        if prefix_cache is not None:  # cached blocks no live sequence holds give way when needed
+            self.cap_blocks += prefix_cache.evictable_blocks()
+        self._keys = 0
         new = [max(s.req.max_new - 1, 0) for s in seqs] + [0]
         self.tail = RowPool(self.cfg, _top_sum([_blocks(n, TAIL_BLOCK) for n in new], self.max_num_seqs), TAIL_BLOCK,
                             self.dtype, self.device)
@@ -480,20 +488,38 @@ class OffloadBatchKV(BatchKV):
         return (self._reserved + self._prompt_blocks(seq) <= self.cap_blocks
                 and _blocks(self._new(seq), TAIL_BLOCK) <= self.tail.alloc.num_free)
 
+    @classmethod
+    def open(cls, model, config, shared, seqs, prefix_cache=None) -> "OffloadBatchKV":
+        return cls(model, config, shared, seqs, prefix_cache)
+
     def admit(self, seq):
-        sid = self.eng.add_sequence()
-        self._admitted[sid] = seq
+        # with a prefix cache the engine sequence starts at the prefill (prefill_start): the
+        # match then sees the blocks of the sequences prefilled before it in this call
+        key = self._keys
+        self._keys += 1
+        sid = self.eng.add_sequence() if self.cache is None else None
+        self._admitted[key] = seq
         self._reserved += self._prompt_blocks(seq)
-        seq.kv = {"sid": sid, "tail": self.tail.reserve(sid, self._new(seq)), "events": [], "joined": False}
+        seq.kv = {"key": key, "sid": sid, "start": 0, "tail": self.tail.reserve(key, self._new(seq)), "events": [],
+                  "joined": False}
+
+    def prefill_start(self, seq) -> int:
+        """Tokens of ``seq``'s prompt already in the pool (a cached prefix it now shares; 0 without
+        a prefix cache): its prefill starts there. Called once, right before its prefill."""
+        kv = seq.kv
+        if kv["sid"] is None:
+            kv["sid"], kv["start"] = self.cache.add_sequence(seq.req.ids[:-1])
+        return kv["start"]
 
     def release(self, seq):
         kv = seq.kv
         if kv is None:
             return
-        self._admitted.pop(kv["sid"], None)
+        self._admitted.pop(kv["key"], None)
         self._reserved -= self._prompt_blocks(seq)
-        self.tail.free(kv["sid"])
-        self.eng.free(kv["sid"])
+        self.tail.free(kv["key"])
+        if kv["sid"] is not None:
+            self.eng.free(kv["sid"])
         seq.kv = None
 
     def h2d_bytes_per_step(self, seq) -> int:
@@ -519,8 +545,18 @@ class OffloadBatchKV(BatchKV):
             ev = self.eng.offload_layer(sid, layer, k, v)
             self._stage_ev[layer & 1] = ev
             events.append(ev)
+            if self.cache is not None and layer == self.cfg.num_layers - 1:
+                self.cache.insert(sid, seq.req.ids)  # later sequences of this call may share the prompt
 
-        return _StagedSink(buffers, done)
+        start = seq.kv["start"]
+
+        def history(layer, q):
+            """The reused prefix of ``layer`` (every block, read from the pool) for the prompt's
+            remaining queries ``q [T, Hq, D]``."""
+            k, v = self.eng.fetch_blocks(sid, layer, list(range(_blocks(start, self.block))))
+            return flash_attn_with_lse(q[None], k[None, :start], v[None, :start], causal=False, softmax_scale=self.scale)
+
+        return _StagedSink(buffers, done, history if start else None)
 
     def set_batch(self, seqs) -> int:
         rows = self.bucket(len(seqs))

@@ -107,7 +107,10 @@ class BatchRunner:
         if cuda:
             torch.cuda.reset_peak_memory_stats(dev)
         start = clock.mark()
-        store = self.cls.open(m, cfg, llm.engine, seqs, **self.kw)
+        kw = dict(self.kw)
+        if getattr(llm, "prefix_cache", None) is not None:  # offload, dense decode: reuse cached prefixes
+            kw["prefix_cache"] = llm.prefix_cache
+        store = self.cls.open(m, cfg, llm.engine, seqs, **kw)
         graphs = None
         try:
             sched = Scheduler(cfg.max_num_seqs, cfg.max_num_batched_tokens, store)
@@ -187,9 +190,11 @@ class BatchRunner:
         m, cfg = self.m, self.config
         s.marks["t0"] = a = clock.mark()
         s.densities = None if cfg.policy.dense else []
-        ids_t = torch.tensor(s.req.ids, dtype=torch.int64).to(m.device)
+        start = store.prefill_start(s) if hasattr(store, "prefill_start") else 0  # a reused prefix
+        s.reused = start
+        ids_t = torch.tensor(s.req.ids[start:], dtype=torch.int64).to(m.device)
         logits = m.prefill(ids_t, store.sink(s), chunk=cfg.prefill_chunk, policy=cfg.policy,
-                           densities=s.densities, attn_backend=cfg.prefill_attn)
+                           densities=s.densities, attn_backend=cfg.prefill_attn, start=start)
         s.marks["prefill"] = b = clock.mark()
         tok = sample(logits, s.req.sp, s.req.gen)
         s.marks["first"] = clock.mark()
@@ -211,6 +216,8 @@ class BatchRunner:
         out_ids, reason = s.req.finish(s.tokens[:s.req.max_new])
         t = request_timings(clock, s.marks, s.prompt_len, s.steps, s.densities)
         t["queue_ms"] = clock.ms(start, s.marks["t0"])
+        if getattr(s, "reused", 0):
+            t["prefix_reused_tokens"] = s.reused
         if s.h2d is not None:
             t["h2d_bytes_per_token"] = int(s.h2d)
         t.update(s.stats)
