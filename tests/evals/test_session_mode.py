@@ -30,6 +30,9 @@ def test_session_mode_syntax():
     assert mode_options("offload:session")["session"] == {"history_budget": None}
     assert mode_options("offload+quest@512:session@1024")["session"] == {"history_budget": 1024}
     assert "session" not in mode_options("offload")
-    for bad in ("offload:session@", "offload:session@x", "offload:session@0", "offload:sessionx"):
+    assert mode_options("offload:session@512/dense=0.1.18")["session"] == {"history_budget": 512,
+                                                                           "dense_layers": (0, 1, 18)}
+    for bad in ("offload:session@", "offload:session@x", "offload:session@0", "offload:sessionx",
+                "offload:session@512/dense=a"):
         with pytest.raises(_ArgError, match="session"):
             mode_options(bad)

@@ -129,10 +129,17 @@ def mode_options(name: str) -> dict:
     name, sep, sess = name.partition(":session")
     session = None
     if sep:
+        sess, slash, dense = sess.partition("/dense=")
         if sess and not (sess.startswith("@") and sess[1:].isascii() and sess[1:].isdigit() and int(sess[1:]) > 0):
             raise _ArgError(f"--mode {name + sep + sess!r}: :session takes an optional @HISTORY_BUDGET (a positive "
-                            f"integer), e.g. offload:session@1024")
+                            f"integer) and /dense=I.J.K (its dense layers), e.g. offload:session@1024/dense=0.1.18")
         session = {"history_budget": int(sess[1:]) if sess else None}
+        if slash:
+            ids = dense.split(".") if dense else []
+            if not all(x.isascii() and x.isdigit() for x in ids):
+                raise _ArgError(f"--mode {name + sep + sess + slash + dense!r}: /dense= takes layer indices joined "
+                                f"by '.'")
+            session["dense_layers"] = tuple(int(x) for x in ids)
     base, at, budget = name.partition("@")
     base = "resident" if base == "gpu" else base.replace("gpu+", "resident+")
     if base not in confs:

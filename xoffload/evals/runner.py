@@ -369,12 +369,13 @@ def question_start(sample, tokenizer) -> int:
     return max(1, len(ids) - 64)
 
 
-def ask_in_session(llm, sample, tokenizer, sp, history_budget=None):
-    """Ask ``sample`` as the second turn of a session: turn one appends the prompt up to the
-    question (:meth:`~xoffload.engine.session.Session.append`), turn two asks the rest (the same
-    tokens as the one-shot prompt). Returns the second turn's RequestOutput."""
+def ask_in_session(llm, sample, tokenizer, sp, history_budget=None, dense_layers=None):
+    """Ask ``sample`` as the second turn of a session (``history_budget`` / ``dense_layers``: its
+    sparse history, :meth:`~xoffload.engine.llm.LLM.session`): turn one appends the prompt up to
+    the question (:meth:`~xoffload.engine.session.Session.append`), turn two asks the rest (the
+    same tokens as the one-shot prompt). Returns the second turn's RequestOutput."""
     j = question_start(sample, tokenizer)
-    with llm.session(history_budget=history_budget) as sess:
+    with llm.session(history_budget=history_budget, dense_layers=dense_layers) as sess:
         sess.append(sample.token_ids[:j])
         return sess.generate(sample.token_ids[j:], sp)
 
