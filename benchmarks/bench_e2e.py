@@ -121,7 +121,11 @@ def all_configs() -> dict:
         cfgs["offload+quest-cache2x"] = {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=116)}
     only = os.environ.get("XOFFLOAD_BENCH_CONFIGS")
     if only:
-        cfgs = {k: v for k, v in cfgs.items() if k in only.split(",")}
+        names = [x for x in only.split(",") if x]
+        unknown = [x for x in names if x not in cfgs]
+        if unknown:
+            raise ValueError(f"unknown configuration(s) {unknown}; known: {', '.join(cfgs)}")
+        cfgs = {k: v for k, v in cfgs.items() if k in names}
     return cfgs
 
 
@@ -333,7 +337,10 @@ def time_split(res) -> dict:
 
 def main(argv=None):
     ap = bench_parser(__doc__, "e2e", "8B at 32K and 128K only")
-    ap.add_argument("--part", default="8b,qwen,smollm2,cap,stall", help="comma-separated parts (see the docstring)")
+    ap.add_argument("--part", default="8b,qwen,smollm2,cap,stall",
+                    help="comma-separated parts: 8b (Llama-3.1-8B shape, 8K-128K, peers), qwen (Qwen3-8B shape, "
+                         "32K), smollm2 (the real model, 2K-8K), cap (24 GiB cap: 128K decode and the longest "
+                         "context served), stall (40 unseen lengths)")
     ap.add_argument("--lengths", default=None, help="8B lengths, e.g. 8192,131072")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
     ap.add_argument("--cap-max", type=int, default=262144, help="longest context the cap bisection tries")
@@ -343,6 +350,7 @@ def main(argv=None):
         return 0
     if a.configs:
         os.environ["XOFFLOAD_BENCH_CONFIGS"] = a.configs
+        all_configs()  # an unknown name fails here, before anything runs
     parts = set(a.part.split(","))
     lengths = ([int(x) for x in a.lengths.split(",")] if a.lengths else
                [32768, 131072] if a.quick else [8192, 16384, 32768, 65536, 131072])

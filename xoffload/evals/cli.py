@@ -133,6 +133,8 @@ def mode_options(name: str) -> dict:
         if sess and not (sess.startswith("@") and sess[1:].isascii() and sess[1:].isdigit() and int(sess[1:]) > 0):
             raise _ArgError(f"--mode {name + sep + sess!r}: :session takes an optional @HISTORY_BUDGET (a positive "
                             f"integer) and /dense=I.J.K (its dense layers), e.g. offload:session@1024/dense=0.1.18")
+        if name == HF_MODE:
+            raise _ArgError(f"--mode {HF_MODE}:session: the transformers peer cannot run as a session")
         session = {"history_budget": int(sess[1:]) if sess else None}
         if slash:
             ids = dense.split(".") if dense else []
@@ -144,7 +146,7 @@ def mode_options(name: str) -> dict:
     base = "resident" if base == "gpu" else base.replace("gpu+", "resident+")
     if base not in confs:
         raise _ArgError(f"unknown --mode {name!r}; known: both, gpu, {', '.join(confs)}, {HF_MODE} "
-                        f"(decode policies take @BUDGET)")
+                        f"(decode policies take @BUDGET[/GROUP][/dense=I.J]; any engine mode :session[@N])")
     kw = dict(confs[base])
     if at:
         budget, slash, group = budget.partition("/")
