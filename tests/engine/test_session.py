@@ -499,3 +499,19 @@ def test_prefix_caching_in_a_batch():
     eng.allocator.check()
     with pytest.raises(ValueError, match="no decode"):
         LLM(m, prefix_caching=True, sparse_decode=QUEST, **kw)
+
+
+def test_prefix_caching_in_a_batch_with_a_small_pool_and_repeats():
+    """Repeated and partly shared prompts (block and page boundaries, an exact repeat) through a
+    6-block pool with 2 sequences at a time: every answer equals the run without caching; the
+    allocator's books balance after each call."""
+    m = tiny_random()
+    a, b, c = _prompts([64, 33, 95], seed=72)
+    prompts = [a, a + b, a, a + b[:10], c, a + b + [5], c[:40]]
+    kw = dict(mode="offload", kv_block_size=32, max_model_len=256, max_num_seqs=2, kv_cache_tokens=6 * 32, **SDPA)
+    want = [o.token_ids for o in LLM(m, **kw).generate(prompts, SP)]
+    llm = LLM(m, prefix_caching=True, **kw)
+    for _ in range(2):
+        assert [o.token_ids for o in llm.generate(prompts, SP)] == want
+        llm.engine.allocator.check()
+        assert llm.engine.sequences() == []

@@ -471,7 +471,9 @@ class OffloadBatchKV(BatchKV):
         self._tok_bytes = self.cfg.kv_bytes_per_token(self.dtype)
 
     def _prompt_blocks(self, seq) -> int:
-        return _blocks(seq.prompt_len, self.block)
+        # with a prefix cache, one more: a shared, partly filled last block is copied before the
+        # sequence writes into it (copy-on-write), the new block allocated while the old one is held
+        return _blocks(seq.prompt_len, self.block) + (1 if self.cache is not None else 0)
 
     @staticmethod
     def _new(seq) -> int:
