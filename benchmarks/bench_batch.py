@@ -41,7 +41,7 @@ from _common import bench_parser, env_record, fmt_table, hbm_copy_gbps, parse_gp
 
 import torch
 
-from bench_llm import _free, _prompt, _section, h2d_bandwidth_gbps, hf_from_ours
+from bench_llm import _free, _prompt, _section, h2d_bandwidth_gbps, hf_from_ours, token_marker
 
 PRESET = "llama-3.1-8b"
 CAP_BYTES = 24 * 2**30
@@ -84,23 +84,15 @@ def run_ours(model, batch, ctx, new, **kw) -> dict:
 
 def run_hf_batch(hf, batch, ctx, new) -> dict:
     """transformers ``generate`` of ``batch`` prompts at once (greedy, ``new`` tokens each)."""
-    from transformers import LogitsProcessor, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
     events = []
-
-    class _Mark(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            events.append(e)
-            return scores
-
     ids = torch.tensor([_prompt(ctx - new, hf.config.vocab_size, seed=i) for i in range(batch)], device="cuda")
     torch.cuda.reset_peak_memory_stats()
     try:
         with torch.no_grad():
             out = hf.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                              attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([_Mark()]))
+                              attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([token_marker(events)]))
     except torch.cuda.OutOfMemoryError as e:
         return {"batch": batch, "status": "OOM", "error": str(e).splitlines()[0][:200]}
     finally:

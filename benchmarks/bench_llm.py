@@ -91,11 +91,10 @@ def run_ours(llm, n_ctx, seed=0, repeat=1) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- peer
-def run_hf(hf, n_ctx, offloading: bool, seed=0) -> dict:
-    """One ``generate`` call of N_NEW tokens; a logits processor records a CUDA event per token."""
-    from transformers import LogitsProcessor, LogitsProcessorList
-
-    events = []
+def token_marker(events: list):
+    """A transformers logits processor that records a CUDA timing event into ``events`` at every
+    generated token (the peer's per-token decode time, without a host clock)."""
+    from transformers import LogitsProcessor
 
     class _Mark(LogitsProcessor):
         def __call__(self, input_ids, scores):
@@ -104,9 +103,17 @@ def run_hf(hf, n_ctx, offloading: bool, seed=0) -> dict:
             events.append(e)
             return scores
 
+    return _Mark()
+
+
+def run_hf(hf, n_ctx, offloading: bool, seed=0) -> dict:
+    """One ``generate`` call of N_NEW tokens; a logits processor records a CUDA event per token."""
+    from transformers import LogitsProcessorList
+
+    events = []
     ids = torch.tensor([_prompt(n_ctx - N_NEW, hf.config.vocab_size, seed)], device="cuda")
     kw = dict(max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
-              attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([_Mark()]))
+              attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([token_marker(events)]))
     if offloading:
         from transformers import DynamicCache
 

@@ -51,7 +51,7 @@ import torch
 
 from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
 from ..runtime.allocator import BlockAllocator
-from .kv_store import ResidentKV
+from .kv_store import PrefillStaging, ResidentKV
 
 __all__ = ["BatchKV", "ResidentBatchKV", "OffloadBatchKV", "OffloadQuestBatchKV", "SerialBatchKV", "RowPool",
            "batch_store_class", "batch_buckets", "TAIL_BLOCK", "SUMMARY_BLOCK"]
@@ -278,6 +278,12 @@ class BatchKV:
     def sink(self, seq):
         raise NotImplementedError
 
+    def prefill_start(self, seq) -> int:
+        """Tokens of ``seq``'s prompt whose KV the store already holds (a reused prefix): its
+        prefill starts there and its sink attends to them as history. Called once, right before
+        its prefill; default 0."""
+        return 0
+
     def h2d_bytes_per_step(self, seq) -> int | None:
         """Bytes one decode step reads from host memory for ``seq`` (None: none)."""
         return None
@@ -467,7 +473,7 @@ class OffloadBatchKV(BatchKV):
         self.hlens = torch.zeros(R, dtype=torch.int32, device=self.device)
         self._reserved = 0  # pool blocks of the admitted sequences' prompts
         self._admitted: dict = {}
-        self._stage, self._stage_ev = None, [None, None]
+        self._stage = PrefillStaging(self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device)
         self._tok_bytes = self.cfg.kv_bytes_per_token(self.dtype)
 
     def _prompt_blocks(self, seq) -> int:
@@ -506,8 +512,8 @@ class OffloadBatchKV(BatchKV):
                   "joined": False}
 
     def prefill_start(self, seq) -> int:
-        """Tokens of ``seq``'s prompt already in the pool (a cached prefix it now shares; 0 without
-        a prefix cache): its prefill starts there. Called once, right before its prefill."""
+        """With a prefix cache: start ``seq``'s pool sequence on the longest cached prefix of its
+        prompt (now, so that it sees the prompts prefilled before it in this call)."""
         kv = seq.kv
         if kv["sid"] is None:
             kv["sid"], kv["start"] = self.cache.add_sequence(seq.req.ids[:-1])
@@ -531,21 +537,11 @@ class OffloadBatchKV(BatchKV):
         sid, events = seq.kv["sid"], seq.kv["events"]
 
         def buffers(layer, t):
-            if self._stage is None or self._stage[0][0].shape[0] < t:
-                shape = (t, self.cfg.num_kv_heads, self.cfg.head_dim)
-                self._stage = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                                torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(2)]
-                self._stage_ev = [None, None]
-            ev = self._stage_ev[layer & 1]
-            if ev is not None and self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).wait_event(ev)
-            self.eng.reclaim()
-            k, v = self._stage[layer & 1]
-            return k[:t], v[:t]
+            return self._stage.buffers(self.eng, layer, t)
 
         def done(layer, k, v):
             ev = self.eng.offload_layer(sid, layer, k, v)
-            self._stage_ev[layer & 1] = ev
+            self._stage.copied(layer, ev)
             events.append(ev)
             if self.cache is not None and layer == self.cfg.num_layers - 1:
                 self.cache.insert(sid, seq.req.ids)  # later sequences of this call may share the prompt
@@ -592,7 +588,8 @@ class OffloadBatchKV(BatchKV):
     def close(self):
         for seq in list(self._admitted.values()):
             self.release(seq)
-        self.tail = self.region = self._stage = None
+        self.tail = self.region = None
+        self._stage.clear()
         super().close()
 
 
@@ -725,7 +722,7 @@ class OffloadQuestBatchKV(BatchKV):
         self.scores = torch.empty(R, hkv, Nw, dtype=torch.float32, device=self.device)
         self._reserved = 0
         self._admitted: dict = {}
-        self._stage, self._stage_ev = None, [None, None]
+        self._stage = PrefillStaging(self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device)
         self._tok_layer_bytes = self.cfg.kv_bytes_per_token(self.dtype) // L  # K and V, one token, one layer
 
     @property
@@ -854,17 +851,7 @@ class OffloadQuestBatchKV(BatchKV):
         def buffers(layer, t):
             if t != T:
                 raise ValueError(f"prompt {seq.index} has {T} tokens, its prefill has {t}")
-            if self._stage is None or self._stage[0][0].shape[0] < t:
-                shape = (t, self.cfg.num_kv_heads, self.cfg.head_dim)
-                self._stage = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                                torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(2)]
-                self._stage_ev = [None, None]
-            ev = self._stage_ev[layer & 1]
-            if ev is not None and self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).wait_event(ev)
-            self.eng.reclaim()
-            k, v = self._stage[layer & 1]
-            return k[:t], v[:t]
+            return self._stage.buffers(self.eng, layer, t)
 
         def done(layer, k, v):
             if res:  # the resident tokens: sink, then the recent tail
@@ -884,7 +871,7 @@ class OffloadQuestBatchKV(BatchKV):
                 self.dpool.v[di].index_copy_(0, drows, v)
                 return
             ev = self.eng.offload_layer(sid, layer, k, v)
-            self._stage_ev[layer & 1] = ev
+            self._stage.copied(layer, ev)
             events.append(ev)
 
         return _StagedSink(buffers, done)
@@ -963,7 +950,8 @@ class OffloadQuestBatchKV(BatchKV):
     def close(self):
         for seq in list(self._admitted.values()):
             self.release(seq)
-        self.tail = self.region = self._stage = self.summ = None
+        self.tail = self.region = self.summ = None
+        self._stage.clear()
         self.cand_row = self.dcand_row = self.sidx = self.table = self.scores = self.dpool = None
         super().close()
 

@@ -14,6 +14,7 @@ import torch
 
 from ..kernels import flash_attn_with_lse, gather_blocks, paged_decode_attn_with_lse
 from ..kernels.page_cache import page_cache_fill
+from .kv_store import PrefillStaging
 
 if TYPE_CHECKING:
     from .session import Session
@@ -84,10 +85,10 @@ class ChunkSink:
         self.s, self.n, self.T = sess, n, T
         self.h2d_bytes = 0
         self.events = []
-        self._stage = None
-        self._stage_ev = [None, None]
         self._to_release = None
+        self._sel = None  # sparse history: (lengths, gathered rows, their page table), made once
         s = sess
+        self._stage = PrefillStaging(s.cfg.num_kv_heads, s.cfg.head_dim, s.dtype, s.device)
         self.sparse_layers = frozenset() if dense else s._history_sparse_layers(n)
         self.dense_layers = [l for l in range(s.cfg.num_layers) if l not in self.sparse_layers]
         self._staging = s.engine is not None and n > 0 and bool(self.dense_layers)
@@ -99,15 +100,7 @@ class ChunkSink:
         s = self.s
         if s.engine is None:
             return s._rows[0][layer, self.n:self.n + T], s._rows[1][layer, self.n:self.n + T]
-        if self._stage is None:
-            shape = (T, s.cfg.num_kv_heads, s.cfg.head_dim)
-            self._stage = [(torch.empty(shape, dtype=s.dtype, device=s.device),
-                            torch.empty(shape, dtype=s.dtype, device=s.device)) for _ in range(2)]
-        ev = self._stage_ev[layer & 1]
-        if ev is not None and s.cuda:
-            torch.cuda.current_stream(s.device).wait_event(ev)
-        s.engine.reclaim()
-        return self._stage[layer & 1]
+        return self._stage.buffers(s.engine, layer, T)
 
     def done(self, layer, k, v):
         s = self.s
@@ -115,11 +108,11 @@ class ChunkSink:
         s._summarize(layer, self.n, k)
         if s.engine is not None:
             ev = s.engine.offload_layer(s.seq, layer, k, v)
-            self._stage_ev[layer & 1] = ev
+            self._stage.copied(layer, ev)
             s._write_ev[layer] = ev
             self.events.append(ev)
             if layer == s.cfg.num_layers - 1:
-                self._stage = None
+                self._stage.clear()
 
     # -- history attention
     def history(self, layer, q):
@@ -213,7 +206,15 @@ class ChunkSink:
         if r:
             tok = torch.cat([tok, torch.full((hkv, 1), full * P, dtype=tok.dtype, device=s.device)], 1)
         m = tok.shape[1]
-        lens = torch.full((1,), k_sel * P + r, dtype=torch.int32, device=s.device)
+        if self._sel is None:  # the same page count in every sparse layer: one set of buffers per turn
+            lens = torch.full((1,), k_sel * P + r, dtype=torch.int32, device=s.device)
+            rows = table = None
+            if s.engine is not None:
+                rows = (torch.empty(m * P, hkv, s.cfg.head_dim, dtype=s.dtype, device=s.device),
+                        torch.empty(m * P, hkv, s.cfg.head_dim, dtype=s.dtype, device=s.device))
+                table = torch.arange(0, m * P, P, dtype=torch.int32, device=s.device).expand(hkv, m).contiguous()
+            self._sel = (lens, rows, table)
+        lens, rows, table = self._sel
         if s.engine is None:
             table = tok.to(torch.int32)[None]
             kr, vr = s._rows[0][layer], s._rows[1][layer]
@@ -222,15 +223,11 @@ class ChunkSink:
             B = eng.block_size
             bt = _to_device(eng.block_table(s.seq), torch.int64, s.device)
             src = (bt[tok // B] * B + tok % B).to(torch.int32)
-            cfg = s.cfg
-            kr = torch.empty(m * P, hkv, cfg.head_dim, dtype=s.dtype, device=s.device)
-            vr = torch.empty_like(kr)
-            table = torch.arange(0, m * P, P, dtype=torch.int32, device=s.device).expand(hkv, m).contiguous()
+            kr, vr = rows
             if s.cuda and s._write_ev[layer] is not None:
                 torch.cuda.current_stream(s.device).wait_event(s._write_ev[layer])
             page_cache_fill(eng.pool.k_rows(layer), eng.pool.v_rows(layer), kr, vr, src, table, page_size=P)
             table = table[None]
-            self.h2d_bytes += 2 * m * P * hkv * cfg.head_dim * kr.element_size()
-        o, lse = paged_decode_attn_with_lse(q[None], kr, vr, table, lens, page_size=P, causal=False,
-                                            softmax_scale=s.scale, check=False)
-        return o, lse
+            self.h2d_bytes += 2 * kr.numel() * kr.element_size()
+        return paged_decode_attn_with_lse(q[None], kr, vr, table, lens, page_size=P, causal=False,
+                                          softmax_scale=s.scale, check=False)

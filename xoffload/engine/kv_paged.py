@@ -34,7 +34,7 @@ import torch
 from ..kernels import decode_attn_with_lse, gather_blocks, merge_attention_states, paged_decode_attn_with_lse
 from ..kernels.page_cache import PageCacheState, page_cache_fill, page_cache_lookup
 from ..sparse.quest import PageSummaries, QuestDecode, page_scores, select_page_ids, select_pages
-from .kv_store import KVStore, OffloadKV, Splits, register_store
+from .kv_store import KVStore, OffloadKV, PrefillStaging, Splits, register_store
 
 __all__ = ["PagedKV", "OffloadPagedKV", "ResidentPagedKV"]
 
@@ -148,7 +148,7 @@ class PagedKV(KVStore):
         self._nsplit_tail = {b: splits(b + max_new) for b in bases}
         # pages read in place
         self.summaries = None
-        self._stage, self._stage_ev = None, [None, None]
+        self._stage = PrefillStaging(hkv, d, dtype, self.device)
         self._events = []
         self._ready = False
         k = p.pages_per_step if p is not None else -(-T // self.page)
@@ -234,18 +234,7 @@ class PagedKV(KVStore):
             raise ValueError(f"PagedKV was built for a {self.T}-token prompt, prefill has {T}")
         if self.eng is None:
             return self._rows[0][layer, :T], self._rows[1][layer, :T]
-        return self._staging(layer, T)
-
-    def _staging(self, layer, T):
-        if self._stage is None:
-            shape = (T, self.cfg.num_kv_heads, self.cfg.head_dim)
-            self._stage = [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                            torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(2)]
-        ev = self._stage_ev[layer & 1]
-        if ev is not None and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).wait_event(ev)
-        self.eng.reclaim()
-        return self._stage[layer & 1]
+        return self._stage.buffers(self.eng, layer, T)
 
     def done(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer ``layer``'s prompt K/V are written: fill its tail, its summaries, and (offload)
@@ -264,10 +253,10 @@ class PagedKV(KVStore):
                 self.summaries.write(layer, k)
         if self.eng is not None and layer not in self.dense:
             ev = self.eng.offload_layer(self.seq, layer, k, v)
-            self._stage_ev[layer & 1] = ev
+            self._stage.copied(layer, ev)
             self._events.append(ev)
-        if layer == self.cfg.num_layers - 1 and self.eng is not None:
-            self._stage = None  # the engine holds the sources until their copies are done
+        if layer == self.cfg.num_layers - 1:
+            self._stage.clear()
 
     def load_from_store(self, events=()) -> None:
         """Instead of a prefill: fill the tails from the prompt's KV already stored (the ``rows``
@@ -472,7 +461,8 @@ class PagedKV(KVStore):
         self._tk = self._tv = []
         self._ck, self._cv = {}, {}
         self._sbuf = []
-        self._rows = self.summaries = self._stage = None
+        self._rows = self.summaries = None
+        self._stage.clear()
         if self.eng is not None and self.seq is not None:
             seq, self.seq = self.seq, None
             if self.owns_seq:

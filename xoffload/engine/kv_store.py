@@ -35,7 +35,7 @@ from ..kernels.decode import default_num_splits
 from ..models.config import ModelConfig
 from ..runtime import OffloadEngine
 
-__all__ = ["KVStore", "ResidentKV", "OffloadKV", "Splits", "STORES", "MODE_ALIASES", "register_store",
+__all__ = ["KVStore", "ResidentKV", "OffloadKV", "PrefillStaging", "Splits", "STORES", "MODE_ALIASES", "register_store",
            "canonical_mode", "store_class"]
 
 #: canonical mode name -> store class (filled by :func:`register_store`)
@@ -88,6 +88,44 @@ class Splits:
         if not self.cuda:
             return None
         return int(default_num_splits(1, self.hkv, self.group, n, self.sms))
+
+
+class PrefillStaging:
+    """The two K/V staging buffers of a layerwise prefill that copies each layer out to the offload
+    pool, alternating by layer: the engine copies one out D2H while the model fills the other with
+    the next layer. Before a buffer is refilled the current stream waits (on the GPU, not the
+    host) for its previous copy, so the host may run layers ahead without prefill memory growing
+    (fresh buffers per layer grew by one layer's K/V per layer of host run-ahead). The buffers grow
+    to the longest ``T`` asked for (the engine keeps replaced ones alive until their copies end).
+
+    Args: ``num_kv_heads``, ``head_dim``, ``dtype``, ``device`` of the K/V."""
+
+    def __init__(self, num_kv_heads: int, head_dim: int, dtype, device):
+        self.hkv, self.d, self.dtype, self.device = num_kv_heads, head_dim, dtype, torch.device(device)
+        self.clear()
+
+    def buffers(self, engine, layer: int, T: int):
+        """``(k, v)`` ``[T, Hkv, D]`` views for layer ``layer``, ordered after the previous copy out
+        of the same buffer; also lets ``engine`` drop its references to finished copies."""
+        engine.reclaim()
+        if self._buf is None or self._buf[0][0].shape[0] < T:
+            shape = (T, self.hkv, self.d)
+            self._buf = [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                          torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(2)]
+            self._ev = [None, None]
+        ev = self._ev[layer & 1]
+        if ev is not None and self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).wait_event(ev)
+        k, v = self._buf[layer & 1]
+        return k[:T], v[:T]
+
+    def copied(self, layer: int, ev) -> None:
+        """``ev``: the event after which layer ``layer``'s buffer has been copied out."""
+        self._ev[layer & 1] = ev
+
+    def clear(self) -> None:
+        """Drop the buffers (the prefill is over; the engine holds the sources until copied)."""
+        self._buf, self._ev = None, [None, None]
 
 
 class KVStore:
@@ -239,7 +277,7 @@ class OffloadKV(KVStore):
         self.splits = Splits(cfg, torch.device(device))
         self.fixed = max_len is not None
         self.nsplit = self.splits(max_len) if self.fixed else None
-        self._stage, self._stage_ev = [None, None], [None, None]
+        self._stage = PrefillStaging(cfg.num_kv_heads, cfg.head_dim, dtype, device)
 
     @classmethod
     def open_shared(cls, model, config) -> OffloadEngine:
@@ -258,28 +296,14 @@ class OffloadKV(KVStore):
         n = req.final_len
         return cls(shared, seq, model.cfg, model.dtype, model.device, model.scale, max_len=n)
 
-    # prefill: two staging buffers, alternating by layer; the engine copies one out D2H while the
-    # next layer fills the other. Before a buffer is refilled the current stream waits (on the GPU,
-    # not the host) for its previous copy, so the host may run layers ahead without prefill memory
-    # growing (fresh buffers per layer grew by one layer's K/V per layer of host run-ahead).
+    # prefill: two staging buffers alternating by layer (PrefillStaging)
     def buffers(self, layer, T):
-        self.eng.reclaim()
-        slot = layer & 1
-        st = self._stage[slot]
-        if st is None or st[0].shape[0] < T:
-            shape = (T, self.cfg.num_kv_heads, self.cfg.head_dim)
-            st = (torch.empty(shape, dtype=self.dtype, device=self.device),
-                  torch.empty(shape, dtype=self.dtype, device=self.device))
-            self._stage[slot], self._stage_ev[slot] = st, None
-        ev = self._stage_ev[slot]
-        if ev is not None and self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).wait_event(ev)
-        return st[0][:T], st[1][:T]
+        return self._stage.buffers(self.eng, layer, T)
 
     def done(self, layer, k, v):
-        self._stage_ev[layer & 1] = self.eng.offload_layer(self.seq, layer, k, v)
-        if layer == self.cfg.num_layers - 1:  # prefill over: the engine keeps them until copied
-            self._stage, self._stage_ev = [None, None], [None, None]
+        self._stage.copied(layer, self.eng.offload_layer(self.seq, layer, k, v))
+        if layer == self.cfg.num_layers - 1:
+            self._stage.clear()
 
     @property
     def h2d_bytes_per_step(self) -> int:
@@ -305,6 +329,6 @@ class OffloadKV(KVStore):
     def close(self):
         if self.seq is not None:
             seq, self.seq = self.seq, None
-            self._stage, self._stage_ev = [None, None], [None, None]
+            self._stage.clear()
             self.eng.free(seq)
             self.eng.release_ring_buffers()

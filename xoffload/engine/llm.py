@@ -298,21 +298,32 @@ class LLM:
             pooled = req.final_len if self.config.offload_decode == "ring" else len(ids)  # else: GPU tail
             self._make_room(-(-pooled // self.engine.block_size))
         kv = self._store.for_request(self.model, self.engine, req, self.config)
+        densities = None if self.policy.dense else []
         try:
-            densities = None if self.policy.dense else []
             tok = self._prefill(ids_t, kv, req, densities, clock, marks)
+        except BaseException:
+            kv.close()
+            raise
+        return self._decode_output(tok, kv, req, clock, marks, ids, densities)
+
+    def _decode_output(self, tok, kv, req: Request, clock: Clock, marks: dict, prompt_ids: list, densities,
+                       extra: dict | None = None) -> RequestOutput:
+        """Decode after the first token ``tok`` (:meth:`_decode_loop`), close ``kv`` (also on an
+        error) and build the request's output: timings (``extra`` merged in), the store's figures,
+        peak GPU memory since the request's start."""
+        try:
             all_ids = self._decode_loop(tok, kv, req, clock, marks)
             h2d, stats = kv.h2d_bytes_per_step, kv.decode_stats()
         finally:
             kv.close()
-            del kv
         out_ids, reason = req.finish(all_ids)
-        timings = request_timings(clock, marks, len(ids), len(all_ids) - 1, densities)
+        timings = request_timings(clock, marks, len(prompt_ids), len(all_ids) - 1, densities)
+        timings.update(extra or {})
         if h2d is not None:
             timings["h2d_bytes_per_token"] = int(h2d)
         timings.update(stats)
-        peak = int(torch.cuda.max_memory_allocated(dev)) if cuda else None
-        return RequestOutput(prompt_token_ids=list(ids), token_ids=out_ids, text=self.decode(out_ids),
+        peak = int(torch.cuda.max_memory_allocated(self.device)) if self.device.type == "cuda" else None
+        return RequestOutput(prompt_token_ids=list(prompt_ids), token_ids=out_ids, text=self.decode(out_ids),
                              finish_reason=reason, timings=timings, peak_gpu_memory_bytes=peak)
 
     def _prefill(self, ids_t, kv, req: Request, densities, clock: Clock, marks: dict) -> torch.Tensor:

@@ -190,7 +190,7 @@ class BatchRunner:
         m, cfg = self.m, self.config
         s.marks["t0"] = a = clock.mark()
         s.densities = None if cfg.policy.dense else []
-        start = store.prefill_start(s) if hasattr(store, "prefill_start") else 0  # a reused prefix
+        start = store.prefill_start(s)  # a reused prefix
         s.reused = start
         ids_t = torch.tensor(s.req.ids[start:], dtype=torch.int64).to(m.device)
         logits = m.prefill(ids_t, store.sink(s), chunk=cfg.prefill_chunk, policy=cfg.policy,

@@ -43,7 +43,7 @@ from ..kernels import cpu_backend
 from ..sparse.quest import PageSummaries
 from .kv_history import ChunkSink, history_page_ids
 from .kv_paged import PagedKV
-from .request import Clock, Request, RequestOutput, request_timings
+from .request import Clock, Request, RequestOutput
 from .sampling import SamplingParams, sample
 
 __all__ = ["Session", "HISTORY_PAGE", "history_page_ids"]  # history_page_ids: from .kv_history
@@ -128,11 +128,9 @@ class Session:
         self._summ = None
         self._partial = [None] * L  # offload: K of the history's partial last page, per layer
         self._write_ev = [None] * L
-        self.history_len = 0
-        self._stored: list = []  # tokens whose K/V are stored (length history_len)
+        self._stored: list = []  # tokens whose K/V are stored
         self._pending: list = []  # the last answer's tokens (K/V not stored yet)
         self.turns = 0
-        self._exact_turn = False
         self.closed = False
         self._busy = False
         self._last_used = 0
@@ -253,20 +251,19 @@ class Session:
         self._busy = True
         before = (list(self._stored), list(self._pending))
         reused = 0
-        self._exact_turn = False
         try:
             with ctx, torch.no_grad():
                 if self.seq is None and n == 0 and llm.prefix_cache is not None:
                     reused = self._reuse_prefix(chunk)
                     n, chunk = reused, chunk[reused:]
-                    self._exact_turn = True  # a reused prefix is read whole: reuse never changes tokens
                 self._reserve(total, req.max_new)
-                out = self._run(chunk, req, n, answer)
+                # a reused prefix is read whole: reuse never changes the tokens
+                out = self._run(chunk, req, n, answer, dense=reused > 0)
         except BaseException:
             if self.history_len == 0 and self.seq is not None and self.engine is not None:
                 self.engine.free(self.seq)  # an empty sequence (a refused first turn): the next asks the cache again
                 self.seq = None
-            if reused or self.history_len != n or self._stored != before[0]:
+            if reused or self._stored != before[0]:
                 self._drop_kv()  # the stored KV changed: the next turn prefills the conversation again
                 self._stored, self._pending = [], before[0] + before[1]
             raise
@@ -288,16 +285,15 @@ class Session:
         eng = self.engine
         self.seq, r = self.llm.prefix_cache.add_sequence(chunk[:-1])
         if r:
-            self._stored, self.history_len = list(chunk[:r]), r
-            if self._need_summaries():
-                self._reserve(r, 1)  # allocates the summaries (no new blocks: they are held)
-                B = eng.block_size
-                for layer in range(self.cfg.num_layers):
-                    k, _ = eng.fetch_blocks(self.seq, layer, list(range(-(-r // B))))
-                    self._summarize(layer, 0, k[:r])
+            self._stored = list(chunk[:r])
+            self._reserve(r, 1)  # allocates the summaries (no new blocks: they are held)
+            B = eng.block_size
+            for layer in range(self.cfg.num_layers):
+                k, _ = eng.fetch_blocks(self.seq, layer, list(range(-(-r // B))))
+                self._summarize(layer, 0, k[:r])
         return r
 
-    def _run(self, chunk, req, n, answer=True):
+    def _run(self, chunk, req, n, answer=True, dense=False):
         llm, m = self.llm, self.m
         T = len(chunk)
         clock = Clock(self.device)
@@ -305,7 +301,7 @@ class Session:
             torch.cuda.reset_peak_memory_stats(self.device)
         marks = {"t0": clock.mark()}
         ids_t = torch.tensor(chunk, dtype=torch.int64).to(self.device)
-        sink = ChunkSink(self, n, T, dense=self._exact_turn)
+        sink = ChunkSink(self, n, T, dense=dense)
         densities = None if llm.policy.dense else []
         try:
             logits = m.prefill(ids_t, sink, chunk=llm.prefill_chunk, policy=llm.policy,
@@ -314,7 +310,6 @@ class Session:
             self._stored = self._stored + list(chunk)  # layers half written: _turn drops the KV
             raise
         self._stored = self._stored + list(chunk)
-        self.history_len = n + T
         marks["prefill"] = clock.mark()
         if not answer:
             self._pending = []
@@ -325,25 +320,12 @@ class Session:
                     "history_h2d_bytes": int(sink.h2d_bytes), "history_sparse_layers": len(sink.sparse_layers)}
         tok = sample(logits, req.sp, req.gen)
         marks["first"] = clock.mark()
-        kv = self._decode_store(req, sink.events)
-        try:
-            all_ids = llm._decode_loop(tok, kv, req, clock, marks)
-            h2d, stats = kv.h2d_bytes_per_step, kv.decode_stats()
-        finally:
-            kv.close()
-            del kv
-        out_ids, reason = req.finish(all_ids)
-        self._pending = list(out_ids)
+        out = llm._decode_output(tok, self._decode_store(req, sink.events), req, clock, marks, chunk, densities,
+                                 extra=dict(history_tokens=n, chunk_tokens=T, history_h2d_bytes=int(sink.h2d_bytes),
+                                            history_sparse_layers=len(sink.sparse_layers)))
+        self._pending = list(out.token_ids)
         self.turns += 1
-        timings = request_timings(clock, marks, T, len(all_ids) - 1, densities)
-        timings.update(history_tokens=n, chunk_tokens=T, history_h2d_bytes=int(sink.h2d_bytes),
-                       history_sparse_layers=len(sink.sparse_layers))
-        if h2d is not None:
-            timings["h2d_bytes_per_token"] = int(h2d)
-        timings.update(stats)
-        peak = int(torch.cuda.max_memory_allocated(self.device)) if self.cuda else None
-        return RequestOutput(prompt_token_ids=list(chunk), token_ids=out_ids, text=llm.decode(out_ids),
-                             finish_reason=reason, timings=timings, peak_gpu_memory_bytes=peak)
+        return out
 
     def _decode_store(self, req, events):
         cfg, n = self.cfg, self.history_len
@@ -358,16 +340,16 @@ class Session:
         return kv
 
     # ------------------------------------------------------------------ storage
-    def _need_summaries(self) -> bool:
-        """Every session keeps its history's page summaries on the GPU (2 / page_size of K's bytes),
-        so the decode policy and a sparse history (set at any turn) can read them."""
-        return True
+    @property
+    def history_len(self) -> int:
+        """Tokens whose K/V are stored."""
+        return len(self._stored)
 
     def _reserve(self, total: int, max_new: int) -> None:
         """Room for ``total`` stored tokens (+ the decode's tail), before anything is written."""
         cfg = self.cfg
         L, hkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
-        if self._need_summaries() and self._summ is None:
+        if self._summ is None:  # always kept (2 / page_size of K's bytes): decode policy and sparse history read them
             pages = -(-self.llm.max_model_len // self.page)
             self._summ = PageSummaries(L, hkv, d, pages, self.page, self.dtype, self.device)
         if self.engine is None:
@@ -426,7 +408,6 @@ class Session:
         self._partial, self._write_ev = [None] * L, [None] * L
         self._pending = self._stored + self._pending
         self._stored = []
-        self.history_len = 0
 
     def blocks_held(self) -> int:
         """Pool blocks this session's stored KV holds, shared ones included (0 in resident mode or

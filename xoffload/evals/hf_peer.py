@@ -22,9 +22,10 @@ Nothing in the engine or runtime imports this module; :mod:`xoffload.evals.cli` 
 from __future__ import annotations
 
 import os
-import time
 
 import torch
+
+from ..engine.request import Clock
 
 HF_MODE = "hf"
 HF_WEIGHTS = ("ours", "source")
@@ -199,23 +200,14 @@ def hf_from_source(source, *, dtype, device, attn: str = "sdpa", stop_ids=()):
     return hf.eval()
 
 
-class _Steps:
+class _Steps(Clock):
     """A logits processor that leaves the scores alone and records, per generation step, a time
-    mark and the gap between the two largest logits (kept on the device until the end)."""
+    mark (:class:`~xoffload.engine.request.Clock`) and the gap between the two largest logits
+    (kept on the device until the end)."""
 
     def __init__(self, device):
-        self.cuda = device.type == "cuda"
+        super().__init__(device)
         self.marks, self.gaps = [], []
-
-    def mark(self):
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def ms(self, a, b) -> float:
-        return float(a.elapsed_time(b)) if self.cuda else (b - a) * 1e3
 
     def __call__(self, input_ids, scores):
         top = scores[0].float().topk(2).values
@@ -284,7 +276,7 @@ class HFPeerLLM:
                                         logits_processor=LogitsProcessorList([steps]), **kw)
             t1 = steps.mark()
             if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
+                t1.synchronize()  # the timings below read events up to this one
             gen = [int(t) for t in y[0, len(ids):].tolist()]
             cut = next((k for k, t in enumerate(gen) if t in stop), None)
             if cut is not None:
