@@ -94,6 +94,19 @@ def _join(seqs, device) -> None:
             s.kv["events"], s.kv["joined"] = [], True
 
 
+def _pool_memory_limit(model, seqs, config, device) -> int | None:
+    """Bytes of GPU memory a batched store's pools may take (None: no limit, the CPU): the free
+    memory under the process's cap less a prefill's headroom for the call's longest prompt; with
+    tensor parallelism the smallest over the ranks, so every rank sizes the same pools and admits
+    the same sequences."""
+    T = max([s.prompt_len for s in seqs] + [1])
+    limit = _gpu_kv_limit_bytes(device, _prefill_headroom(model, T, config.prefill_chunk))
+    tp = getattr(model, "tp", None)
+    if tp is not None and limit is not None:
+        limit = int(tp.all_reduce_min(torch.tensor([limit], dtype=torch.int64, device=device)))
+    return limit
+
+
 def _to_device(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy a small host tensor into ``dst`` without making the host wait for the GPU (through
     pinned memory on CUDA: torch keeps the pinned buffer until the copy has run)."""
@@ -363,12 +376,7 @@ class ResidentBatchKV(BatchKV):
         if self.cap_tokens is not None:
             nb = min(nb, self.cap_tokens // blk)
         per_block = blk * self.cfg.kv_bytes_per_token(self.dtype)
-        T = max([s.prompt_len for s in seqs] + [1])
-        limit = _gpu_kv_limit_bytes(self.device, _prefill_headroom(model, T, config.prefill_chunk))
-        tp = getattr(model, "tp", None)
-        if tp is not None and limit is not None:  # every rank the same pool, so the same admissions
-            t = torch.tensor([limit], dtype=torch.int64, device=self.device)
-            limit = int(tp.all_reduce_min(t))
+        limit = _pool_memory_limit(model, seqs, config, self.device)
         self.memory_limited = limit is not None and limit // per_block < nb
         if self.memory_limited:
             nb = limit // per_block
@@ -673,12 +681,7 @@ class OffloadQuestBatchKV(BatchKV):
         self.N = max([p.num_candidates for p in plans] + [0])
         self.K = max([p.pages_per_step for p in plans] + [0]) if self.sparse else 0
         # the GPU memory free for the pools, measured before any of them is allocated
-        T = max([s.prompt_len for s in seqs] + [1])
-        limit = _gpu_kv_limit_bytes(self.device, _prefill_headroom(model, T, config.prefill_chunk))
-        tp = getattr(model, "tp", None)
-        if tp is not None and limit is not None:  # every rank the same pools, so the same admissions
-            t = torch.tensor([limit], dtype=torch.int64, device=self.device)
-            limit = int(tp.all_reduce_min(t))
+        limit = _pool_memory_limit(model, seqs, config, self.device)
         R = self.buckets[-1]
         tail_need = [p.resident_prompt_tokens + self._new(s) for p, s in zip(plans, seqs)] + [1]
         self.tail = RowPool(self.cfg, _top_sum([_blocks(n, TAIL_BLOCK) for n in tail_need], self.max_num_seqs),
