@@ -36,7 +36,9 @@ def _batched(m, max_model_len, pol=POL, **kw):
 def test_store_choice():
     m = tiny_random()
     for pol, cls in ((POL, OffloadQuestBatchKV), (QuestDecode(cache_pages=0), OffloadQuestBatchKV),
-                     (QuestDecode(cache_pages=8), SerialBatchKV), (QuestDecode(prefetch=True), SerialBatchKV)):
+                     (QuestDecode(cache_pages=8), SerialBatchKV), (QuestDecode(prefetch=True), SerialBatchKV),
+                     (QuestDecode(cache_pages=0, exact_channels=4), SerialBatchKV),
+                     (QuestDecode(cache_pages=0, bound_scale=0.5), SerialBatchKV)):
         llm = LLM(m, mode="offload", max_model_len=64, kv_block_size=32, max_num_seqs=2, sparse_decode=pol)
         assert batch_store_class(llm._store, llm.config)[0] is cls, pol
     llm = LLM(m, mode="gpu", max_model_len=64, kv_block_size=32, max_num_seqs=2, sparse_decode=POL)

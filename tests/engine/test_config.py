@@ -16,6 +16,10 @@ def test_llm_option_and_sampling_edges():
         LLM("tiny-llama", device="cpu", sparse=XAttentionPrefill(threshold=2.0))
     with pytest.raises(ValueError, match="dense_layers"):
         LLM("tiny-llama", device="cpu", sparse=XAttentionPrefill(dense_layers=(99,)))
+    from xoffload.sparse import QuestDecode
+
+    with pytest.raises(ValueError, match="exact_channels=16 must be below the model's head_dim 16"):
+        LLM("tiny-llama", device="cpu", sparse_decode=QuestDecode(exact_channels=16))
     llm = LLM("tiny-llama", device="cpu")
     greedy = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
     tiny = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=1e-45, max_tokens=4))[0].token_ids

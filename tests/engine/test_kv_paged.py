@@ -81,7 +81,9 @@ def _engine(cfg, max_tokens, block=64):
 @pytest.mark.parametrize("placement", ["resident", "offload", "offload-uva"])
 @pytest.mark.parametrize("policy", [None, QuestDecode(token_budget=4096, page_size=16, dense_layers=()),
                                     QuestDecode(token_budget=T, page_size=32, dense_layers=(1,)),
-                                    QuestDecode(token_budget=T, page_size=16, dense_layers=(), group_score="softmax")])
+                                    QuestDecode(token_budget=T, page_size=16, dense_layers=(), group_score="softmax"),
+                                    QuestDecode(token_budget=T, page_size=16, dense_layers=(), exact_channels=4,
+                                                bound_scale=0.25)])
 def test_dense_equivalents_match_resident_cache(model, placement, policy):
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(1))
@@ -106,15 +108,15 @@ def test_dense_equivalents_match_resident_cache(model, placement, policy):
         eng.close()
 
 
-@pytest.mark.parametrize("cache_pages", [0, None])
-def test_sparse_layer_reads_exactly_sink_selected_pages_and_tail(model, cache_pages):
+@pytest.mark.parametrize("cache_pages,channels", [(0, 0), (None, 0), (None, 4)])
+def test_sparse_layer_reads_exactly_sink_selected_pages_and_tail(model, cache_pages, channels):
     """After prefill, one attend of a sparse layer equals exact attention over sink + the pages in
     the device page table + the tail (incl. the new token), the pages' rows taken from the pool
     (read in place, cache_pages=0) or from the GPU page cache they were copied into."""
     cfg = model.cfg
     hkv, d, g = cfg.num_kv_heads, cfg.head_dim, cfg.num_heads // cfg.num_kv_heads
     pol = QuestDecode(token_budget=112, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,),
-                      cache_pages=cache_pages)
+                      cache_pages=cache_pages, exact_channels=channels, bound_scale=0.25 if channels else 1.0)
     eng = _engine(cfg, T + 4)
     seq = eng.add_sequence()
     kv = PagedKV(cfg, torch.float32, torch.device("cpu"), model.scale, prompt_len=T, max_new=4, policy=pol,
@@ -246,8 +248,8 @@ def test_bad_page_size_for_pool(model):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("cache_pages", [0, None])
-def test_gpu_offload_sparse_equals_resident_sparse_bf16(cache_pages):
+@pytest.mark.parametrize("cache_pages,channels", [(0, 0), (None, 0), (0, 8)])
+def test_gpu_offload_sparse_equals_resident_sparse_bf16(cache_pages, channels):
     """On the GPU (bf16): the same Quest selection read from the pinned pool over UVA or from a
     device row store gives the same logits bit for bit; through the GPU page cache (one attention
     call over pages + tail instead of two merged) within bf16 rounding per layer."""
@@ -255,7 +257,7 @@ def test_gpu_offload_sparse_equals_resident_sparse_bf16(cache_pages):
     cfg = m.cfg
     ids = torch.randint(0, cfg.vocab_size, (600,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     pol = QuestDecode(token_budget=160, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,),
-                      cache_pages=cache_pages)
+                      cache_pages=cache_pages, exact_channels=channels, bound_scale=0.25 if channels else 1.0)
     outs, toks = [], None
     for offload in (False, True):
         eng = OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda",

@@ -11,6 +11,8 @@ one in use, and answers the same afterwards; bad input leaves the session servin
 (marked): offload == resident in bf16, the chunk's history staging delayed on its copy stream
 gives the same result, and the CUDA-graph decode of a turn equals eager.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -48,6 +50,7 @@ def _one_shot(llm, prompts, answers, sp=SP):
 
 
 QUEST = QuestDecode(token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,))
+CHANNELS = dataclasses.replace(QUEST, exact_channels=4, bound_scale=0.25)
 CONFIGS = [("gpu", {}), ("offload", {"kv_block_size": 32}),
            ("gpu", {"sparse_decode": QUEST, "kv_block_size": 32}),
            ("offload", {"sparse_decode": QUEST, "kv_block_size": 32})]
@@ -72,6 +75,28 @@ def test_three_turns_equal_one_shot(mode, kw):
     if mode == "offload" and "sparse_decode" not in kw:
         B = m.cfg.kv_bytes_per_token(m.dtype)
         assert outs[1].timings["history_h2d_bytes"] == -(-300 // 32) * 32 * B  # whole blocks, once
+
+
+@pytest.mark.parametrize("budget", [96, 4096])
+def test_exact_channels_are_chosen_at_the_first_turn(budget):
+    """With exact channels the session's summaries choose them from its first turn's keys and keep
+    them: turn one equals one-shot generation; with a budget covering the history every turn does
+    (one-shot chooses its channels from the whole conversation, so a sparse later turn may not)."""
+    m = tiny_random()
+    pol = dataclasses.replace(CHANNELS, token_budget=budget)
+    llm = LLM(m, mode="offload", max_model_len=1024, kv_block_size=32, sparse_decode=pol, **SDPA)
+    prompts = _prompts([300, 40, 90], seed=3)
+    s = llm.session()
+    outs = [s.generate(prompts[0], SP)]
+    first = s._summ.channels.clone()
+    outs += [s.generate(p, SP) for p in prompts[1:]]
+    assert torch.equal(s._summ.channels, first)
+    s.close()
+    answers = [o.token_ids for o in outs]
+    ref = _one_shot(llm, prompts, answers)
+    assert answers[0] == ref[0]
+    if budget >= 1024:
+        assert answers == ref
 
 
 def test_offload_session_equals_gpu_session():

@@ -217,6 +217,13 @@ def test_mode_dense_layers_suffix():
     kw = mode_options("offload+quest@256/softmax/dense=0.7")
     assert kw["sparse_decode"] == QuestDecode(token_budget=256, group_score="softmax", dense_layers=(0, 7))
     assert mode_options("resident+quest@512/dense=")["sparse_decode"].dense_layers == ()
+    kw = mode_options("offload+quest@512/ch=8/alpha=0.25/page=16/dense=0.1")
+    assert kw["sparse_decode"] == QuestDecode(token_budget=512, exact_channels=8, bound_scale=0.25, page_size=16,
+                                              dense_layers=(0, 1))
+    for bad, msg in (("offload+quest@512/ch=x", "/ch= takes a number"), ("offload+quest@512/alpha=2", "bound_scale"),
+                     ("offload+quest@512/page=24", "power of two"), ("offload@512/ch=8", "decode-policy")):
+        with pytest.raises(ValueError, match=msg):
+            mode_options(bad)
     for bad, msg in (("resident+quest@512/dense=1,2", "joined by '.'"), ("resident+quest@512/dense=a.1", "dense=a.1"),
                      ("resident+quest@512/dense=-1", "joined by '.'")):
         with pytest.raises(ValueError, match=msg):

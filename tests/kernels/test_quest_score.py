@@ -98,3 +98,83 @@ def test_batched_scores_match_per_row_and_mask_past_count(dtype, device):
                 big = torch.maximum(kmax.float().abs(), kmin.float().abs()).amax((0, 1))
                 scale = float((q[r].float().abs() @ big).max())
                 assert float((s[r, :, :m] - one).abs().max()) <= 2 * d * EPS32 * scale
+
+
+def _channel_case(hq, hkv, d, n, p, r, dtype, device, seed=0, adversarial=False):
+    k, kmin, kmax = _summaries(hkv, n, p, d, dtype, "cpu", seed=seed, adversarial=adversarial)
+    g = torch.Generator().manual_seed(seed + 7)
+    ch = torch.stack([torch.randperm(d, generator=g)[:r] for _ in range(hkv)]).to(torch.int32)
+    klab = torch.gather(k.flatten(1, 2), 2, ch.long()[:, None, :].expand(hkv, n * p, r)).contiguous()
+    q = torch.randn(hq, d, generator=g).to(dtype)
+    return [t.to(device) for t in (q, k, kmin, kmax, ch, klab)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv,d,n,p,r", [(9, 3, 64, 5, 32, 8), (8, 2, 32, 37, 16, 1), (4, 4, 16, 3, 64, 15),
+                                            (32, 8, 128, 20, 32, 16)])
+@pytest.mark.parametrize("alpha", [1.0, 0.25, 0.0])
+def test_channel_scores_match_reference_and_bound_at_alpha_one(dtype, hq, hkv, d, n, p, r, alpha, device):
+    """channel_page_scores equals its fp32 reference; with alpha = 1 it is still an upper bound of
+    q·k over every key of the page (random and adversarial keys) and never above Quest's bound."""
+    from xoffload.kernels.quest_score import channel_page_scores
+    from xoffload.kernels.reference import channel_page_scores_ref
+
+    if device == "cpu" and d > 64 and dtype == torch.float16:
+        pytest.skip("kept small for the interpreter")
+    for adversarial in (False, True):
+        q, k, kmin, kmax, ch, klab = _channel_case(hq, hkv, d, n, p, r, dtype, device, adversarial=adversarial)
+        s = channel_page_scores(q, kmin, kmax, ch, klab, alpha=alpha)
+        ref = channel_page_scores_ref(q, kmin, kmax, ch, klab, alpha)
+        assert s.dtype == torch.float32 and s.shape == (hkv, n)
+        # fp32 accumulation of 2d products of exact fp16/fp32 operands (the exact part and the
+        # summary part): 4 d ulps of the largest sum of |q_i| |k_i|
+        scale = float((q.float().abs() @ torch.maximum(kmax.float().abs(), kmin.float().abs()).amax((0, 1))).max())
+        tol = 4 * d * EPS32 * scale
+        assert float((s - ref).abs().max()) <= tol
+        if alpha == 1.0:
+            g = hq // hkv
+            true = torch.einsum("hgd,hnpd->hgnp", q.float().view(hkv, g, d), k.float()).amax(3).amax(1)
+            assert bool((s >= true - tol).all())
+            assert bool((s <= quest_page_scores_ref(q, kmin, kmax) + tol).all())
+
+
+def test_channel_scores_without_channels_and_bad_inputs(device):
+    """channels=None: the summary part alone (alpha = 1 is Quest's bound); bad inputs raise,
+    naming the value."""
+    from xoffload.kernels.quest_score import channel_page_scores
+    from xoffload.kernels.reference import channel_page_scores_ref
+
+    q, k, kmin, kmax, ch, klab = _channel_case(6, 2, 32, 9, 16, 4, torch.float32, device)
+    tol = 64 * EPS32 * float(q.abs().sum(-1).max() * kmax.abs().max())
+    assert float((channel_page_scores(q, kmin, kmax, None, None) - quest_page_scores_ref(q, kmin, kmax)).abs().max()) <= tol
+    s = channel_page_scores(q, kmin, kmax, None, None, alpha=0.5)
+    assert float((s - channel_page_scores_ref(q, kmin, kmax, None, None, 0.5)).abs().max()) <= tol
+    out = torch.full((2, 9), 3.0, device=device)
+    assert channel_page_scores(q, kmin, kmax, ch, klab, out=out) is out
+    with pytest.raises(ValueError, match="come together"):
+        channel_page_scores(q, kmin, kmax, ch, None)
+    with pytest.raises(ValueError, match="alpha"):
+        channel_page_scores(q, kmin, kmax, ch, klab, alpha=1.5)
+    with pytest.raises(ValueError, match="channels must be"):
+        channel_page_scores(q, kmin, kmax, ch[:1], klab)
+    with pytest.raises(ValueError, match="klab must be"):
+        channel_page_scores(q, kmin, kmax, ch, klab[:, :, :2])
+    with pytest.raises(ValueError, match="power of two"):
+        channel_page_scores(q, kmin, kmax, ch, klab[:, : 9 * 12])
+    with pytest.raises(TypeError, match="klab must have"):
+        channel_page_scores(q, kmin, kmax, ch, klab.half())
+    assert channel_page_scores(q, kmin[:, :0], kmax[:, :0], ch, klab[:, :0]).shape == (2, 0)
+
+
+@pytest.mark.cuda
+def test_gpu_channel_scores_bf16_long():
+    from xoffload.kernels.quest_score import channel_page_scores
+    from xoffload.kernels.reference import channel_page_scores_ref
+
+    q, k, kmin, kmax, ch, klab = _channel_case(32, 8, 128, 1024, 32, 8, torch.bfloat16, "cuda")
+    for alpha in (1.0, 0.25):
+        s = channel_page_scores(q, kmin, kmax, ch, klab, alpha=alpha)
+        ref = channel_page_scores_ref(q, kmin, kmax, ch, klab, alpha)
+        # bf16 operands, fp32 accumulation (tf32 is not used for bf16 dots): a few fp32 ulps of
+        # the score scale
+        assert float((s - ref).abs().max()) <= 1e-3 * float(ref.abs().max())

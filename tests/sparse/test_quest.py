@@ -272,3 +272,79 @@ def test_calibrate_dense_layers_adds_the_fooled_layer():
         calibrate_dense_layers([rec], pol, -1)
     with pytest.raises(ValueError, match="no calibration records"):
         calibrate_dense_layers([], pol, 1)
+
+
+def test_exact_channel_policy_values():
+    """exact_channels / bound_scale: checked, bound_scale kept as a float."""
+    for kw, exc, msg in [(dict(exact_channels=-1), ValueError, "exact_channels"),
+                         (dict(exact_channels=65), ValueError, "exact_channels"),
+                         (dict(exact_channels=2.0), TypeError, "exact_channels"),
+                         (dict(bound_scale=1.5), ValueError, "bound_scale"),
+                         (dict(bound_scale=-0.1), ValueError, "bound_scale"),
+                         (dict(bound_scale=True), TypeError, "bound_scale"),
+                         (dict(bound_scale="0.5"), TypeError, "bound_scale")]:
+        with pytest.raises(exc, match=msg):
+            QuestDecode(**kw)
+    assert QuestDecode(bound_scale=0).bound_scale == 0.0
+    with pytest.raises(ValueError, match="head_dim"):
+        PageSummaries(1, 1, 8, 2, 16, torch.float32, "cpu", exact_channels=8)
+
+
+def test_summaries_keep_the_loosest_channels_token_by_token():
+    """With exact channels the first write of a layer picks, per KV head, the channels of widest
+    range x magnitude (a planted wide channel is among them), keeps their values token by token,
+    and later writes (first_page > 0) keep the channels and append their pages."""
+    from xoffload.sparse.quest import choose_channels
+
+    s = PageSummaries(2, 2, 16, max_pages=6, page_size=16, dtype=torch.float32, device="cpu", exact_channels=3)
+    assert s.nbytes == 2 * 2 * 2 * 6 * 16 * 4 + 2 * 2 * 6 * 16 * 3 * 4 + 2 * 2 * 3 * 4
+    g = torch.Generator().manual_seed(0)
+    k = torch.randn(48, 2, 16, generator=g) * 0.1
+    k[:, 0, 5] = torch.randn(48, generator=g) * 10  # a wide, large channel of head 0
+    k[:, 1, 11] = torch.randn(48, generator=g) * 10
+    assert s.write(1, k) == 3
+    ch = s.channels[1]
+    assert 5 in ch[0].tolist() and 11 in ch[1].tolist()
+    assert torch.equal(ch, choose_channels(k.unflatten(0, (3, 16)), 3))
+    for h in range(2):
+        assert torch.equal(s.klab[1, h, :48], k[:, h, ch[h].long()])
+    k2 = torch.randn(32, 2, 16, generator=g)
+    s.write(1, k2, first_page=3)
+    assert torch.equal(s.channels[1], ch)  # fixed after the first write
+    assert torch.equal(s.klab[1, 0, 48:80], k2[:, 0, ch[0].long()])
+
+
+def test_exact_channels_tighten_the_bound_and_find_a_planted_key():
+    """page_scores with exact channels: alpha = 1 stays an upper bound of q·k, at most Quest's;
+    with alpha = 0.25 a key aligned with the query still lies in a chosen page."""
+    from xoffload.sparse.quest import choose_channels
+
+    P, d, hkv, hq, T = 16, 32, 2, 8, 64 * 16
+    pol = QuestDecode(token_budget=96, page_size=P, sink_tokens=16, recent_tokens=32, exact_channels=4,
+                      bound_scale=0.25)
+    plan = pol.plan(T)
+    f, n = plan.first_page, plan.num_candidates
+    gen = torch.Generator().manual_seed(11)
+    for trial in range(8):
+        k = torch.randn(T, hkv, d, generator=gen)
+        q = torch.randn(hq, d, generator=gen)
+        h = trial % hkv
+        pos = int(torch.randint(plan.sink_len, plan.tail_start, (1,), generator=gen))
+        k[pos, h] = q[h * (hq // hkv)] * 4
+        kmin, kmax, _ = _summaries(k, P)
+        kp = k.unflatten(0, (T // P, P))
+        ch = choose_channels(k.unflatten(0, (T // P, P)), 4)
+        kl = torch.gather(k[f * P:(f + n) * P].transpose(0, 1), 2, ch.long()[:, None, :].expand(-1, n * P, -1))
+        for alpha in (1.0, 0.25):
+            s = page_scores(q, kmin[:, f:f + n], kmax[:, f:f + n], channels=ch, klab=kl.contiguous(), alpha=alpha)
+            if alpha == 1.0:
+                true = torch.einsum("hgd,nphd->hgnp", q.view(hkv, hq // hkv, d), kp[f:f + n]).amax(3).amax(1)
+                assert bool((s >= true - 1e-4).all())
+                assert bool((s <= page_scores(q, kmin[:, f:f + n], kmax[:, f:f + n]) + 1e-4).all())
+            else:
+                rows = select_pages(s, plan.pages_per_step, f, P, None, 1024)
+                assert (pos // P) * P in rows[0, h].tolist()
+        # the softmax group score takes the same per-head scores
+        sm = page_scores(q, kmin[:, f:f + n], kmax[:, f:f + n], group="softmax", channels=ch,
+                         klab=kl.contiguous(), alpha=0.25)
+        assert sm.shape == (hkv, n) and torch.allclose(sm.sum(-1), torch.full((hkv,), hq / hkv))

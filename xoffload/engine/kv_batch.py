@@ -669,6 +669,10 @@ class OffloadQuestBatchKV(BatchKV):
         self.eng = shared
         self.block = self.eng.block_size
         pol = self.policy = config.decode_policy
+        if pol.exact_channels or pol.bound_scale != 1.0:
+            raise ValueError(f"OffloadQuestBatchKV scores pages with the min/max bound only; this policy has "
+                             f"exact_channels={pol.exact_channels}, bound_scale={pol.bound_scale} "
+                             f"(batch_store_class routes it to SerialBatchKV)")
         P = self.page = int(pol.page_size)
         if self.block % P:
             raise ValueError(f"QuestDecode.page_size {P} must divide the pool's block size {self.block}")
@@ -1061,7 +1065,8 @@ def batch_store_class(store_cls, config):
     asks for no page cache or prefetch (``cache_pages`` None — the per-request default cache is not
     built in a batch — or 0, ``prefetch=False``), else :class:`SerialBatchKV` around ``store_cls``
     (an explicit ``cache_pages > 0`` or ``prefetch=True`` keeps the per-request stores and their
-    caches)."""
+    caches; so do ``exact_channels > 0`` and ``bound_scale < 1``: the batched score kernel is the
+    min/max bound's)."""
     from ..sparse.quest import QuestDecode
     from .kv_paged import OffloadPagedKV
 
@@ -1070,7 +1075,8 @@ def batch_store_class(store_cls, config):
     if store_cls is OffloadPagedKV and config.decode_policy is None:
         return OffloadBatchKV, {}
     pol = config.decode_policy
-    if store_cls is OffloadPagedKV and isinstance(pol, QuestDecode) and not pol.prefetch and not pol.cache_pages:
+    if store_cls is OffloadPagedKV and isinstance(pol, QuestDecode) and not pol.prefetch and not pol.cache_pages \
+            and not pol.exact_channels and pol.bound_scale == 1.0:
         return OffloadQuestBatchKV, {}
     return SerialBatchKV, {"store_cls": store_cls}
 

@@ -33,7 +33,7 @@ import torch
 
 from ..kernels import decode_attn_with_lse, gather_blocks, merge_attention_states, paged_decode_attn_with_lse
 from ..kernels.page_cache import PageCacheState, page_cache_fill, page_cache_lookup
-from ..sparse.quest import PageSummaries, QuestDecode, page_scores, select_page_ids, select_pages
+from ..sparse.quest import PageSummaries, QuestDecode, select_page_ids, select_pages
 from .kv_store import KVStore, OffloadKV, PrefillStaging, Splits, register_store
 
 __all__ = ["PagedKV", "OffloadPagedKV", "ResidentPagedKV"]
@@ -162,9 +162,13 @@ class PagedKV(KVStore):
                 if summaries.page_size != self.page or summaries.max_pages < T // self.page:
                     raise ValueError(f"summaries of page {summaries.page_size} x {summaries.max_pages} pages do not "
                                      f"cover a {T}-token prompt in pages of {self.page}")
+                if summaries.exact_channels != policy.exact_channels:
+                    raise ValueError(f"summaries keep {summaries.exact_channels} exact channels, the policy "
+                                     f"{policy.exact_channels}")
                 self.summaries = summaries
             else:
-                self.summaries = PageSummaries(L, hkv, d, max(1, T // self.page), self.page, dtype, self.device)
+                self.summaries = PageSummaries(L, hkv, d, max(1, T // self.page), self.page, dtype, self.device,
+                                               exact_channels=policy.exact_channels)
         self._pev = {}
         if C:
             tail_cap = head + max_new
@@ -382,8 +386,7 @@ class PagedKV(KVStore):
         if self.plan is not None:
             p = self.plan
             f, n = p.first_page, p.num_candidates
-            s = page_scores(q[0], self.summaries.kmin[layer, :, f:f + n], self.summaries.kmax[layer, :, f:f + n],
-                            group=self.policy.group_score, scale=self.scale)
+            s = self.summaries.scores(layer, q[0], f, n, self.policy, self.scale)
             select_pages(s, self._k, f, self.page, self._bt, self._block, out=self._table)
         o_p, l_p = paged_decode_attn_with_lse(q4, kr, vr, self._table, self._page_lens, page_size=self.page,
                                               softmax_scale=self.scale, num_splits=self._nsplit_pages, check=False)
@@ -413,8 +416,7 @@ class PagedKV(KVStore):
         rows into ``table``), copy the misses from the pool."""
         p = self.plan
         f, n = p.first_page, p.num_candidates
-        s = page_scores(q, self.summaries.kmin[layer, :, f:f + n], self.summaries.kmax[layer, :, f:f + n],
-                        group=self.policy.group_score, scale=self.scale)
+        s = self.summaries.scores(layer, q, f, n, self.policy, self.scale)
         ids = select_page_ids(s, self._k)
         page_cache_lookup(ids, self._cstate[layer], table, src, first_page=f, page_size=self.page,
                           base=self._cbase, block_table=self._bt, block_size=self._block, hits=hits)

@@ -351,7 +351,8 @@ class Session:
         L, hkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         if self._summ is None:  # always kept (2 / page_size of K's bytes): decode policy and sparse history read them
             pages = -(-self.llm.max_model_len // self.page)
-            self._summ = PageSummaries(L, hkv, d, pages, self.page, self.dtype, self.device)
+            self._summ = PageSummaries(L, hkv, d, pages, self.page, self.dtype, self.device,
+                                       exact_channels=self.policy.exact_channels if self.policy else 0)
         if self.engine is None:
             quantum = max(256, self.page)
             need = -(-total // quantum) * quantum

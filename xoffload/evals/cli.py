@@ -55,7 +55,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "offload-ring, offload+quest, resident+quest, ... (xoffload.engine.modes), a decode policy's "
                         "budget as @N (offload+quest@512) and its GQA group score as /GROUP "
                         "(offload+quest@512/softmax) and its dense layers as /dense=I.J.K "
-                        "(offload+quest@512/dense=0.1.18), a :session suffix to ask each prompt as the "
+                        "(offload+quest@512/dense=0.1.18), exact key channels, bound scale and page size as "
+                        "/ch=R, /alpha=A, /page=P (offload+quest@512/ch=8/alpha=0.25), a :session suffix to ask each prompt as the "
                         "second turn of a session whose first turn gave the context (offload:session; "
                         ":session@N: sparse history of N tokens), "
                         "both (= resident,offload; default), or hf: transformers' own "
@@ -110,14 +111,19 @@ def _has_cuda(device) -> bool:
     return torch.cuda.is_available()
 
 
+#: ``/KEY=VALUE`` suffixes of a decode-policy mode: QuestDecode field and value type
+_POLICY_KEYS = {"ch": ("exact_channels", int), "alpha": ("bound_scale", float), "page": ("page_size", int)}
+
+
 def mode_options(name: str) -> dict:
     """LLM keyword arguments of a mode name: a configuration of
     :func:`xoffload.engine.modes.configurations` (``resident``, ``offload``, ``offload+quest``, ...;
     ``gpu`` = ``resident``), with ``@N`` after a decode-policy configuration setting its token
     budget (``offload+quest@512``) and an optional ``/GROUP`` after it the policy's GQA group score
-    (``offload+quest@512/softmax``, see :class:`xoffload.sparse.QuestDecode`) and/or its dense layers
+    (``offload+quest@512/softmax``, see :class:`xoffload.sparse.QuestDecode`), its dense layers
     as ``/dense=I.J.K`` (``resident+quest@512/dense=0.1.7.18``: layer indices joined by ``.``; the
-    mode list itself is comma-separated). Raises ValueError naming the known names or the bad
+    mode list itself is comma-separated), its exact channels ``/ch=R``, bound scale ``/alpha=A``
+    and page size ``/page=P`` (``offload+quest@512/ch=8/alpha=0.25``). Raises ValueError naming the known names or the bad
     suffix."""
     from xoffload.engine.modes import configurations
 
@@ -166,11 +172,18 @@ def mode_options(name: str) -> dict:
                     if not all(x.isascii() and x.isdigit() for x in ids):
                         raise _ArgError(f"--mode {name!r}: /dense= takes layer indices joined by '.', got {part!r}")
                     fields["dense_layers"] = tuple(int(x) for x in ids)
+                elif part.partition("=")[0] in _POLICY_KEYS:  # /ch=8, /alpha=0.25, /page=16
+                    key, _, val = part.partition("=")
+                    field, conv = _POLICY_KEYS[key]
+                    try:
+                        fields[field] = conv(val)
+                    except ValueError:
+                        raise _ArgError(f"--mode {name!r}: /{key}= takes a number, got {val!r}") from None
                 else:
                     fields["group_score"] = part
             if any(not hasattr(pol, f) for f in fields):
-                raise _ArgError(f"--mode {name!r}: /GROUP and /dense= need a decode policy with a group score "
-                                f"and dense layers")
+                raise _ArgError(f"--mode {name!r}: /GROUP, /dense=, /ch=, /alpha= and /page= need a Quest-style "
+                                f"decode policy")
             try:
                 kw["sparse_decode"] = dataclasses.replace(pol, **fields)
             except (TypeError, ValueError) as e:

@@ -13,8 +13,19 @@ its own candidate pages, gathered by a ``[R, N]`` index from one shared summary 
 per row with ``-inf`` past the row's count (the batched Quest store,
 :class:`xoffload.engine.kv_batch.OffloadQuestBatchKV`).
 
+
+:func:`channel_page_scores` tightens the bound where it is loosest. Quest's bound takes each
+channel's extreme from a different key, and in the retrieval layers of a RoPE model a few channels
+with a wide, large-magnitude range (the low-frequency rotary channels) dominate it, so every page
+looks alike. For ``r`` such channels per KV head (chosen once per request from the prompt's keys,
+:class:`xoffload.sparse.quest.PageSummaries`) the keys' own values are kept (``r / D`` of K's
+bytes, the "label cache" of Double Sparsity, Yang et al. 2024) and scored exactly, token by token,
+maximised over the page; the other channels keep the min/max summary, scored as its midpoint plus
+``alpha`` times its radius (``alpha = 1``: Quest's bound, so the sum stays an upper bound of
+``q·k``; smaller ``alpha`` estimates the page's best key instead of bounding it).
+
 CPU tensors run :func:`xoffload.kernels.reference.quest_page_scores_ref` (and
-``quest_page_scores_batched_ref``) unless Triton's interpreter is on.
+``quest_page_scores_batched_ref``, ``channel_page_scores_ref``) unless Triton's interpreter is on.
 """
 from __future__ import annotations
 
@@ -25,7 +36,7 @@ import triton.language as tl
 from . import reference
 from .checks import check_out, check_tensor, next_pow2, use_triton
 
-__all__ = ["check_summaries", "quest_page_scores", "quest_page_scores_batched"]
+__all__ = ["channel_page_scores", "check_summaries", "quest_page_scores", "quest_page_scores_batched"]
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -213,4 +224,130 @@ def quest_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.T
                                 out.stride(0), out.stride(1),
                                 BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
                                 DOT_PREC=prec, num_warps=4)
+    return out
+
+
+@triton.jit(do_not_specialize=["N"])
+def _channel_score_kernel(Q, KMIN, KMAX, CH, KL, S, N, GROUP, D, R, alpha,
+                          s_qh, s_kh, s_kn, s_ch, s_lh, s_lt, s_sh,
+                          P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_R: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_EXACT: tl.constexpr,
+                          DOT_PREC: tl.constexpr):
+    h = tl.program_id(0)
+    nb = tl.program_id(1)
+    og = tl.arange(0, BLOCK_G)
+    od = tl.arange(0, BLOCK_D)
+    orr = tl.arange(0, BLOCK_R)
+    on = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    gm = og < GROUP
+    dm = od < D
+    rm = orr < R
+    nm = on < N
+    ch = tl.load(CH + h * s_ch + orr, mask=rm, other=-1)  # the stored channels of this KV head
+    lab = tl.max((od[None, :] == ch[:, None]).to(tl.int32), axis=0) > 0  # [BLOCK_D]
+    qrow = Q + (h * GROUP + og)[:, None] * s_qh
+    q = tl.load(qrow + od[None, :], mask=gm[:, None] & dm[None, :] & ~lab[None, :], other=0.0)
+    base = h.to(tl.int64) * s_kh + on[:, None].to(tl.int64) * s_kn + od[None, :]
+    kmax = tl.load(KMAX + base, mask=nm[:, None] & dm[None, :], other=0.0)
+    kmin = tl.load(KMIN + base, mask=nm[:, None] & dm[None, :], other=0.0)
+    qp = tl.where(q > 0, q, 0.0).to(kmax.dtype)
+    qn = tl.where(q < 0, q, 0.0).to(kmax.dtype)
+    up = tl.dot(qp, tl.trans(kmax), input_precision=DOT_PREC)  # q⁺·M + q⁻·m = q·mid + |q|·rad
+    up += tl.dot(qn, tl.trans(kmin), input_precision=DOT_PREC)
+    if HAS_LOWER:  # q⁺·m + q⁻·M = q·mid - |q|·rad; mid + alpha·rad = ((1+a)·up + (1-a)·low) / 2
+        low = tl.dot(qp, tl.trans(kmin), input_precision=DOT_PREC)
+        low += tl.dot(qn, tl.trans(kmax), input_precision=DOT_PREC)
+        s = 0.5 * (1.0 + alpha) * up + 0.5 * (1.0 - alpha) * low
+    else:
+        s = up
+    if HAS_EXACT:  # exact part over the stored channels: [G, r] x [r, BLOCK_N * P], then each page's max
+        qc = tl.load(qrow + tl.maximum(ch, 0)[None, :], mask=gm[:, None] & rm[None, :], other=0.0).to(kmax.dtype)
+        ot = nb * (BLOCK_N * P) + tl.arange(0, BLOCK_N * P)
+        kl = tl.load(KL + h.to(tl.int64) * s_lh + ot[:, None].to(tl.int64) * s_lt + orr[None, :],
+                     mask=(ot < N * P)[:, None] & rm[None, :], other=0.0)
+        ex = tl.dot(qc, tl.trans(kl), input_precision=DOT_PREC)  # [BLOCK_G, BLOCK_N * P]
+        s += tl.max(tl.reshape(ex, (BLOCK_G, BLOCK_N, P)), axis=2)
+    s = tl.where(gm[:, None], s, float("-inf"))
+    tl.store(S + h * s_sh + on, tl.max(s, axis=0), mask=nm)
+
+
+def channel_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, channels: torch.Tensor | None,
+                        klab: torch.Tensor | None, *, alpha: float = 1.0,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Page scores from exact scores on ``r`` stored key channels plus the min/max summary of the
+    rest (module docstring), maximised over each KV head's query-head group, in one launch.
+
+    Args:
+        q: ``[Hq, D]`` one layer's (post-RoPE) query; fp16/bf16/fp32; last dim contiguous.
+        kmin, kmax: ``[Hkv, n_pages, D]`` page minima / maxima (as :func:`quest_page_scores`).
+        channels: int32/int64 ``[Hkv, r]``, ``1 <= r <= 64``, distinct channels in ``[0, D)`` per KV
+            head (not checked on the device: no host read), on q's device; or None (with ``klab``
+            None): no exact part, every channel scored from the summary.
+        klab: ``[Hkv, n_pages * P, r]`` the keys' values in those channels, token by token, of the
+            same ``n_pages`` pages of ``P`` tokens (``P`` a power of two, 16..256); q's dtype.
+        alpha: weight of the key range's radius on the other channels, in ``[0, 1]`` (1: Quest's
+            bound, and the score is an upper bound of ``q_g·k`` for every key of the page).
+        out: optional fp32 ``[Hkv, n_pages]`` written in place (last dim contiguous).
+    Returns:
+        fp32 ``[Hkv, n_pages]`` (:func:`xoffload.kernels.reference.channel_page_scores_ref`).
+    Raises:
+        TypeError / ValueError: dtypes, shapes, devices or ``alpha`` that do not fit (named).
+    """
+    hq, hkv, n, d = check_summaries(q, kmin, kmax)
+    if d > 256:
+        raise ValueError(f"head_dim must be <= 256, got {d}")
+    if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:
+        raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
+    if (channels is None) != (klab is None):
+        raise ValueError("channels and klab come together (both None: no exact part)")
+    r, P = 0, 16
+    if channels is not None:
+        if not isinstance(channels, torch.Tensor) or channels.dtype not in (torch.int32, torch.int64) \
+                or channels.dim() != 2 or channels.shape[0] != hkv or not 1 <= channels.shape[1] <= 64:
+            raise ValueError(f"channels must be an int32/int64 [Hkv={hkv}, r] tensor with 1 <= r <= 64, got "
+                             f"{tuple(channels.shape) if isinstance(channels, torch.Tensor) else type(channels).__name__}")
+        r = channels.shape[1]
+        check_tensor("klab", klab, 3)
+        if klab.shape[0] != hkv or klab.shape[2] != r or (n and klab.shape[1] % n):
+            raise ValueError(f"klab must be [Hkv={hkv}, n_pages * P, r={r}] for {n} pages, got {tuple(klab.shape)}")
+        P = klab.shape[1] // n if n else 16
+        if n and (P < 16 or P > 256 or P & (P - 1)):
+            raise ValueError(f"klab holds {P} tokens per page; it must be a power of two in [16, 256]")
+        if klab.dtype != q.dtype:
+            raise TypeError(f"klab must have q's dtype {q.dtype}, got {klab.dtype}")
+    a = float(alpha)
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    devs = {q.device, kmin.device, kmax.device} | ({channels.device, klab.device} if r else set())
+    if len(devs) != 1:
+        raise ValueError(f"q, kmin, kmax, channels, klab must share a device, got {sorted(map(str, devs))}")
+    for nm_, t in (("q", q), ("kmin", kmin), ("kmax", kmax)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{nm_} must have a contiguous last dim, got strides {tuple(t.stride())}")
+    if kmin.stride() != kmax.stride():
+        raise ValueError(f"kmin and kmax must have the same strides, got {kmin.stride()} and {kmax.stride()}")
+    if out is None:
+        out = torch.empty(hkv, n, dtype=torch.float32, device=q.device)
+    else:
+        check_out("out", out, (hkv, n), torch.float32, q.device)
+    if n == 0:
+        return out
+    if not use_triton(q):
+        out.copy_(reference.channel_page_scores_ref(q, kmin, kmax, channels, klab, a))
+        return out
+    group = hq // hkv
+    block_n = 16
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    grid = (hkv, triton.cdiv(n, block_n))
+    if r:
+        channels = channels.contiguous()
+        s_ch, s_lh, s_lt = channels.stride(0), klab.stride(0), klab.stride(1)
+    else:  # never read (HAS_EXACT False, the channel mask all-false)
+        channels, klab, s_ch, s_lh, s_lt = torch.zeros(1, dtype=torch.int32, device=q.device), kmin, 0, 0, 0
+    _channel_score_kernel[grid](q, kmin, kmax, channels, klab, out, n, group, d, r, a,
+                                q.stride(0), kmin.stride(0), kmin.stride(1), s_ch, s_lh, s_lt, out.stride(0),
+                                P=P, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n,
+                                BLOCK_D=max(16, next_pow2(d)), BLOCK_R=max(16, next_pow2(r)),
+                                HAS_LOWER=a != 1.0, HAS_EXACT=r > 0, DOT_PREC=prec,
+                                num_warps=4 if block_n * P <= 512 else 8)
     return out

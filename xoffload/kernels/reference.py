@@ -357,6 +357,31 @@ def quest_page_scores_ref(q, kmin, kmax):
     return s.amax(1)
 
 
+def channel_page_scores_ref(q, kmin, kmax, channels, klab, alpha=1.0, per_head=False):
+    """fp32 ``[Hkv, n]`` (``per_head``: ``[Hkv, g, n]`` before the group maximum): the page score of
+    :func:`xoffload.kernels.quest_score.channel_page_scores` — per query head ``g`` of KV head ``h``,
+    ``max over the page's tokens t of sum_{c in C_h} q_gc k_tc`` (exact, over the stored channels
+    ``C_h = channels[h]`` of ``klab [Hkv, n * P, r]``) plus, over the other channels, the midpoint
+    ``q·(m + M)/2`` plus ``alpha`` times the radius ``|q|·(M - m)/2`` of the page's key range
+    (``alpha = 1``: Quest's bound on those channels; the sum is then still an upper bound)."""
+    hkv, n, d = kmin.shape
+    g = q.shape[0] // hkv
+    qg = q.float().view(hkv, g, d)
+    lab = torch.zeros(hkv, d, dtype=torch.bool, device=q.device)
+    if channels is not None and channels.shape[-1]:
+        lab.scatter_(1, channels.long(), True)
+    qr = qg.masked_fill(lab[:, None, :], 0.0)
+    mid = (kmin.float() + kmax.float()) * 0.5
+    rad = (kmax.float() - kmin.float()) * 0.5
+    s = torch.bmm(qr, mid.transpose(1, 2)) + float(alpha) * torch.bmm(qr.abs(), rad.transpose(1, 2))
+    if channels is not None and channels.shape[-1]:
+        r = channels.shape[-1]
+        qc = torch.gather(qg, 2, channels.long()[:, None, :].expand(hkv, g, r))  # [Hkv, g, r]
+        ex = torch.bmm(qc, klab.float().transpose(1, 2))  # [Hkv, g, n * P]
+        s = s + ex.view(hkv, g, n, -1).amax(-1)
+    return s if per_head else s.amax(1)
+
+
 def quest_page_scores_batched_ref(q, kmin, kmax, index, n_valid):
     """fp32 ``[R, Hkv, N]``: :func:`quest_page_scores_ref` of row r's query ``q[r]`` ``[Hq, D]``
     over the summary pages ``index[r]`` of a shared pool ``[Hkv, NP, D]``; ``-inf`` for candidates

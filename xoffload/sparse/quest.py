@@ -25,10 +25,12 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.checks import check_int
-from ..kernels.quest_score import check_summaries, quest_page_scores
+from ..kernels.quest_score import channel_page_scores, check_summaries, quest_page_scores
+from ..kernels.reference import channel_page_scores_ref
 from .policy import DecodePolicy
 
-__all__ = ["DecodePlan", "GROUP_SCORES", "PageSummaries", "QuestDecode", "calibrate_dense_layers", "page_scores",
+__all__ = ["DecodePlan", "GROUP_SCORES", "PageSummaries", "QuestDecode", "calibrate_dense_layers", "choose_channels",
+           "page_scores",
            "select_page_ids", "select_pages", "selection_loss"]
 
 #: how :func:`page_scores` combines a KV head's query heads
@@ -98,6 +100,14 @@ class QuestDecode(DecodePolicy):
             random weights: 25% hits with 256 slots, 14% with 116; H200, bench_e2e); ``0``: no
             cache, pages are read in place over PCIe every step. Capped at the candidate pages (a cache that holds them all fetches
             each page once).
+        exact_channels: ``r`` key channels per KV head and sparse layer whose values are kept on
+            the GPU token by token (``r / D`` of K's bytes on top of the min/max summaries) and scored
+            exactly (:func:`xoffload.kernels.quest_score.channel_page_scores`): the channels where
+            the min/max bound is loosest, chosen from the prompt's keys (:func:`choose_channels`).
+            0 (default): Quest's summaries alone. At most 64 and below ``head_dim``.
+        bound_scale: ``alpha`` in ``[0, 1]``, the weight of the page's key range on the channels
+            scored from the summary: page score = exact part + ``q·mid + alpha·|q|·radius``.
+            1 (default): Quest's upper bound; smaller estimates the page's best key instead.
         prefetch: offload with the page cache only — while layer ``l`` computes, layer ``l+1``'s
             pages are chosen from an estimate of its query (layer ``l+1``'s projection of layer
             ``l``'s input, as InfiniGen, Lee et al. 2024, predicts the next layer's attention) and
@@ -119,6 +129,8 @@ class QuestDecode(DecodePolicy):
     group_score: str = "max"
     cache_pages: int | None = None
     prefetch: bool = False
+    exact_channels: int = 0
+    bound_scale: float = 1.0
 
     def __post_init__(self):
         if self.token_budget is not None:
@@ -139,6 +151,14 @@ class QuestDecode(DecodePolicy):
             raise TypeError(f"prefetch must be a bool, got {self.prefetch!r}")
         if self.prefetch and self.cache_pages == 0:
             raise ValueError("prefetch=True copies into the GPU page cache; it needs cache_pages != 0")
+        check_int("exact_channels", self.exact_channels, 0)
+        if self.exact_channels > 64:
+            raise ValueError(f"exact_channels must be <= 64, got {self.exact_channels}")
+        if isinstance(self.bound_scale, bool) or not isinstance(self.bound_scale, (int, float)):
+            raise TypeError(f"bound_scale must be a number in [0, 1], got {self.bound_scale!r}")
+        if not 0.0 <= float(self.bound_scale) <= 1.0:
+            raise ValueError(f"bound_scale must be in [0, 1], got {self.bound_scale!r}")
+        object.__setattr__(self, "bound_scale", float(self.bound_scale))
 
     def cache_slots(self, plan: "DecodePlan") -> int:
         """GPU cache slots per KV head and sparse layer for ``plan`` (0: no cache): ``cache_pages``
@@ -181,34 +201,71 @@ class QuestDecode(DecodePolicy):
                           first_page=first, num_candidates=n_cand, pages_per_step=k)
 
 
+def choose_channels(kp: torch.Tensor, r: int) -> torch.Tensor:
+    """The ``r`` key channels per KV head where a page's min/max bound is loosest: the largest
+    mean key range ``M - m`` over the pages times the mean ``|k|`` (RoPE's low-frequency channels
+    of the retrieval heads, whose wide, large-magnitude range makes every page's bound alike).
+
+    Args:
+        kp: ``[n_pages, P, Hkv, D]`` whole pages of one layer's (post-RoPE) keys, ``n_pages >= 1``.
+        r: channels to keep, ``1 <= r <= D``.
+    Returns:
+        int32 ``[Hkv, r]`` distinct channel indices per KV head, on kp's device.
+    """
+    kf = kp.float()
+    rng = (kf.amax(1) - kf.amin(1)).mean(0)  # [Hkv, D]
+    w = rng * kf.abs().mean((0, 1))
+    return w.topk(r, dim=-1).indices.to(torch.int32)
+
+
 class PageSummaries:
-    """Per-page elementwise min and max of K, per layer and KV head, kept on the KV's device.
+    """Per-page elementwise min and max of K, per layer and KV head, kept on the KV's device, and
+    optionally the values of ``exact_channels`` chosen key channels, token by token.
 
     Storage: ``kmin`` / ``kmax`` ``[L, Hkv, max_pages, D]`` in the K dtype (min and max are K
     elements, so no rounding: the bound is exact for the stored K). Bytes: ``2 / page_size`` of K's.
+    With ``exact_channels = r > 0``: ``channels`` int32 ``[L, Hkv, r]`` (chosen by
+    :func:`choose_channels` at a layer's first write, then fixed) and ``klab`` ``[L, Hkv,
+    max_pages * page_size, r]`` (``r / D`` of K's bytes more).
 
     Args:
         num_layers, num_kv_heads, head_dim: model shape.
         max_pages: pages per layer (``ceil(max_tokens / page_size)``).
         page_size: tokens per page.
         dtype, device: of the K it summarises.
+        exact_channels: ``r`` (0: min/max only); ``< head_dim``.
+    Raises:
+        ValueError: ``exact_channels`` not in ``[0, head_dim)``.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_pages: int, page_size: int,
-                 dtype, device):
+                 dtype, device, exact_channels: int = 0):
         shape = (num_layers, num_kv_heads, max_pages, head_dim)
         self.kmin = torch.empty(shape, dtype=dtype, device=device)
         self.kmax = torch.empty(shape, dtype=dtype, device=device)
         self.page_size = page_size
         self.max_pages = max_pages
+        r = int(exact_channels)
+        if not 0 <= r < head_dim:
+            raise ValueError(f"exact_channels must be in [0, head_dim={head_dim}), got {exact_channels}")
+        self.exact_channels = r
+        self.channels = self.klab = None
+        self._chosen = [False] * num_layers
+        if r:
+            self.channels = torch.zeros(num_layers, num_kv_heads, r, dtype=torch.int32, device=device)
+            self.klab = torch.zeros(num_layers, num_kv_heads, max_pages * page_size, r, dtype=dtype, device=device)
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.kmin.numel() * self.kmin.element_size()
+        n = 2 * self.kmin.numel() * self.kmin.element_size()
+        if self.klab is not None:
+            n += self.klab.numel() * self.klab.element_size() + self.channels.numel() * 4
+        return n
 
     def write(self, layer: int, k: torch.Tensor, first_page: int = 0) -> int:
         """Summarise the whole pages of ``k`` ``[T, Hkv, D]`` (tokens of pages ``first_page ..``;
         a partial last page is left out: it is never a candidate). Returns the pages written.
+        With exact channels, the layer's first write with a whole page chooses them.
         Raises ValueError when they would pass ``max_pages``."""
         P = self.page_size
         n = k.shape[0] // P
@@ -218,11 +275,32 @@ class PageSummaries:
             kp = k[: n * P].unflatten(0, (n, P))  # [n, P, Hkv, D]
             self.kmin[layer, :, first_page:first_page + n] = kp.amin(1).transpose(0, 1)
             self.kmax[layer, :, first_page:first_page + n] = kp.amax(1).transpose(0, 1)
+            if self.klab is not None:
+                if not self._chosen[layer]:
+                    self.channels[layer] = choose_channels(kp, self.exact_channels)
+                    self._chosen[layer] = True
+                ch = self.channels[layer].long()  # [Hkv, r]
+                kt = k[: n * P].transpose(0, 1)  # [Hkv, nP, D]
+                self.klab[layer, :, first_page * P:(first_page + n) * P] = torch.gather(
+                    kt, 2, ch[:, None, :].expand(-1, n * P, -1))
         return n
+
+    def scores(self, layer: int, q: torch.Tensor, first: int, n: int, policy: "QuestDecode",
+               scale: float | None = None) -> torch.Tensor:
+        """fp32 ``[Hkv, n]``: :func:`page_scores` of query ``q`` ``[Hq, D]`` over pages ``first ..
+        first + n - 1`` of ``layer``, with the policy's group score and bound scale, and the
+        stored exact channels (when kept)."""
+        P = self.page_size
+        ch = kl = None
+        if self.klab is not None:
+            ch, kl = self.channels[layer], self.klab[layer, :, first * P:(first + n) * P]
+        return page_scores(q, self.kmin[layer, :, first:first + n], self.kmax[layer, :, first:first + n],
+                           group=policy.group_score, scale=scale, channels=ch, klab=kl, alpha=policy.bound_scale)
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, group: str = "max",
-                scale: float | None = None) -> torch.Tensor:
+                scale: float | None = None, channels: torch.Tensor | None = None, klab: torch.Tensor | None = None,
+                alpha: float = 1.0) -> torch.Tensor:
     """Quest's upper bound of ``q·k`` per page, combined over each KV head's query-head group.
 
     Args:
@@ -234,6 +312,10 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
             whose bounds are all alike does not outvote one that singles a page out (the CPU
             diagnosis in ``benchmarks/diag_quest.py`` found it at the oracle's recall on SmolLM2).
         scale: softmax scale for ``group="softmax"`` (default ``1/sqrt(D)``).
+        channels, klab: optional exact channels ``[Hkv, r]`` and their values ``[Hkv, n_pages * P,
+            r]`` (:class:`PageSummaries`); alpha: the range weight on the other channels (``[0,
+            1]``). With either, each head's score is :func:`xoffload.kernels.quest_score.channel_page_scores`'
+            (still an upper bound when ``alpha = 1``).
     Returns:
         fp32 ``[Hkv, n_pages]``. With ``"max"``: ``max over g of (q_g⁺ · M + q_g⁻ · m)``, which is
         >= ``q_g · k`` for every key k of the page and every query head g of the group.
@@ -244,8 +326,14 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
     hq, hkv, n, d = check_summaries(q, kmin, kmax)
     if group not in GROUP_SCORES:
         raise ValueError(f"group must be one of {GROUP_SCORES}, got {group!r}")
+    hybrid = channels is not None or float(alpha) != 1.0
     if group == "max":  # one kernel (fp32 accumulation): xoffload.kernels.quest_score
+        if hybrid:
+            return channel_page_scores(q.to(kmin.dtype), kmin, kmax, channels, klab, alpha=alpha)
         return quest_page_scores(q.to(kmin.dtype), kmin, kmax)
+    if hybrid:
+        s = channel_page_scores_ref(q, kmin, kmax, channels, klab, alpha, per_head=True)
+        return torch.softmax(s * (d ** -0.5 if scale is None else float(scale)), dim=-1).sum(1)
     qg = q.to(kmin.dtype).view(hkv, hq // hkv, d)
     s = torch.bmm(qg.clamp(min=0), kmax.transpose(1, 2)).float()
     s += torch.bmm(qg.clamp(max=0), kmin.transpose(1, 2)).float()
@@ -307,8 +395,8 @@ def selection_loss(q: torch.Tensor, k: torch.Tensor, policy: QuestDecode, prompt
     (``policy.plan(prompt_len)``); the *lost* mass of a head is the share of its softmax on
     candidate pages the selection leaves out (sink, tail and generated tokens are always read).
     Per step the worst query head counts (the answer's retrieval head is one head); the result is
-    the mean over the steps, for Quest's selection (:func:`page_scores` with
-    ``policy.group_score``, top ``pages_per_step`` per KV head) and for the oracle (per KV head the
+    the mean over the steps, for the policy's selection (:func:`page_scores` with
+    its group score, bound scale and exact channels, top ``pages_per_step`` per KV head) and for the oracle (per KV head the
     pages with the most of the group's exact mass). Their difference is what a better page score
     could win back in this layer; :func:`calibrate_dense_layers` ranks layers by it.
 
@@ -343,13 +431,20 @@ def selection_loss(q: torch.Tensor, k: torch.Tensor, policy: QuestDecode, prompt
     scale = d ** -0.5 if scale is None else float(scale)
     kp = k[:(f + n) * P].float().unflatten(0, (f + n, P))[f:]  # [n, P, Hkv, D]
     kmin, kmax = kp.amin(1).transpose(0, 1).contiguous(), kp.amax(1).transpose(0, 1).contiguous()
+    ch = kl = None
+    if policy.exact_channels:  # as PageSummaries: chosen from the prompt's whole pages
+        ch = choose_channels(k[:(T // P) * P].float().unflatten(0, (T // P, P)), policy.exact_channels)
+        kl = torch.gather(kp.flatten(0, 1).transpose(0, 1), 2,
+                          ch.long()[:, None, :].expand(-1, n * P, -1)).contiguous()
     lost, olost = 0.0, 0.0
     for s in range(S):
         qs = q[s].float()
         keys = k[:T + s + 1].float().repeat_interleave(g, 1)  # [N, Hq, D]
         prob = torch.softmax(torch.einsum("hd,nhd->hn", qs, keys) * scale, -1)
         cand = prob[:, f * P:(f + n) * P].reshape(hkv, g, n, P).sum(-1)  # [Hkv, g, n]
-        for ids, acc in ((select_page_ids(page_scores(qs, kmin, kmax, group=policy.group_score, scale=scale), kk), 0),
+        sc = page_scores(qs, kmin, kmax, group=policy.group_score, scale=scale, channels=ch, klab=kl,
+                         alpha=policy.bound_scale)
+        for ids, acc in ((select_page_ids(sc, kk), 0),
                          (select_page_ids(cand.sum(1), kk), 1)):
             keep = torch.zeros(hkv, n, dtype=torch.bool, device=q.device).scatter_(1, ids, True)
             worst = float((cand * ~keep[:, None]).sum(-1).max())
