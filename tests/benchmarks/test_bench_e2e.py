@@ -1,0 +1,288 @@
+"""CPU tests of bench_e2e's plan, cap search and partial results (the GPU work mocked out or run on
+a tiny random model on the CPU)."""
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+
+import _e2e_plan as P  # noqa: E402
+import bench_e2e as E  # noqa: E402
+
+LENGTHS = [8192, 16384, 32768, 65536, 131072]
+K = 16384
+
+
+# ------------------------------------------------------------------------------------ the plan
+def test_default_run_is_planned_under_ten_minutes():
+    p = P.plan(P.PARTS, LENGTHS, P.all_configs())
+    assert list(p) == ["startup", "compile", *P.PARTS]
+    tot = P.plan_seconds(p)
+    assert tot["total"] == pytest.approx(sum(v for k, v in tot.items() if k != "total"))
+    assert tot["total"] <= 600
+    # the largest parts: the 8B sweep and the cap searches
+    assert tot["8b"] > tot["cap"] > max(tot["qwen"], tot["smollm2"], tot["stall"])
+    # the two-call split: each call under 10 minutes on its own
+    first = P.plan_seconds(P.plan(["8b"], LENGTHS, P.all_configs()))["total"]
+    second = P.plan_seconds(P.plan(["cap", "qwen", "smollm2", "stall"], LENGTHS, P.all_configs()))["total"]
+    assert first < 600 and second < 600
+
+
+def test_plan_follows_the_options():
+    cfgs = P.all_configs()
+    full = P.plan_seconds(P.plan(P.PARTS, LENGTHS, cfgs))
+    quick = P.plan_seconds(P.plan(P.PARTS, [32768, 131072], cfgs))
+    no_peers = P.plan(P.PARTS, LENGTHS, cfgs, peers=False)
+    assert quick["8b"] < full["8b"]
+    assert no_peers["8b"]["peers"] == 0 and "hf_gpu_cache" not in no_peers["cap"]
+    two = {k: v for k, v in cfgs.items() if k in ("resident", "offload")}
+    assert P.plan_seconds(P.plan(["8b"], LENGTHS, two))["8b"] < full["8b"] / 2
+    # the cap part without the 8b part builds its own model and transformers view
+    alone = P.plan(["cap"], LENGTHS, cfgs)
+    assert alone["cap"]["model"] > 0 and P.plan(["8b", "cap"], LENGTHS, cfgs)["cap"]["model"] == 0
+
+
+def test_print_plan(capsys):
+    P.print_plan(P.plan(["stall"], LENGTHS, P.all_configs()))
+    out = capsys.readouterr().out
+    assert "stall" in out and "total" in out
+
+
+def test_prefill_fit_reproduces_its_measurements():
+    for lo_hi in P.PREFILL_S.values():
+        assert P._quad(lo_hi, 32768) == pytest.approx(lo_hi[0])
+        assert P._quad(lo_hi, 131072) == pytest.approx(lo_hi[1])
+        assert P._quad(lo_hi, 65536) < P._quad(lo_hi, 131072) / 2  # attention: worse than linear
+
+
+def test_variants_run_at_32k_and_128k_only():
+    assert P.config_lengths("offload", LENGTHS) == LENGTHS
+    for v in P.VARIANTS:
+        assert P.config_lengths(v, LENGTHS) == [32768, 131072]
+        assert P.config_lengths(v, [2048, 4096, 8192]) == [8192]
+        assert P.config_lengths(v, [32768]) == [32768]
+
+
+def test_warm_up_views():
+    cfgs = P.all_configs()
+    assert P.warm_layers(cfgs["resident"], 32) == 1
+    assert P.warm_layers(cfgs["offload-ring"], 32) == 1
+    assert P.warm_layers(cfgs["offload+quest"], 32) == 3  # layers 0-1 dense, 2 sparse
+    assert P.warm_layers(cfgs["offload+xattn"], 32) == 5  # the first 4 dense
+    assert P.warm_layers(cfgs["offload+quest"], 2) == 2  # no sparse layer at all: the whole model
+    runs = {name: (k, ns) for name, _, k, ns in P.warm_runs(cfgs, LENGTHS, 32)[1:]}
+    first = P.warm_runs(cfgs, LENGTHS, 32)[0]
+    assert first[2:] == (1, LENGTHS)  # every length through a one-layer dense view
+    assert runs["offload+xattn"] == (5, LENGTHS)  # its estimate autotunes per length
+    assert runs["offload"] == (1, [8192])
+    assert runs["offload+quest-nocache"] == (3, [32768])
+
+
+# ----------------------------------------------------------------------------- the cap search
+def _target(limit, slope=33e3, base=16e9):
+    """A probe serving up to ``limit`` tokens, its peak memory a straight line; with the probes."""
+    probed = []
+
+    def probe(n):
+        probed.append(n)
+        return (n <= limit, base + slope * n if n <= limit else None)
+
+    return probe, probed
+
+
+def test_search_with_good_hints_settles_in_three_probes():
+    limit = 270000
+    probe, probed = _target(limit)
+    cap = 16e9 + 33e3 * limit
+    hints = {n: 16e9 + 33e3 * n for n in (32768, 131072)}
+    r = P.longest_served(probe, K, 524288, K, cap, hints=hints)
+    assert r["longest_served"] == 16 * K and r["refused"] == 17 * K
+    assert probed == [K, 16 * K, 17 * K] == r["probed"]
+    assert r["predicted"] == pytest.approx(limit, abs=2)
+
+
+def test_search_without_hints_fits_its_probes_and_refines():
+    probe, probed = _target(270000)
+    r = P.longest_served(probe, K, 524288, K, 16e9 + 33e3 * 270000)
+    assert (r["longest_served"], r["refused"]) == (16 * K, 17 * K)
+    assert probed == [K, 2 * K, 8 * K, 16 * K, 17 * K]  # 16K, 32K, half the prediction, the limit
+
+
+@pytest.mark.parametrize("limit", [0, K - 1, K, 2 * K + 5, 100000, 262144, 400000, 524288, 10**7])
+@pytest.mark.parametrize("hints", [None, {32768: 16e9, 131072: 18e9}, {32768: 30e9, 131072: 60e9}])
+def test_search_finds_the_limit_whatever_the_hints(limit, hints):
+    probe, probed = _target(limit)
+    r = P.longest_served(probe, K, 524288, K, 24 * 2**30, hints=hints)
+    want = min(limit, 524288) // K * K
+    assert r["longest_served"] == want
+    assert r["refused"] == (None if want == 524288 else want + K)
+    assert len(probed) == len(set(probed)) <= 12  # never the same length twice; a bisection's worth
+
+
+def test_search_uses_known_points_and_stays_on_the_grid():
+    probe, probed = _target(200000)
+    known = {131072: (True, 16e9 + 33e3 * 131072)}
+    r = P.longest_served(probe, K, 524288, K, 16e9 + 33e3 * 200000, known=known)
+    assert 131072 not in probed and r["longest_served"] == 12 * K and r["refused"] == 13 * K
+    assert all(n % K == 0 for n in probed)
+
+
+def test_all_on_gpu_bound():
+    kvt = 131072
+    assert P.all_on_gpu_bound("resident", P.WEIGHTS_8B, kvt) == (P.CAP_BYTES - P.WEIGHTS_8B) // kvt
+    assert P.all_on_gpu_bound("offload", P.WEIGHTS_8B, kvt) is None
+
+
+def test_cap_search_refuses_past_the_bound_without_a_run():
+    ran = []
+
+    def probe(n):
+        ran.append(n)
+        return {"status": "ok", "peak_gpu_memory_bytes": int(16e9 + 147e3 * n)}
+
+    rec = E.cap_search("resident", probe, {}, 524288, K, bound=74080)
+    assert rec["longest_served"] == 4 * K and rec["refused"] == 5 * K
+    assert max(ran) <= 74080 and rec["probes"][str(5 * K)]["status"] == "refused"
+    assert rec["granularity"] == K and rec["searched"] == [K, 524288]
+
+
+def test_cap_hints_prefer_this_runs_points():
+    res = {"results": {"8b/offload": {"32768": {"peak_gpu_memory_bytes": 1}, "131072": {"peak_gpu_memory_bytes": 2}}}}
+    rec = {}
+    assert E.cap_hints(res, "offload", rec) == {32768: 1, 131072: 2} and "this run" in rec["hints_from"]
+    rec = {}
+    h = E.cap_hints(res, "offload+quest", rec)
+    assert sorted(h) == [32768, 131072] and "PEAK_GIB" in rec["hints_from"]
+
+
+def test_guarded_records_allocation_failures_and_raises_the_rest():
+    def oom():
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 8.00 GiB")
+
+    def host():
+        raise MemoryError("could not allocate 64 GiB of pinned host memory")
+
+    assert E._guarded(lambda: {"x": 1}) == {"x": 1, "status": "ok"}
+    assert E._guarded(oom)["status"] == "OOM"
+    assert E._guarded(host)["status"] == "host memory"
+    with pytest.raises(RuntimeError, match="other"):
+        E._guarded(lambda: (_ for _ in ()).throw(RuntimeError("other")))
+
+
+# --------------------------------------------------------------------------- partial results
+class FakeClock:
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_json_after_every_part_partial_until_the_end(tmp_path):
+    out = str(tmp_path / "e2e.json")
+    clock = FakeClock()
+    res = E.new_result(["8b", "cap", "qwen"], out, {"8b": 300.0, "cap": 100.0, "qwen": 40.0})
+    seen = {}
+
+    def part(name, seconds, fail=False):
+        def fn():
+            on_disk = json.load(open(out)) if os.path.exists(out) else None
+            seen[name] = on_disk
+            clock.t += seconds
+            if fail:
+                raise RuntimeError("boom")
+            res["results"][f"{name}/x"] = {"1": {"v": 1}}
+            return "ok"
+        return fn
+
+    E.run_parts(res, {"8b": part("8b", 290), "cap": part("cap", 50, fail=True), "qwen": part("qwen", 30)},
+                start=0.0, clock=clock)
+    assert seen["8b"] is None  # nothing had finished
+    assert seen["cap"]["complete"] is False and seen["cap"]["part_seconds"] == {"8b": 290}
+    assert seen["cap"]["parts_done"] == ["8b"] and "8b/x" in seen["cap"]["results"]
+    assert seen["qwen"]["part_seconds"] == {"8b": 290, "cap": 50} and "cap_24GiB" in seen["qwen"]["errors"]
+    on_disk = json.load(open(out))
+    assert on_disk["complete"] is False and on_disk["parts_done"] == ["8b", "qwen"]
+    E.finish(res, 0.0, clock)
+    on_disk = json.load(open(out))
+    assert on_disk["complete"] is False  # the cap part failed
+    assert on_disk["elapsed_s"] == 370 and on_disk["plan_seconds"]["8b"] == 300
+
+
+def test_complete_when_every_part_ran(tmp_path):
+    out = str(tmp_path / "e2e.json")
+    res = E.new_result(["stall"], out, {})
+    E.run_parts(res, {"stall": lambda: {"median_wall_ms": 1.0}})
+    E.finish(res, 0.0, lambda: 5.0)
+    on_disk = json.load(open(out))
+    assert on_disk["complete"] is True and on_disk["results"]["stall"] == {"median_wall_ms": 1.0}
+    assert not os.path.exists(out + f".tmp{os.getpid()}")
+
+
+def test_time_budget_skips_a_part_that_would_not_fit(tmp_path):
+    out = str(tmp_path / "e2e.json")
+    clock = FakeClock()
+    res = E.new_result(["8b", "cap", "stall"], out, {"8b": 300.0, "cap": 200.0, "stall": 10.0})
+
+    def spend(s):
+        def fn():
+            clock.t += s
+            return "ok"
+        return fn
+
+    E.run_parts(res, {"8b": spend(320), "cap": spend(100), "stall": spend(8)}, budget=500, planned=res["plan_seconds"],
+                start=0.0, clock=clock)
+    assert list(res["parts_skipped"]) == ["cap"] and res["parts_done"] == ["8b", "stall"]
+    E.finish(res, 0.0, clock)
+    assert json.load(open(out))["complete"] is False
+
+
+def test_a_kill_keeps_the_finished_parts(tmp_path):
+    out = str(tmp_path / "e2e.json")
+    res = E.new_result(["8b", "cap"], out, {})
+
+    def killed():
+        raise SystemExit(143)  # what the SIGTERM handler raises
+
+    with pytest.raises(SystemExit):
+        E.run_parts(res, {"8b": lambda: "ok", "cap": killed})
+    on_disk = json.load(open(out))
+    assert on_disk["complete"] is False and on_disk["parts_done"] == ["8b"]
+    assert set(on_disk["part_seconds"]) == {"8b", "cap"}
+
+
+def test_main_plan_runs_without_a_gpu(capsys):
+    assert E.main(["--plan"]) == 0
+    out = capsys.readouterr().out
+    assert "total" in out and all(p in out for p in P.PARTS)
+    assert E.main(["--plan", "--part", "8b", "--configs", "resident,offload", "--quick"]) == 0
+    with pytest.raises(ValueError, match="unknown configuration"):
+        E.main(["--plan", "--configs", "nope"])
+    with pytest.raises(SystemExit):
+        E.main(["--plan", "--part", "8b,nope"])
+
+
+def test_sweep_on_a_tiny_model_on_the_cpu():
+    """The measured path end to end on the CPU: warm-up views, one LLM per configuration, the
+    points' records, the variants only at their lengths."""
+    from xoffload.models import random_model
+
+    model = random_model("tiny-llama", dtype=torch.float32, device="cpu", seed=0)
+    view = E.layer_view(model, 1)
+    assert view.cfg.num_layers == 1 and view.w.layers[0] is model.w.layers[0] and view.w.embed is model.w.embed
+    assert E.layer_view(model, 5) is model
+    res = E.new_result(["8b"], None, {})
+    res.update(h2d_GBps=50.0, hbm_GBps=4000.0)
+    cfgs = {k: v for k, v in P.all_configs().items() if k in ("resident", "offload", "offload+quest-nocache")}
+    E.sweep_configs(model, [64, 128], cfgs, res, "tiny")
+    assert res["errors"] == {}
+    r = res["results"]
+    assert r["tiny/warm-up"] == "ok" and set(r["tiny/offload"]) == {"64", "128"}
+    assert set(r["tiny/offload+quest-nocache"]) == {"128"}  # neither 32K nor 128K here: the longest
+    p = r["tiny/resident"]["128"]
+    assert p["prompt_tokens"] == 128 - P.N_NEW and p["decode_steady_ms_per_token"] > 0 and p["wall_s"] > 0
+    assert set(res["llm_init_s"]) == {"tiny/resident", "tiny/offload", "tiny/offload+quest-nocache"}
