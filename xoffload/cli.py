@@ -166,9 +166,10 @@ def _add_model_args(p):
                    help="tokens per block of the CPU KV pool (default 1024)")
     p.add_argument("--sparse", default=None, choices=["xattn"], help="XAttention block-sparse prefill")
     p.add_argument("--sparse-threshold", type=_fraction, default=0.9, help="XAttention tau in [0, 1] (default 0.9)")
-    p.add_argument("--sparse-decode", default=None, choices=["quest"],
+    p.add_argument("--sparse-decode", default=None, choices=["quest", "quest-ch"],
                    help="sparse decode: each step reads, per KV head, the pages with the highest Quest "
-                        "min/max bound up to --token-budget tokens (offloaded: only those cross PCIe)")
+                        "min/max bound up to --token-budget tokens (offloaded: only those cross PCIe); "
+                        "quest-ch: 8 key channels scored exactly, the bound scaled by 0.25 on the rest")
     p.add_argument("--token-budget", type=_int_at_least(1), default=None,
                    help="tokens a sparse-decode layer attends to per step (default 2048; alone it turns on "
                         "--sparse-decode quest)")
