@@ -198,9 +198,14 @@ def _sparse_options(a) -> dict:
 
 
 def _sparse_meta(a) -> dict:
-    """The sparse settings as JSON values (for the report)."""
+    """The sparse settings as JSON values (for the report): ``sparse_decode`` is the policy's repr
+    or None, ``sparse_label`` a short name for tables and plots (``""`` when dense)."""
+    dec = _sparse_options(a).get("sparse_decode")
+    parts = ([f"xattn@{a.sparse_threshold:g}"] if a.sparse else []) + \
+        ([f"{a.sparse_decode or 'quest'}@{dec.token_budget}"] if dec is not None else [])
     return {"sparse": a.sparse, "sparse_threshold": a.sparse_threshold if a.sparse else None,
-            "sparse_decode": repr(_sparse_options(a).get("sparse_decode")), "offload_decode": a.offload_decode}
+            "sparse_decode": None if dec is None else repr(dec), "offload_decode": a.offload_decode,
+            "sparse_label": "+".join(parts)}
 
 
 def _llm_kwargs(a, mode, max_model_len, device_type):
@@ -327,8 +332,8 @@ def _row(label, cells) -> str:
     return label.ljust(8) + "".join("  " + str(c).rjust(CELL_W) for c in cells)
 
 
-def _print_mode_table(m, records, summary, lengths, depths, samples):
-    print(f"\nmode={m}: found per (depth, length)  [{samples} sample(s) per cell]")
+def _print_mode_table(m, records, summary, lengths, depths, samples, label=""):
+    print(f"\nmode={m}{'+' + label if label else ''}: found per (depth, length)  [{samples} sample(s) per cell]")
     print(_row("depth", [_length_label(L) for L in lengths]))
     for d in depths:
         cells = []
@@ -351,7 +356,7 @@ def _figure_title(meta) -> str:
             f"{meta['dtype'].replace('torch.', '')}, {meta['date']}")
 
 
-def _heatmap(path, modes, lengths, depths, rate, title):
+def _heatmap(path, modes, lengths, depths, rate, title, label=""):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -367,11 +372,11 @@ def _heatmap(path, modes, lengths, depths, rate, title):
         ax.set_xlabel("context length (tokens)")
         if ax is axes[0][0]:
             ax.set_ylabel("needle depth")
-        ax.set_title(f"KV {mode}")
+        ax.set_title(f"KV {mode}" + (f" + {label}" if label else ""), fontsize=9)
         for i in range(len(depths)):
             for j in range(len(lengths)):
                 ax.text(j, i, f"{grid[i][j]:.0%}", ha="center", va="center", fontsize=8)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(title, fontsize=9, y=1.02)
     fig.colorbar(im, ax=list(axes[0]), fraction=0.03, label="found")
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
@@ -399,7 +404,8 @@ def _write_outputs(a, meta, summary, identical, records, rate):
     print(f"wrote {jpath}")
     try:
         ppath = os.path.join(a.out, "needle.png")
-        _heatmap(ppath, meta["modes"], meta["lengths"], meta["depths"], rate, _figure_title(meta))
+        _heatmap(ppath, meta["modes"], meta["lengths"], meta["depths"], rate, _figure_title(meta),
+                 meta["sparse_label"])
         print(f"wrote {ppath}")
     except ImportError:
         print("matplotlib not installed: no heatmap (pip install matplotlib)")
@@ -425,7 +431,7 @@ def cmd_needle(a) -> int:
             t_modes[mode] = time.perf_counter() - t
     rate, summary, identical = _summarize(records, modes, lengths, depths)
     for m in modes:
-        _print_mode_table(m, records, summary, lengths, depths, a.samples)
+        _print_mode_table(m, records, summary, lengths, depths, a.samples, _sparse_meta(a)["sparse_label"])
     if identical is not None:
         print(f"\nanswers identical in both modes: {identical}/{len(prompts)}")
     meta = _needle_meta(a, model, modes, lengths, depths, max_len, t_load)

