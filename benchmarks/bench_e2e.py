@@ -2,15 +2,17 @@
 
 Configurations come from the library (:func:`xoffload.engine.modes.configurations`: resident,
 offload (direct decode, dense layers staged on a copy stream), offload-uva, offload-ring,
-offload+xattn, offload+quest (with its GPU page cache), resident+quest, and whatever registers later;
-plus, here, offload+quest without its page cache, with the next-layer prefetch and with a 116-page
-cache, run at 32K and 128K only: they are there for the time split). The time split of sparse
-offload decode (weights, selection + attention, fetch) is derived from them. Per configuration and
-context length, on the same random weights and prompts: prefill tok/s, time to first token, decode
-ms/token in the steady state (the first two steps, eager warm-up and CUDA-graph capture, reported
-apart), peak GPU memory, H2D bytes per token and the GB/s they imply. Peers: transformers
-``generate`` (SDPA) with the cache on the GPU and with its offloaded cache. Bounds: offload decode
->= H2D bytes / measured H2D bandwidth; resident decode >= (weights + KV) bytes / HBM copy bandwidth.
+offload+xattn, offload+quest (with its GPU page cache), offload+quest-ch, resident+quest,
+resident+quest-ch, and whatever registers later). ``--variants`` adds three diagnostic variants,
+run at 32K and 128K only: offload+quest without its page cache, with the next-layer prefetch and
+with a 116-page cache. They are not part of section 2: they feed the time split's ``fetch without
+cache`` and the cache-size study, and the time split (weights, selection + attention, fetch) is
+derived without them when they are absent. Per configuration and context length, on the same
+random weights and prompts: prefill tok/s, time to first token, decode ms/token in the steady
+state (the first two steps, eager warm-up and CUDA-graph capture, reported apart), peak GPU
+memory, H2D bytes per token and the GB/s they imply. Peers: transformers ``generate`` (SDPA) with
+the cache on the GPU and with its offloaded cache. Bounds: offload decode >= H2D bytes / measured
+H2D bandwidth; resident decode >= (weights + KV) bytes / HBM copy bandwidth.
 
 A point at context ``n`` is a prompt of ``n - N_NEW`` tokens and up to ``N_NEW`` = 12 new ones (1
 from prefill, 2 warm-up/capture steps, 9 steady steps: a CUDA-graph replay takes the same time
@@ -24,7 +26,12 @@ length) — 1/32 to 5/32 of the work of warming up on the whole model.
 Parts (``--part``, comma-separated; default all; run in this order):
 
 - ``8b``: random Llama-3.1-8B shape at 8K-128K (``--quick``: 32K, 128K), peers at the same points
-  (transformers decodes ``HF_NEW`` = 6 tokens: its offloaded cache takes 0.7 s a step at 128K);
+  (transformers decodes ``HF_NEW`` tokens: 6 on the GPU cache; 4 on the offloaded cache, whose
+  steps take 0.83 s at 128K: the median of 3 steps is its steady state). The offload
+  configurations' pinned pools (one per LLM, 16 GiB at 128K) reuse the registered slabs of the
+  one before (:func:`xoffload.runtime.reuse_pinned_slabs`): registering fresh memory costs
+  0.37 s/GiB and measures nothing here (``--fresh-pools``: each its own, as before; the qwen and
+  smollm2 sweeps likewise);
 - ``cap``: under a 24 GiB GPU memory cap, the 128K decode of offload+quest and resident, and the
   longest context each of resident, offload, offload+quest and the two transformers peers serves,
   on a ``--cap-step`` grid (16K) over 16K..``--cap-max`` (512K), host memory permitting (a
@@ -43,31 +50,36 @@ Parts (``--part``, comma-separated; default all; run in this order):
   warm-up: median and worst request time.
 
 Time plan, one H200 (``--plan`` prints it for any options, no GPU needed; the cost model is in
-``_e2e_plan.py``: prefill and decode times measured in ``benchmarks/results/e2e.json``,
-``e2e_cache_variants.json``, ``model.json``, ``e2e_smollm2.json``, ``e2e_stall.json``, the
-transformers build in ``batch_quick_h200.log``; assumed: pinning host memory at 10 GiB/s, 0.1 s
-of host work per request, 15 s of startup, 30 s of Triton compilation on a cold cache)::
+``_e2e_plan.py``, calibrated on the runs of 2026-12-01, commit 9c873dd:
+``benchmarks/results/e2e_full.json`` and ``e2e_rest.json``; the plan of their commands, ``--variants
+--fresh-pools`` with 6 transformers tokens, gives their part seconds within 0.3%: 8b 386, cap 149,
+qwen 53.5, smollm2 56.7, stall 9.1 s)::
 
     part      s    of which
-    startup   15   imports, env, H2D and HBM measurements
-    compile   30   first-use Triton compilation on a cold cache (a guess; ~0 with a warm one)
-    8b       275   prefill 154 (41 points: 7 configurations x 5 lengths + 3 variants x 2),
-                   decode 35, pools + LLMs 16, warm-up 11, model 5, transformers 54
-    cap      113   offload 50 (16K, 256K served, 272K refused), offload+quest 48 (128K
-                   decode, 16K, 208K, 224K), resident 6, transformers 9
-    qwen      39   10 configurations at 32K
-    smollm2   37   10 configurations (the variants at 8K only), peers
-    stall     10
-    total    518   (without transformers 455)
+    startup    2   env, H2D and HBM measurements
+    8b       282   prefill 153 (45 points: 9 configurations x 5 lengths), decode 33, one pinned
+                   pool 6 (reused by the other 5 offload configurations), warm-up 7, transformers
+                   56 (build 11, TTFT 37), other 23 (model, compilation, host: not broken down)
+    cap      149   offload 65 (16K, 240K refused, 224K served: pools of 30 and 28 GiB, a 32 s
+                   prefill), offload+quest 70 (128K decode, 16K, 192K served, 208K refused),
+                   resident 3, transformers 12
+    qwen      30   9 configurations at 32K
+    smollm2   53   9 configurations, peers; 38 of it not broken down (the GGUF, first-use
+                   compilation for 64-wide heads, transformers' first calls)
+    stall      9
+    report     2   summary, plots
+    total    526   (measured 2026-12-01 for the same parts with the variants, fresh pools and 6
+                   transformers tokens: 660 s in two calls)
 
-As two calls: ``--part 8b`` (320 s) and ``--part cap,qwen,smollm2,stall`` (259 s: the cap part
+As two calls: ``--part 8b`` (285 s) and ``--part cap,qwen,smollm2,stall`` (256 s: the cap part
 builds its own model and transformers view). The JSON is written after every configuration,
 search and part, marked ``"complete": false`` until the run ends; ``part_seconds`` holds each
-finished part's wall time next to ``plan_seconds``, ``llm_init_s`` each LLM's construction (the
-pinning assumption's check). ``--time-budget S`` skips a part when the elapsed time plus its
-planned seconds would pass ``S`` and lists it in ``parts_skipped`` (exit code 3: run those next
-with ``--part`` and another ``--out``). SIGTERM (``timeout``) writes the partial JSON and exits
-143.
+finished part's wall time next to ``plan_seconds``, ``section_s`` every section's, ``llm_init_s``
+and ``llm_close_s`` each LLM's construction and release, a cap probe's ``probe_s`` its whole wall
+time (the breakdown the next calibration needs). ``--time-budget S`` skips a part when the
+elapsed time plus its planned seconds would pass ``S`` and lists it in ``parts_skipped`` (exit
+code 3: run those next with ``--part`` and another ``--out``). SIGTERM (``timeout``) writes the
+partial JSON and exits 143.
 
 Writes ``benchmarks/results/e2e.json`` and PNG plots next to it (prefill tok/s, decode ms/token
 with the bounds, peak memory, each against length).
@@ -84,9 +96,20 @@ from _common import HAS_CUDA, bench_parser, env_record, fmt_table, hbm_copy_gbps
 import torch
 
 from _e2e_plan import (CAP_BYTES, CAP_MAX, CAP_RECORD_128K, CAP_STEP, CAP_TARGETS, HF_CACHES, HF_NEW, N_NEW,
-                       PART_KEYS, PARTS, PEAK_GIB, PROBE_NEW, WARM_NEW, all_configs, all_on_gpu_bound, config_lengths,
-                       longest_served, plan, plan_seconds, print_plan, warm_runs)
-from bench_llm import _free, _prompt, _section, h2d_bandwidth_gbps, hf_from_ours, run_hf
+                       PART_KEYS, PARTS, PEAK_GIB, PEAK_LENGTHS, PROBE_NEW, VARIANTS, WARM_NEW, all_configs,
+                       all_on_gpu_bound, config_lengths, longest_served, plan, plan_seconds, print_plan, warm_runs)
+from bench_llm import _free, _prompt, h2d_bandwidth_gbps, hf_from_ours, run_hf
+from bench_llm import _section as _llm_section
+
+
+def _section(res, name, fn):
+    """bench_llm's section (result or error recorded under ``name``), its wall time kept in
+    ``res["section_s"]`` (the breakdown the cost model is calibrated from)."""
+    t = time.perf_counter()
+    try:
+        return _llm_section(res, name, fn)
+    finally:
+        res.setdefault("section_s", {})[name] = time.perf_counter() - t
 
 
 # ------------------------------------------------------------------------------- measurements
@@ -148,37 +171,51 @@ def warm_up(model, lengths, configs) -> str:
     return "ok"
 
 
-def sweep_configs(model, lengths, configs, res, prefix):
+def sweep_configs(model, lengths, configs, res, prefix, fresh_pools=False):
     """Every configuration at its lengths (:func:`config_lengths`), one LLM per configuration,
-    after the warm-up (:func:`warm_up`)."""
+    after the warm-up (:func:`warm_up`). Unless ``fresh_pools``, the offload configurations'
+    pinned pools reuse each other's registered slabs (:func:`xoffload.runtime.reuse_pinned_slabs`:
+    the same ``max_model_len``, the same slabs; registering 16 GiB afresh takes ~6 s and measures
+    nothing of section 2); ``res["pinned_slabs"][prefix]`` counts the slabs reused and registered.
+    Each LLM's construction goes to ``llm_init_s``, its close (with gc and the cache release) to
+    ``llm_close_s``."""
+    import contextlib
+
     from xoffload import LLM
+    from xoffload.runtime import reuse_pinned_slabs
 
-    _section(res, f"{prefix}/warm-up", lambda: warm_up(model, lengths, configs))
     inits = res.setdefault("llm_init_s", {})
-    for name, kw in configs.items():
-        ns = config_lengths(name, lengths)
+    closes = res.setdefault("llm_close_s", {})
+    with contextlib.nullcontext() if fresh_pools else reuse_pinned_slabs() as cache:
+        _section(res, f"{prefix}/warm-up", lambda: warm_up(model, lengths, configs))
+        for name, kw in configs.items():
+            ns = config_lengths(name, lengths)
 
-        def one(kw=kw, ns=ns, name=name):
-            t = time.perf_counter()
-            llm = LLM(model, max_model_len=max(ns) + 64, **kw)
-            inits[f"{prefix}/{name}"] = time.perf_counter() - t
-            try:
-                return {str(n): point(llm, n) for n in ns}
-            finally:
-                llm.close()
-                _free()
+            def one(kw=kw, ns=ns, name=name):
+                t = time.perf_counter()
+                llm = LLM(model, max_model_len=max(ns) + 64, **kw)
+                inits[f"{prefix}/{name}"] = time.perf_counter() - t
+                try:
+                    return {str(n): point(llm, n) for n in ns}
+                finally:
+                    t = time.perf_counter()
+                    llm.close()
+                    _free()
+                    closes[f"{prefix}/{name}"] = time.perf_counter() - t
 
-        _section(res, f"{prefix}/{name}", one)
-        checkpoint(res)
+            _section(res, f"{prefix}/{name}", one)
+            if cache is not None:
+                res.setdefault("pinned_slabs", {})[prefix] = {"reused": cache.hits, "registered": cache.misses}
+            checkpoint(res)
 
 
 def peers(hf, lengths, res, prefix):
     """transformers ``generate`` with the cache on the GPU and offloaded, at every length (after
-    one 4K warm-up request)."""
-    _section(res, f"{prefix}/hf_warmup", lambda: run_hf(hf, 4096, False, n_new=HF_NEW) and "ok")
+    one 4K warm-up request), ``HF_NEW[cache]`` tokens a request."""
+    _section(res, f"{prefix}/hf_warmup", lambda: run_hf(hf, 4096, False, n_new=HF_NEW["hf_gpu_cache"]) and "ok")
     for name, off in HF_CACHES.items():
-        _section(res, f"{prefix}/{name}",
-                 lambda off=off: {str(n): (run_hf(hf, n, off, n_new=HF_NEW), _free())[0] for n in lengths})
+        _section(res, f"{prefix}/{name}", lambda off=off, name=name: {
+            str(n): (run_hf(hf, n, off, n_new=HF_NEW[name]), _free())[0] for n in lengths})
         checkpoint(res)
 
 
@@ -199,13 +236,13 @@ def bounds(res, prefix, cfg, weights, lengths, dtype):
                      "weights_hbm_ms": weights / (hbm * 1e9) * 1e3} for n in lengths}
 
 
-def measure_model(res, model, prefix, lengths, configs, with_peers=True):
+def measure_model(res, model, prefix, lengths, configs, with_peers=True, fresh_pools=False):
     """Every configuration of ``configs`` at ``lengths`` on ``model``, the bounds, and the
     transformers peers on the same weights (returned, or None, for the cap part to reuse)."""
     dtype = model.dtype
     res["models"][prefix] = {"source": model.source, "weights_bytes": model.w.nbytes(),
                              "kv_bytes_per_token": model.cfg.kv_bytes_per_token(dtype)}
-    sweep_configs(model, lengths, configs, res, prefix)
+    sweep_configs(model, lengths, configs, res, prefix, fresh_pools)
     res["bounds"][prefix] = bounds(res, prefix, model.cfg, model.w.nbytes(), lengths, dtype)
     hf = build_hf(res, prefix, model) if with_peers else None
     if hf is not None:
@@ -213,24 +250,25 @@ def measure_model(res, model, prefix, lengths, configs, with_peers=True):
     return hf
 
 
-def part_model(res, preset, lengths, configs, with_peers, prefix, shared=None):
+def part_model(res, preset, lengths, configs, with_peers, prefix, shared=None, fresh_pools=False):
     """A random model of ``preset`` (bf16) through :func:`measure_model`. ``shared`` (a dict):
     the model (``"model"``) and its transformers view (``"hf"``) are left there for the cap part."""
     from xoffload.models import random_model
 
     model = random_model(preset, dtype=torch.bfloat16, device="cuda", seed=0)
-    hf = measure_model(res, model, prefix, lengths, configs, with_peers)
+    hf = measure_model(res, model, prefix, lengths, configs, with_peers, fresh_pools)
     res["models"][prefix]["preset"] = preset
     if shared is not None:
         shared.update(model=model, hf=hf)
     return "ok"
 
 
-def part_smollm2(res, lengths, configs):
+def part_smollm2(res, lengths, configs, fresh_pools=False):
     """The real SmolLM2-135M (GGUF) through :func:`measure_model`."""
     from xoffload.models import find_smollm2_gguf, load_model
 
-    measure_model(res, load_model(find_smollm2_gguf(), device="cuda"), "smollm2", lengths, configs)
+    measure_model(res, load_model(find_smollm2_gguf(), device="cuda"), "smollm2", lengths, configs,
+                  fresh_pools=fresh_pools)
     return "ok"
 
 
@@ -261,26 +299,29 @@ def _guarded(fn) -> dict:
 
 def cap_hints(res, name, rec) -> dict:
     """Where to look for ``name``'s limit: ``{n: peak allocated bytes}`` of its uncapped 8B points
-    in this run, else the measured PEAK_GIB lines (32K, 128K); the source goes to ``rec``."""
+    in this run, else the measured PEAK_GIB lines (64K, 128K); the source goes to ``rec``."""
     pts = {int(n): p["peak_gpu_memory_bytes"] for n, p in (res["results"].get(f"8b/{name}") or {}).items()
            if isinstance(p, dict) and p.get("peak_gpu_memory_bytes")}
     if len(pts) >= 2:
         rec["hints_from"] = "the uncapped 8b points of this run"
         return pts
-    rec["hints_from"] = "PEAK_GIB (e2e.json, model.json)"
-    return {n: int(g * 2**30) for n, g in zip((32768, 131072), PEAK_GIB[name])}
+    rec["hints_from"] = "PEAK_GIB (e2e_full.json)"
+    return {n: int(g * 2**30) for n, g in zip(PEAK_LENGTHS, PEAK_GIB[name])}
 
 
 def cap_search(name, probe, out_rec, cap_max, step, bound=None, known=None, hints=None) -> dict:
-    """:func:`longest_served` for one target, each probe's record kept in ``out_rec["probes"]``;
-    lengths above ``bound`` are refused without a run. The fit uses peak allocated memory."""
+    """:func:`longest_served` for one target, each probe's record kept in ``out_rec["probes"]``
+    (with its wall time, LLM construction and close included, as ``probe_s``); lengths above
+    ``bound`` are refused without a run. The fit uses peak allocated memory."""
     recs = out_rec.setdefault("probes", {})
 
     def ask(n):
         if bound is not None and n > bound:
             recs[str(n)] = {"status": "refused", "by": f"bound: (cap - weights) / KV bytes per token = {bound}"}
             return False, None
+        t = time.perf_counter()
         rec = probe(n)
+        rec["probe_s"] = time.perf_counter() - t
         recs[str(n)] = rec
         ok = rec["status"] == "ok"
         return ok, rec.get("peak_gpu_memory_bytes") if ok else None
@@ -314,9 +355,13 @@ def part_cap(res, cap_max, step=CAP_STEP, with_peers=True, shared=None):
 
     def ours(kw, n, n_new=PROBE_NEW):
         def go():
+            t = time.perf_counter()
             llm = LLM(model, max_model_len=n + 64, **kw)
+            init = time.perf_counter() - t
             try:
-                return point(llm, n, n_new)
+                rec = point(llm, n, n_new)
+                rec["llm_init_s"] = init
+                return rec
             finally:
                 llm.close()
         return _guarded(go)
@@ -326,7 +371,9 @@ def part_cap(res, cap_max, step=CAP_STEP, with_peers=True, shared=None):
             rec, known = out.setdefault(name, {}), {}
             try:
                 if name in CAP_RECORD_128K:
+                    t = time.perf_counter()
                     r = rec["128K"] = ours(kw, 131072, N_NEW)
+                    r["probe_s"] = time.perf_counter() - t
                     known[131072] = (r["status"] == "ok", r.get("peak_gpu_memory_bytes"))
                 cap_search(name, lambda n, kw=kw: ours(kw, n), rec, n_max, step,
                            all_on_gpu_bound(name, weights, kvt), known, cap_hints(res, name, rec))
@@ -463,7 +510,8 @@ def time_split(res) -> dict:
     (per model and length): ``weights`` (weights bytes / HBM copy bandwidth, a bound), ``selection
     + attention + rest`` (resident+quest minus weights: the same selection reading HBM), ``fetch``
     (offload+quest minus resident+quest: what crossing PCIe adds, after the page cache), ``fetch
-    without cache`` (offload+quest-nocache minus resident+quest), and the cache hit rate."""
+    without cache`` (offload+quest-nocache minus resident+quest; only when the variants ran,
+    ``--variants``), and the cache hit rate."""
     r, out = res["results"], {}
     for prefix, b in res.get("bounds", {}).items():
         for n, bn in b.items():
@@ -510,12 +558,12 @@ def run_parts(res, fns: dict, budget=None, planned=None, start=None, clock=time.
     return res
 
 
-def new_result(parts, out, planned) -> dict:
+def new_result(parts, out, planned, variants=False, fresh_pools=False) -> dict:
     """The result record of a run, partial until :func:`finish` marks it complete."""
     return {"name": "e2e", "complete": False, "parts": list(parts), "parts_done": [], "parts_skipped": {},
-            "part_seconds": {}, "plan_seconds": planned, "n_new": N_NEW, "hf_n_new": HF_NEW,
-            "probe_n_new": PROBE_NEW, "results": {}, "errors": {}, "tracebacks": {}, "models": {},
-            "bounds": {}, "out": out}
+            "part_seconds": {}, "plan_seconds": planned, "n_new": N_NEW, "hf_n_new": dict(HF_NEW),
+            "probe_n_new": PROBE_NEW, "variants": bool(variants), "fresh_pools": bool(fresh_pools),
+            "results": {}, "errors": {}, "tracebacks": {}, "models": {}, "bounds": {}, "out": out}
 
 
 def finish(res, start, clock=time.perf_counter) -> None:
@@ -541,19 +589,27 @@ def main(argv=None):
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
     ap.add_argument("--cap-max", type=int, default=CAP_MAX, help="longest context the cap search tries")
     ap.add_argument("--cap-step", type=int, default=CAP_STEP, help="granularity of the cap search (tokens)")
-    ap.add_argument("--configs", default=None, help="comma-separated configuration names to keep (default all)")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated configuration names to keep (default: every registered one; naming a "
+                         "variant runs it)")
+    ap.add_argument("--variants", action="store_true",
+                    help=f"also run the diagnostic variants {', '.join(VARIANTS)} (32K and 128K): not part of "
+                         "section 2; the time split's 'fetch without cache' and the cache-size study need them")
+    ap.add_argument("--fresh-pools", action="store_true",
+                    help="every offload LLM of a sweep registers a pinned pool of its own (default: reuse the "
+                         "slabs of the previous one of the same size; ~6 s per 16 GiB)")
     ap.add_argument("--plan", action="store_true", help="print the estimated seconds per part and exit (no GPU)")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="skip a part whose planned seconds would take the run past this many seconds")
     a = ap.parse_args(argv)
-    configs = all_configs(a.configs)  # an unknown name fails here, before anything runs
+    configs = all_configs(a.configs, a.variants)  # an unknown name fails here, before anything runs
     parts = [p for p in PARTS if p in a.part.split(",")]
     unknown = set(a.part.split(",")) - set(PARTS)
     if unknown:
         ap.error(f"unknown part(s) {sorted(unknown)}; parts: {', '.join(PARTS)}")
     lengths = ([int(x) for x in a.lengths.split(",")] if a.lengths else
                [32768, 131072] if a.quick else [8192, 16384, 32768, 65536, 131072])
-    p = plan(parts, lengths, configs, not a.no_peers, a.cap_max, a.cap_step)
+    p = plan(parts, lengths, configs, not a.no_peers, a.cap_max, a.cap_step, fresh_pools=a.fresh_pools)
     if a.plan:
         print_plan(p)
         return 0
@@ -562,7 +618,7 @@ def main(argv=None):
         return 0
     t0 = time.perf_counter()
     planned = {k: round(v, 1) for k, v in plan_seconds(p).items()}
-    res = new_result(parts, a.out, planned)
+    res = new_result(parts, a.out, planned, a.variants, a.fresh_pools)
     signal.signal(signal.SIGTERM, _on_sigterm)
     shared = {}  # the 8B model and its transformers view, from the 8b part to the cap part
 
@@ -575,11 +631,12 @@ def main(argv=None):
             return fn()
         return go
 
+    fp = a.fresh_pools
     fns = {"8b": lambda: part_model(res, "llama-3.1-8b", lengths, configs, not a.no_peers, "8b",
-                                    shared if "cap" in parts else None),
+                                    shared if "cap" in parts else None, fp),
            "cap": lambda: part_cap(res, a.cap_max, a.cap_step, not a.no_peers, shared),
-           "qwen": own(lambda: part_model(res, "qwen3-8b", [32768], configs, False, "qwen3_8b")),
-           "smollm2": own(lambda: part_smollm2(res, [2048, 4096, 8192], configs)),
+           "qwen": own(lambda: part_model(res, "qwen3-8b", [32768], configs, False, "qwen3_8b", fresh_pools=fp)),
+           "smollm2": own(lambda: part_smollm2(res, [2048, 4096, 8192], configs, fp)),
            "stall": own(lambda: part_stall(res))}
     try:
         res["env"] = env_record()

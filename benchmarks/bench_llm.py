@@ -108,7 +108,9 @@ def token_marker(events: list):
 
 def run_hf(hf, n_ctx, offloading: bool, seed=0, n_new=N_NEW) -> dict:
     """One ``generate`` call of ``n_new`` tokens after a prompt of ``n_ctx - n_new``; a logits
-    processor records a CUDA event per token. Peak memory: allocated and reserved."""
+    processor records a CUDA event per token: ``decode_ms_per_token`` their mean,
+    ``decode_step_ms`` each step, ``decode_steady_ms_per_token`` the median step. Peak memory:
+    allocated and reserved."""
     from transformers import LogitsProcessorList
 
     events = []
@@ -133,8 +135,10 @@ def run_hf(hf, n_ctx, offloading: bool, seed=0, n_new=N_NEW) -> dict:
     prefill_ms = start.elapsed_time(events[0])
     steps = len(events) - 1
     dec = events[0].elapsed_time(events[-1]) / steps if steps > 0 else None
+    step_ms = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
     return {"prompt_tokens": ids.shape[1], "prefill_tok_per_s": ids.shape[1] / prefill_ms * 1e3,
-            "ttft_ms": prefill_ms, "decode_ms_per_token": dec,
+            "ttft_ms": prefill_ms, "decode_ms_per_token": dec, "decode_step_ms": step_ms,
+            "decode_steady_ms_per_token": sorted(step_ms)[len(step_ms) // 2] if step_ms else None,
             "peak_gpu_memory_bytes": int(torch.cuda.max_memory_allocated()),
             "peak_gpu_reserved_bytes": int(torch.cuda.max_memory_reserved()),
             "token_ids": out[0, ids.shape[1]:].tolist()}

@@ -31,3 +31,74 @@ def test_pool_failed_allocation_names_size_and_hint():
     assert isinstance(ei.value, MemoryError)
     with pytest.raises(PoolAllocationError, match="fewer blocks"):
         OffloadEngine(1, 8, 128, device="cpu", max_tokens=1024, num_blocks=2 ** 36)
+
+
+class _FakeCudart:
+    """Records cudaHostRegister / cudaHostUnregister (the pinned path on a CPU-only machine)."""
+
+    def __init__(self):
+        self.registered = {}
+        self.register_calls = 0
+
+    def cudaHostRegister(self, ptr, nbytes, flags):
+        assert ptr not in self.registered
+        self.registered[ptr] = nbytes
+        self.register_calls += 1
+        return 0
+
+    def cudaHostUnregister(self, ptr):
+        del self.registered[ptr]
+        return 0
+
+
+@pytest.fixture
+def fake_pinning(monkeypatch):
+    rt = _FakeCudart()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: rt)
+    return rt
+
+
+def test_pinned_pool_registers_and_unregisters_its_slabs(fake_pinning):
+    p = CpuKVPool(4, 8, 16, 2, 8, torch.float16, slab_bytes=2 * 2 * 8 * 16 * 2 * 8 * 2)  # 2 layers a slab
+    assert p.pinned and fake_pinning.register_calls == 2 and len(fake_pinning.registered) == 2
+    p.close()
+    assert fake_pinning.registered == {}
+
+
+def test_reuse_pinned_slabs_hands_a_closed_pools_slabs_to_the_next(fake_pinning):
+    from xoffload.runtime import reuse_pinned_slabs
+
+    shape = (4, 8, 16, 2, 8, torch.float16)
+    kw = dict(slab_bytes=2 * 2 * 8 * 16 * 2 * 8 * 2)
+    with reuse_pinned_slabs() as cache:
+        a = CpuKVPool(*shape, **kw)
+        ptrs = sorted(t.data_ptr() for t in a.k[::2])
+        a.k[0].fill_(1.0)
+        a.close()
+        assert len(fake_pinning.registered) == 2 and cache.free_bytes > 0  # kept registered
+        b = CpuKVPool(*shape, **kw)  # the same slab size: the same memory, nothing registered
+        assert sorted(t.data_ptr() for t in b.k[::2]) == ptrs and fake_pinning.register_calls == 2
+        assert (cache.hits, cache.misses) == (2, 2) and cache.free_bytes == 0
+        b.v[3].fill_(2.0)
+        assert bool((b.v[3] == 2.0).all()) and b.k[1].shape == (8, 16, 2, 8)
+        c = CpuKVPool(4, 9, 16, 2, 8, torch.float16, **kw)  # another size: 4 fresh slabs (1 layer each)
+        assert fake_pinning.register_calls == 6 and len(fake_pinning.registered) == 6
+        c.close()
+    assert len(fake_pinning.registered) == 2  # the context's end: the cached ones go, b's stay
+    b.close()  # its slabs came from a closed cache: unregistered now
+    assert fake_pinning.registered == {}
+    d = CpuKVPool(*shape, **kw)  # outside the context: plain registration again
+    assert fake_pinning.register_calls == 8
+    d.close()
+    assert fake_pinning.registered == {}
+
+
+def test_unpinned_pools_ignore_the_slab_cache():
+    from xoffload.runtime import reuse_pinned_slabs
+
+    with reuse_pinned_slabs() as cache:
+        a = CpuKVPool(2, 4, 16, 2, 8, torch.float16, pin=False)
+        a.close()
+        CpuKVPool(2, 4, 16, 2, 8, torch.float16, pin=False).close()
+    assert (cache.hits, cache.misses) == (0, 0)

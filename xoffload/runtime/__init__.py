@@ -6,7 +6,8 @@ nothing of models. Public pieces:
 * :class:`OffloadEngine` - the runtime's contract: ``add_sequence``, ``seq_len``,
   ``offload_layer`` (prefill, async D2H), ``begin_step`` / ``layer_kv`` / ``end_layer`` /
   ``end_step`` (decode through the ring), ``fetch_blocks`` (sparse), ``free``, ``reset``.
-* :class:`CpuKVPool` - layer-major host K/V, pinned with ``cudaHostRegister`` in slabs.
+* :class:`CpuKVPool` - layer-major host K/V, pinned with ``cudaHostRegister`` in slabs;
+  :func:`reuse_pinned_slabs` keeps closed pools' registered slabs for the next pool of that size.
 * :class:`BlockAllocator` - reference-counted blocks and per-sequence block tables (contiguous
   runs preferred; shared blocks; external references; an evictor hook).
 * :class:`PrefixCache` - block-hash prefix reuse over an engine's pool (``match``, ``insert``,
@@ -41,7 +42,7 @@ Contract notes (what a caller of the engine may rely on beyond the method list a
 from .allocator import BlockAllocator, PoolExhaustedError, block_runs
 from .engine import OffloadEngine
 from ..kernels.gather import gather_blocks
-from .pool import CpuKVPool, PoolAllocationError
+from .pool import CpuKVPool, PinnedSlabCache, PoolAllocationError, reuse_pinned_slabs
 from .prefix_cache import CacheStats, PrefixCache, PrefixMatch, block_hash
 from .ring import LayerRing
 
@@ -51,6 +52,7 @@ __all__ = [
     "CpuKVPool",
     "LayerRing",
     "OffloadEngine",
+    "PinnedSlabCache",
     "PoolAllocationError",
     "PoolExhaustedError",
     "PrefixCache",
@@ -58,4 +60,5 @@ __all__ = [
     "block_hash",
     "block_runs",
     "gather_blocks",
+    "reuse_pinned_slabs",
 ]
