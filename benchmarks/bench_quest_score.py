@@ -1,0 +1,108 @@
+"""Benchmark: page scoring for sparse decode (``xoffload.kernels.quest_score``) against HBM.
+
+One sparse layer's selection reads its candidate pages' summaries: Quest's min and max per page
+(``quest_page_scores``; bytes 2 x pages x Hkv x D x 2) and, with exact channels
+(``channel_page_scores``), also the ``r`` stored channels of every token (pages x P x Hkv x r x
+2). The ceiling is that many bytes at the device-to-device copy bandwidth measured in the same run
+(a scorer cannot read less). Peer: the same scores written in PyTorch (the fp32 reference
+functions run on the GPU: the nine-op form the kernels replace). Shapes: the Llama-3.1-8B decode
+shape (32 query / 8 KV heads, D 128, pages of 32 tokens) at 32K and 128K, and SmolLM2's (9 / 3
+heads, D 64) at 8K; r = 8 and 16, alpha 1 (the bound: two dots) and 0.25 (four).
+
+Run: ``python benchmarks/bench_quest_score.py [--quick] [--out PATH]`` (table + JSON into
+``benchmarks/results/quest_score.json``), or ``pytest benchmarks/bench_quest_score.py``.
+Skips cleanly without CUDA.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _common import HAS_CUDA, bench_ms, bench_parser, env_record, hbm_copy_gbps, parse_gpu_args, record_extra, run, write_json  # noqa: E402
+
+# (name, context tokens, Hq, Hkv, D, page, exact channels r (0: Quest's bound), alpha)
+SHAPES = [
+    ("8b_32k_quest", 32768, 32, 8, 128, 32, 0, 1.0),
+    ("8b_128k_quest", 131072, 32, 8, 128, 32, 0, 1.0),
+    ("8b_128k_ch8_a1", 131072, 32, 8, 128, 32, 8, 1.0),
+    ("8b_128k_ch8_a025", 131072, 32, 8, 128, 32, 8, 0.25),
+    ("8b_128k_ch16_a025", 131072, 32, 8, 128, 32, 16, 0.25),
+    ("8b_32k_ch16_a025", 32768, 32, 8, 128, 32, 16, 0.25),
+    ("smollm2_8k_quest", 8192, 9, 3, 64, 32, 0, 1.0),
+    ("smollm2_8k_ch16_a025", 8192, 9, 3, 64, 32, 16, 0.25),
+]
+QUICK = {"8b_128k_quest", "8b_128k_ch8_a025", "8b_128k_ch16_a025"}
+
+
+def run_case(name, ctx, hq, hkv, d, page, r, alpha, hbm, dtype=torch.bfloat16) -> dict:
+    """Time one layer's page scoring at ``ctx`` tokens; bytes, GB/s, the ceiling and the peer."""
+    from xoffload.kernels.quest_score import channel_page_scores, quest_page_scores
+    from xoffload.kernels.reference import channel_page_scores_ref, quest_page_scores_ref
+
+    n = ctx // page
+    el = torch.tensor([], dtype=dtype).element_size()
+    k = torch.randn(hkv, n, page, d, dtype=dtype, device="cuda")
+    kmin, kmax = k.amin(2).contiguous(), k.amax(2).contiguous()
+    q = torch.randn(hq, d, dtype=dtype, device="cuda")
+    out = torch.empty(hkv, n, dtype=torch.float32, device="cuda")
+    nbytes = 2 * kmin.numel() * el
+    if r:
+        ch = torch.stack([torch.randperm(d, device="cuda")[:r] for _ in range(hkv)]).to(torch.int32)
+        klab = torch.gather(k.flatten(1, 2), 2, ch.long()[:, None, :].expand(hkv, n * page, r)).contiguous()
+        nbytes += klab.numel() * el
+        fn = lambda: channel_page_scores(q, kmin, kmax, ch, klab, alpha=alpha, out=out)  # noqa: E731
+        peer = lambda: channel_page_scores_ref(q, kmin, kmax, ch, klab, alpha)  # noqa: E731
+    else:
+        fn = lambda: quest_page_scores(q, kmin, kmax, out=out)  # noqa: E731
+        peer = lambda: quest_page_scores_ref(q, kmin, kmax)  # noqa: E731
+    del k
+    ms = bench_ms(fn)
+    pms = bench_ms(peer)
+    gbps = nbytes / ms / 1e6
+    row = {"kernel": "channel_page_scores" if r else "quest_page_scores", "name": name, "ctx": ctx, "Hq": hq,
+           "Hkv": hkv, "D": d, "page": page, "exact_channels": r, "alpha": alpha, "pages": n, "dtype": "bf16",
+           "bytes": nbytes, "ms": ms, "GBps": gbps, "frac_of_hbm_copy": gbps / hbm,
+           "ceiling_ms": nbytes / (hbm * 1e6),
+           "peers": {"torch_reference": {"ms": pms, "speedup_vs_peer": pms / ms}}}
+    torch.cuda.empty_cache()
+    return row
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+def test_bench_quest_score(benchmark, shape):
+    row = benchmark.pedantic(lambda: run_case(*shape, hbm_copy_gbps()), rounds=1, iterations=1)
+    record_extra(benchmark, row, skip=("peers",))
+
+
+def main(argv=None):
+    ap = bench_parser(__doc__, "quest_score")
+    args = parse_gpu_args(ap, argv)
+    if args is None:
+        return 0
+    hbm = hbm_copy_gbps()
+    print(f"HBM copy bandwidth: {hbm:.0f} GB/s (read + write)")
+    print(f"{'shape':>22} {'MB':>7} {'us':>8} {'ceiling us':>10} {'GB/s':>7} {'%copy':>6}  torch (us, ours x faster)")
+    rows = []
+    for shape in SHAPES:
+        if args.quick and shape[0] not in QUICK:
+            continue
+        r = run_case(*shape, hbm)
+        rows.append(r)
+        p = r["peers"]["torch_reference"]
+        print(f"{shape[0]:>22} {r['bytes'] / 1e6:>7.1f} {1e3 * r['ms']:>8.1f} {1e3 * r['ceiling_ms']:>10.1f} "
+              f"{r['GBps']:>7.0f} {100 * r['frac_of_hbm_copy']:>5.1f}%  {1e3 * p['ms']:.1f} "
+              f"({p['speedup_vs_peer']:.2f}x)", flush=True)
+    res = {"benchmark": "quest_score", **env_record(), "hbm_copy_GBps": hbm, "rows": rows,
+           "note": "one sparse layer's page scoring; a decode step runs it once per sparse layer"}
+    print(f"wrote {write_json(args.out, res)}")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
