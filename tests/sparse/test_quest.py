@@ -397,3 +397,29 @@ def test_exact_channel_arguments_checked_in_every_path(monkeypatch):
     s.scores(0, q, 2, 10, pol)
     assert seen == [False]
 
+
+def test_named_policy_fits_its_channels_to_the_model():
+    """Found by adversarial testing: LLM('tiny-llama', sparse_decode='quest-ch') raised (16 exact
+    channels, head_dim 16) although the user chose no channel count. The named policy now asks for
+    at most head_dim // 2 channels (QuestDecode.fit_channels, applied by for_model when the engine
+    is built); an explicit exact_channels stays exact and is refused when it does not fit."""
+    from types import SimpleNamespace
+
+    from xoffload.sparse import resolve_decode
+
+    named = resolve_decode("quest-ch", 512)
+    assert named.fit_channels and named.exact_channels == 16 and named.token_budget == 512
+    cfg = lambda d: SimpleNamespace(num_layers=4, head_dim=d)  # noqa: E731
+    assert named.for_model(cfg(16)).exact_channels == 8
+    assert named.for_model(cfg(24)).exact_channels == 12
+    assert named.for_model(cfg(64)) is named and named.for_model(cfg(128)) is named
+    assert named.for_model(cfg(16)).fit_channels  # fitting again changes nothing
+    explicit = QuestDecode(exact_channels=16)
+    assert explicit.for_model(cfg(17)) is explicit
+    with pytest.raises(ValueError, match="exact_channels=16 must be below the model's head_dim 16"):
+        explicit.for_model(cfg(16))
+    with pytest.raises(ValueError, match="outside"):
+        QuestDecode(dense_layers=(9,)).for_model(cfg(64))
+    with pytest.raises(TypeError, match="fit_channels"):
+        QuestDecode(fit_channels=1)
+    assert resolve_decode("quest").for_model(cfg(16)) == QuestDecode()

@@ -20,6 +20,7 @@ step reads, so every step of a request has the same shapes.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -108,6 +109,12 @@ class QuestDecode(DecodePolicy):
         bound_scale: ``alpha`` in ``[0, 1]``, the weight of the page's key range on the channels
             scored from the summary: page score = exact part + ``q·mid + alpha·|q|·radius``.
             1 (default): Quest's upper bound; smaller estimates the page's best key instead.
+        fit_channels: ``exact_channels`` is a ceiling the model may lower: :meth:`for_model` keeps
+            ``min(exact_channels, head_dim // 2)`` channels (at most half of a key's channels stored
+            exactly) instead of refusing a model whose ``head_dim`` is not above them. The named
+            policy ``"quest-ch"`` sets it (16 channels; 8 on a head_dim-16 model such as
+            ``tiny-llama``). False (default): the channels are exactly ``exact_channels``, and a
+            ``head_dim <= exact_channels`` is refused when the engine is built.
         prefetch: offload with the page cache only — while layer ``l`` computes, layer ``l+1``'s
             pages are chosen from an estimate of its query (layer ``l+1``'s projection of layer
             ``l``'s input, as InfiniGen, Lee et al. 2024, predicts the next layer's attention) and
@@ -131,6 +138,7 @@ class QuestDecode(DecodePolicy):
     prefetch: bool = False
     exact_channels: int = 0
     bound_scale: float = 1.0
+    fit_channels: bool = False
 
     def __post_init__(self):
         if self.token_budget is not None:
@@ -156,11 +164,25 @@ class QuestDecode(DecodePolicy):
             raise ValueError(f"exact_channels must be <= 64, got {self.exact_channels}")
         if self.exact_channels and p > 256:  # the channel score kernel holds a page's tokens in one tile
             raise ValueError(f"exact_channels needs page_size <= 256, got page_size={p}")
+        if not isinstance(self.fit_channels, bool):
+            raise TypeError(f"fit_channels must be a bool, got {self.fit_channels!r}")
         if isinstance(self.bound_scale, bool) or not isinstance(self.bound_scale, (int, float)):
             raise TypeError(f"bound_scale must be a number in [0, 1], got {self.bound_scale!r}")
         if not 0.0 <= float(self.bound_scale) <= 1.0:
             raise ValueError(f"bound_scale must be in [0, 1], got {self.bound_scale!r}")
         object.__setattr__(self, "bound_scale", float(self.bound_scale))
+
+    def for_model(self, cfg) -> "QuestDecode":
+        """This policy for a model of config ``cfg`` (``num_layers``, ``head_dim``): with
+        ``fit_channels``, ``exact_channels`` lowered to ``head_dim // 2`` where it is more (itself
+        otherwise). Raises ValueError for dense layers outside the model or exact channels not
+        below ``head_dim``."""
+        pol = super().for_model(cfg)
+        if self.fit_channels and self.exact_channels > cfg.head_dim // 2:
+            pol = dataclasses.replace(self, exact_channels=cfg.head_dim // 2)
+        if pol.exact_channels >= cfg.head_dim:
+            raise ValueError(f"exact_channels={pol.exact_channels} must be below the model's head_dim {cfg.head_dim}")
+        return pol
 
     def cache_slots(self, plan: "DecodePlan") -> int:
         """GPU cache slots per KV head and sparse layer for ``plan`` (0: no cache): ``cache_pages``
