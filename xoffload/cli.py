@@ -169,7 +169,8 @@ def _add_model_args(p):
     p.add_argument("--sparse-decode", default=None, choices=["quest", "quest-ch"],
                    help="sparse decode: each step reads, per KV head, the pages with the highest Quest "
                         "min/max bound up to --token-budget tokens (offloaded: only those cross PCIe); "
-                        "quest-ch: 16 key channels per KV head scored exactly, the bound scaled by 0.25 on the rest")
+                        "quest-ch: 16 key channels per KV head (at most half the head dim) scored exactly, the bound "
+                        "scaled by 0.25 on the rest")
     p.add_argument("--token-budget", type=_int_at_least(1), default=None,
                    help="tokens a sparse-decode layer attends to per step (default 2048; alone it turns on "
                         "--sparse-decode quest)")

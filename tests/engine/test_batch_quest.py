@@ -5,6 +5,8 @@ boundaries and past them, sequences joining mid-batch and finishing after one to
 covers the whole context (every page, dense through the same path: teacher-forced logits equal the
 dense resident store's), admission waiting for summary-pool room and refusing what never fits.
 GPU tests (marked) compare within bf16 rounding and CUDA graphs against eager."""
+import dataclasses
+
 import pytest
 import torch
 
@@ -268,3 +270,27 @@ def test_gpu_quest_continuous_batching_graphs_equal_eager():
     b = LLM(m, cuda_graph=False, **kw).generate(prompts, sps)
     assert [o.token_ids for o in a] == [o.token_ids for o in b]
     assert [len(o.token_ids) for o in a] == [1 + i % 9 for i in range(40)]
+
+
+@pytest.mark.parametrize("mode, kw", [("gpu", {}), ("offload", {"kv_block_size": 32})])
+def test_exact_channels_batched_equal_alone_and_full_budget_equals_dense(mode, kw):
+    """Found holding under adversarial testing, kept as a regression test: with exact channels
+    (served one request at a time inside a batch, SerialBatchKV) each sequence's greedy tokens
+    equal its one-request run, prompts under a page (no candidate page: channels never chosen)
+    included; a budget covering the context gives dense decode's tokens; repeated requests are
+    unaffected by earlier ones."""
+    m = tiny_random("tiny-qwen3")
+    pol = QuestDecode(token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(),
+                      exact_channels=8, bound_scale=0.25)
+    base = dict(mode=mode, max_model_len=512, prefill_attn="sdpa", **kw)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    prompts = _prompts([5, 40, 263, 300], seed=4)
+    one = LLM(m, sparse_decode=pol, **base)
+    alone = [one.generate(p, sp)[0].token_ids for p in prompts]
+    batch = LLM(m, sparse_decode=pol, max_num_seqs=4, **base)
+    assert batch_store_class(batch._store, batch.config)[0] is SerialBatchKV
+    assert [o.token_ids for o in batch.generate(prompts, sp)] == alone
+    assert [one.generate(p, sp)[0].token_ids for p in prompts[::-1]] == alone[::-1]
+    dense = [o.token_ids for o in LLM(m, **base).generate(prompts, sp)]
+    full = LLM(m, sparse_decode=dataclasses.replace(pol, token_budget=1024), **base)
+    assert [full.generate(p, sp)[0].token_ids for p in prompts] == dense

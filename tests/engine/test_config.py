@@ -20,6 +20,12 @@ def test_llm_option_and_sampling_edges():
 
     with pytest.raises(ValueError, match="exact_channels=16 must be below the model's head_dim 16"):
         LLM("tiny-llama", device="cpu", sparse_decode=QuestDecode(exact_channels=16))
+    # the named policy fits its channels to the model (head_dim 16: 8 channels), in both modes
+    for mode in ("gpu", "offload"):
+        llm = LLM("tiny-llama", device="cpu", mode=mode, max_model_len=512, sparse_decode="quest-ch", token_budget=64)
+        assert llm.config.decode_policy == QuestDecode(token_budget=64, exact_channels=8, bound_scale=0.25,
+                                                       fit_channels=True)
+        assert len(llm.generate([list(range(200))], SamplingParams(max_tokens=2, ignore_eos=True))[0].token_ids) == 2
     llm = LLM("tiny-llama", device="cpu")
     greedy = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=0.0, max_tokens=4))[0].token_ids
     tiny = llm.generate([[5, 6, 7, 8]], SamplingParams(temperature=1e-45, max_tokens=4))[0].token_ids

@@ -220,7 +220,7 @@ def test_mode_dense_layers_suffix():
     kw = mode_options("offload+quest@512/ch=8/alpha=0.25/page=16/dense=0.1")
     assert kw["sparse_decode"] == QuestDecode(token_budget=512, exact_channels=8, bound_scale=0.25, page_size=16,
                                               dense_layers=(0, 1))
-    for bad, msg in (("offload+quest@512/ch=x", "/ch= takes a number"), ("offload+quest@512/alpha=2", "bound_scale"),
+    for bad, msg in (("offload+quest@512/ch=x", "/ch= takes an integer"), ("offload+quest@512/alpha=2", "bound_scale"),
                      ("offload+quest@512/page=24", "power of two"), ("offload@512/ch=8", "decode-policy")):
         with pytest.raises(ValueError, match=msg):
             mode_options(bad)
@@ -228,3 +228,40 @@ def test_mode_dense_layers_suffix():
                      ("resident+quest@512/dense=-1", "joined by '.'")):
         with pytest.raises(ValueError, match=msg):
             mode_options(bad)
+
+
+def test_mode_policy_suffixes_strict():
+    """Found by adversarial testing: a repeated suffix silently took the last value
+    (``/ch=8/ch=4``: 4), ``int()`` / ``float()`` took ``1_0``, `` 8`` and non-ASCII digits, an
+    unknown ``/key=`` was reported as a bad group score, and a page of 512 with channels failed
+    only at the first decode step. Each is now a one-line error naming it; ``/ch=`` on the named
+    policy quest-ch asks for exactly that many channels (no fitting to the model)."""
+    from xoffload.evals.cli import mode_options
+    from xoffload.sparse import QuestDecode
+
+    for bad, msg in (("offload+quest@512/ch=8/ch=4", "/ch= given twice"),
+                     ("offload+quest@512/softmax/max", "/GROUP given twice"),
+                     ("offload+quest@512/dense=0/dense=1", "/dense= given twice"),
+                     ("offload+quest@512/ch=1_0", "takes an integer, got '1_0'"),
+                     ("offload+quest@512/ch= 8", "takes an integer"),
+                     ("offload+quest@512/ch=\u0668", "takes an integer"),
+                     ("offload+quest@512/ch=-1", "takes an integer"),
+                     ("offload+quest@512/page=0x10", "takes an integer"),
+                     ("offload+quest@512/alpha=nan", "/alpha= takes a number, got 'nan'"),
+                     ("offload+quest@512/alpha=1_0", "takes a number"),
+                     ("offload+quest@512/alpha=-0.5", "takes a number"),
+                     ("offload+quest@512/alpha=1e400", "bound_scale"),
+                     ("offload+quest@512/foo=1", "unknown /foo="),
+                     ("offload+quest@512/page=512/ch=8", "page_size <= 256"),
+                     ("offload+quest-ch/ch=4", r"\[/ch=R\]")):
+        with pytest.raises(ValueError, match=msg):
+            mode_options(bad)
+    assert mode_options("offload+quest@512/ch=0")["sparse_decode"].exact_channels == 0
+    assert mode_options("offload+quest@512/alpha=.5")["sparse_decode"].bound_scale == 0.5
+    assert mode_options("resident+quest@64/alpha=1e-1/page=16/ch=8/dense=")["sparse_decode"] == QuestDecode(
+        token_budget=64, bound_scale=0.1, page_size=16, exact_channels=8, dense_layers=())
+    assert mode_options("offload+quest-ch@512") == {"mode": "offload", "sparse_decode": "quest-ch", "token_budget": 512}
+    kw = mode_options("offload+quest-ch@512/alpha=0.5")["sparse_decode"]
+    assert kw.fit_channels and kw.exact_channels == 16 and kw.bound_scale == 0.5
+    kw = mode_options("offload+quest-ch@512/ch=4")["sparse_decode"]
+    assert not kw.fit_channels and kw.exact_channels == 4 and kw.bound_scale == 0.25

@@ -178,3 +178,56 @@ def test_gpu_channel_scores_bf16_long():
         # bf16 operands, fp32 accumulation (tf32 is not used for bf16 dots): a few fp32 ulps of
         # the score scale
         assert float((s - ref).abs().max()) <= 1e-3 * float(ref.abs().max())
+
+
+@pytest.mark.parametrize("hq,hkv,d,n,p,r", [(4, 4, 80, 17, 16, 1), (16, 1, 96, 3, 16, 64), (8, 8, 48, 1, 16, 47),
+                                            (2, 1, 48, 5, 256, 8), (16, 1, 16, 2, 256, 15), (3, 3, 96, 33, 32, 7)])
+def test_channel_scores_odd_shapes_and_pagedkv_slices(hq, hkv, d, n, p, r, device):
+    """Found by adversarial testing (these held): head dims that are not powers of two, r = 1 and
+    r = D - 1, pages of 256, one page, page counts off the kernel's 16-page block, groups of 16 and
+    of 1; klab, kmin and kmax as the slices of a PageSummaries layer that PagedKV passes
+    (``klab[layer, :, f*P:(f+n)*P]``, strided) — all equal the fp32 reference."""
+    from xoffload.kernels.quest_score import channel_page_scores
+    from xoffload.kernels.reference import channel_page_scores_ref
+
+    q, k, kmin, kmax, ch, klab = _channel_case(hq, hkv, d, n, p, r, torch.float32, device)
+    f, L = 3, 2  # the pages sit at 3.. of layer 1 of a larger store
+    big_l = torch.zeros(L, hkv, (f + n + 2) * p, r, device=device)
+    big_l[1, :, f * p:(f + n) * p] = klab
+    big_m = torch.zeros(L, hkv, f + n + 2, d, device=device)
+    big_x = torch.zeros_like(big_m)
+    big_m[1, :, f:f + n], big_x[1, :, f:f + n] = kmin, kmax
+    sl, sm, sx = big_l[1, :, f * p:(f + n) * p], big_m[1, :, f:f + n], big_x[1, :, f:f + n]
+    assert hkv == 1 or not sl.is_contiguous()
+    scale = float((q.float().abs() @ torch.maximum(kmax.float().abs(), kmin.float().abs()).amax((0, 1))).max())
+    for alpha in (1.0, 0.25):
+        s = channel_page_scores(q, sm, sx, ch, sl, alpha=alpha)
+        assert float((s - channel_page_scores_ref(q, kmin, kmax, ch, klab, alpha)).abs().max()) <= 4 * d * EPS32 * scale
+
+
+def test_channel_values_checked_on_the_host_or_clamped(device):
+    """Found by adversarial testing: a channel index outside [0, D) made the kernel read q outside
+    its row (past the tensor for the last head) and a repeated one silently broke the bound. Now
+    check=True (the default) refuses both, naming them; check=False (the decode step: no host
+    read) clamps entries into [0, D) in the kernel and in the reference alike; alpha must be a
+    real number."""
+    from xoffload.kernels.quest_score import channel_page_scores
+    from xoffload.kernels.reference import channel_page_scores_ref
+
+    q, k, kmin, kmax, ch, klab = _channel_case(8, 2, 32, 20, 16, 4, torch.float32, device)
+    tol = 4 * 32 * EPS32 * float(q.abs().sum(-1).max() * kmax.abs().max())
+    cases = {"repeat a channel": (0, 1, int(ch[0, 0])), "max 32": (1, 2, 32), "min -1": (0, 3, -1),
+             f"max {2 ** 40}": (1, 0, 2 ** 40)}
+    for msg, (h, j, v) in cases.items():
+        bad = ch.long().clone()
+        bad[h, j] = v
+        with pytest.raises(ValueError, match=msg):
+            channel_page_scores(q, kmin, kmax, bad, klab)
+        for alpha in (1.0, 0.25):
+            s = channel_page_scores(q, kmin, kmax, bad, klab, alpha=alpha, check=False)
+            ref = channel_page_scores_ref(q, kmin, kmax, bad, klab, alpha)
+            assert bool(torch.isfinite(s).all()) and float((s - ref).abs().max()) <= tol
+    for a, exc in ((True, TypeError), (None, TypeError), ("0.5", TypeError), (float("nan"), ValueError),
+                   (-0.5, ValueError)):
+        with pytest.raises(exc, match="alpha"):
+            channel_page_scores(q, kmin, kmax, ch, klab, alpha=a)

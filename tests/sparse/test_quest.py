@@ -348,3 +348,78 @@ def test_exact_channels_tighten_the_bound_and_find_a_planted_key():
         sm = page_scores(q, kmin[:, f:f + n], kmax[:, f:f + n], group="softmax", channels=ch,
                          klab=kl.contiguous(), alpha=0.25)
         assert sm.shape == (hkv, n) and torch.allclose(sm.sum(-1), torch.full((hkv,), hq / hkv))
+
+
+def test_exact_channel_arguments_checked_in_every_path(monkeypatch):
+    """Found by adversarial testing: the softmax group score took any alpha (2, nan: NaN scores)
+    and failed on bad channels with torch errors; PageSummaries took exact_channels=True, 2.7 and
+    more than the kernel's 64; choose_channels failed inside topk; a page of 512 with exact
+    channels was accepted and failed at the first decode step. Each is now refused up front,
+    naming the value, and PageSummaries.scores (the decode step) skips the host check."""
+    from xoffload.sparse.quest import choose_channels
+
+    g = torch.Generator().manual_seed(5)
+    k = torch.randn(20 * 16, 2, 32, generator=g)
+    q = torch.randn(8, 32, generator=g)
+    kmin, kmax, n = _summaries(k, 16)
+    ch = choose_channels(k.unflatten(0, (20, 16)), 4)
+    kl = torch.gather(k.transpose(0, 1), 2, ch.long()[:, None, :].expand(-1, 20 * 16, -1)).contiguous()
+    for group in ("max", "softmax"):
+        for kw, exc, msg in [(dict(alpha=2.0), ValueError, "alpha"), (dict(alpha=float("nan")), ValueError, "alpha"),
+                             (dict(channels=ch), ValueError, "come together"),
+                             (dict(channels=ch, klab=kl[:, :17]), ValueError, "klab must be"),
+                             (dict(channels=ch + 30, klab=kl), ValueError, r"\[0, head_dim=32\)"),
+                             (dict(channels=ch[:, [0, 0, 1, 2]], klab=kl), ValueError, "repeat")]:
+            with pytest.raises(exc, match=msg):
+                page_scores(q, kmin, kmax, group=group, **kw)
+        # check=False: clamped, the same in both paths' references
+        s = page_scores(q, kmin, kmax, group=group, channels=ch + 30, klab=kl, alpha=0.5, check=False)
+        assert bool(torch.isfinite(s).all())
+    for r, exc in ((True, TypeError), (2.7, TypeError), (65, ValueError), (96, ValueError)):
+        with pytest.raises(exc, match="exact_channels"):
+            PageSummaries(1, 1, 96, 2, 16, torch.float32, "cpu", exact_channels=r)
+    for bad in (0, 33, True):
+        with pytest.raises(ValueError, match="choose_channels: r must be"):
+            choose_channels(k.unflatten(0, (20, 16)), bad)
+    with pytest.raises(ValueError, match="n_pages >= 1"):
+        choose_channels(k[:0].unflatten(0, (0, 16)), 4)
+    with pytest.raises(ValueError, match="page_size <= 256"):
+        QuestDecode(page_size=512, exact_channels=4)
+    assert QuestDecode(page_size=512).page_size == 512 and QuestDecode(page_size=256, exact_channels=4).page_size == 256
+    # the decode step's path: no host check (a device read there would sync every layer)
+    s = PageSummaries(1, 2, 32, 20, 16, torch.float32, "cpu", exact_channels=4)
+    s.write(0, k)
+    pol = QuestDecode(page_size=16, exact_channels=4, bound_scale=0.5)
+    import xoffload.kernels.quest_score as qs
+
+    seen, orig = [], qs.check_channels
+    monkeypatch.setattr(qs, "check_channels", lambda *a, **kw: seen.append(kw["check"]) or orig(*a, **kw))
+    s.scores(0, q, 2, 10, pol)
+    assert seen == [False]
+
+
+def test_named_policy_fits_its_channels_to_the_model():
+    """Found by adversarial testing: LLM('tiny-llama', sparse_decode='quest-ch') raised (16 exact
+    channels, head_dim 16) although the user chose no channel count. The named policy now asks for
+    at most head_dim // 2 channels (QuestDecode.fit_channels, applied by for_model when the engine
+    is built); an explicit exact_channels stays exact and is refused when it does not fit."""
+    from types import SimpleNamespace
+
+    from xoffload.sparse import resolve_decode
+
+    named = resolve_decode("quest-ch", 512)
+    assert named.fit_channels and named.exact_channels == 16 and named.token_budget == 512
+    cfg = lambda d: SimpleNamespace(num_layers=4, head_dim=d)  # noqa: E731
+    assert named.for_model(cfg(16)).exact_channels == 8
+    assert named.for_model(cfg(24)).exact_channels == 12
+    assert named.for_model(cfg(64)) is named and named.for_model(cfg(128)) is named
+    assert named.for_model(cfg(16)).fit_channels  # fitting again changes nothing
+    explicit = QuestDecode(exact_channels=16)
+    assert explicit.for_model(cfg(17)) is explicit
+    with pytest.raises(ValueError, match="exact_channels=16 must be below the model's head_dim 16"):
+        explicit.for_model(cfg(16))
+    with pytest.raises(ValueError, match="outside"):
+        QuestDecode(dense_layers=(9,)).for_model(cfg(64))
+    with pytest.raises(TypeError, match="fit_channels"):
+        QuestDecode(fit_channels=1)
+    assert resolve_decode("quest").for_model(cfg(16)) == QuestDecode()

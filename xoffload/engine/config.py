@@ -189,21 +189,19 @@ class EngineConfig:
     def bind(self, model) -> "EngineConfig":
         """This config with the model's defaults filled in (``max_model_len``, ``prefill_chunk``,
         ``dtype``, ``device``, ``max_num_batched_tokens``) and the model-dependent checks done: an explicit dtype must be the
-        model's, ``prefill_attn="cudnn"`` needs CUDA, the policy's layers must exist and its exact channels fit the head dim."""
+        model's, ``prefill_attn="cudnn"`` needs CUDA, and the decode policy fitted to the model
+        (:meth:`~xoffload.sparse.policy.DecodePolicy.for_model`: its layers must exist, its exact
+        channels fit the head dim)."""
         dev = model.device
         if self.dtype is not None and resolve_dtype_device(self.dtype, dev)[0] != model.dtype:
             raise ValueError(f"dtype {self.dtype} differs from the given model's {model.dtype}")
         if self.prefill_attn == "cudnn" and dev.type != "cuda":
             raise ValueError(f"prefill_attn='cudnn' needs a CUDA device (model on {dev}); use 'auto'")
         self.sparse.layers(model.cfg.num_layers)  # raises for layers outside the model
-        if self.sparse_decode is not None:
-            self.sparse_decode.sparse_layers(model.cfg.num_layers)
-            ch = getattr(self.sparse_decode, "exact_channels", 0)
-            if ch >= model.cfg.head_dim:
-                raise ValueError(f"exact_channels={ch} must be below the model's head_dim {model.cfg.head_dim}")
+        dec = None if self.sparse_decode is None else self.sparse_decode.for_model(model.cfg)
         max_len = self.max_model_len or model.cfg.max_position_embeddings
         return dataclasses.replace(
-            self, dtype=model.dtype, device=dev, max_model_len=max_len,
+            self, dtype=model.dtype, device=dev, max_model_len=max_len, sparse_decode=dec,
             prefill_chunk=self.prefill_chunk or (8192 if dev.type == "cuda" else 512),
             max_num_batched_tokens=self.max_num_batched_tokens or max_len)
 

@@ -115,6 +115,15 @@ def _has_cuda(device) -> bool:
 _POLICY_KEYS = {"ch": ("exact_channels", int), "alpha": ("bound_scale", float), "page": ("page_size", int)}
 
 
+def _number(text: str, conv):
+    """``conv(text)`` for a plain ASCII number (digits for an int; digits, one point and an exponent
+    for a float: no sign, spaces, underscores, ``nan`` or ``inf``), else None."""
+    import re
+
+    pattern = r"[0-9]+" if conv is int else r"([0-9]+\.?[0-9]*|\.[0-9]+)([eE][-+]?[0-9]+)?"
+    return conv(text) if re.fullmatch(pattern, text) else None
+
+
 def mode_options(name: str) -> dict:
     """LLM keyword arguments of a mode name: a configuration of
     :func:`xoffload.engine.modes.configurations` (``resident``, ``offload``, ``offload+quest``, ...;
@@ -123,8 +132,9 @@ def mode_options(name: str) -> dict:
     (``offload+quest@512/softmax``, see :class:`xoffload.sparse.QuestDecode`), its dense layers
     as ``/dense=I.J.K`` (``resident+quest@512/dense=0.1.7.18``: layer indices joined by ``.``; the
     mode list itself is comma-separated), its exact channels ``/ch=R``, bound scale ``/alpha=A``
-    and page size ``/page=P`` (``offload+quest@512/ch=8/alpha=0.25``). Raises ValueError naming the known names or the bad
-    suffix."""
+    and page size ``/page=P`` (``offload+quest@512/ch=8/alpha=0.25``; each suffix at most once;
+    ``/ch=`` also turns off the named policy's fitting of its channels to the model,
+    ``QuestDecode.fit_channels``). Raises ValueError naming the known names or the bad suffix."""
     from xoffload.engine.modes import configurations
 
     from .hf_peer import HF_MODE
@@ -152,7 +162,8 @@ def mode_options(name: str) -> dict:
     base = "resident" if base == "gpu" else base.replace("gpu+", "resident+")
     if base not in confs:
         raise _ArgError(f"unknown --mode {name!r}; known: both, gpu, {', '.join(confs)}, {HF_MODE} "
-                        f"(decode policies take @BUDGET[/GROUP][/dense=I.J]; any engine mode :session[@N])")
+                        f"(decode policies take @BUDGET[/GROUP][/dense=I.J][/ch=R][/alpha=A][/page=P]; any engine "
+                        f"mode :session[@N])")
     kw = dict(confs[base])
     if at:
         budget, slash, group = budget.partition("/")
@@ -167,18 +178,27 @@ def mode_options(name: str) -> dict:
             pol = resolve_decode(kw.pop("sparse_decode"), kw.pop("token_budget"))
             fields = {}
             for part in group.split("/"):
-                if part.startswith("dense="):  # /dense=0.1.7: the policy's dense layers
-                    ids = part[len("dense="):].split(".") if part != "dense=" else []
-                    if not all(x.isascii() and x.isdigit() for x in ids):
+                key, eq, val = part.partition("=")
+                field = "dense_layers" if key == "dense" else _POLICY_KEYS[key][0] if key in _POLICY_KEYS \
+                    else "group_score"
+                if eq and field == "group_score":
+                    raise _ArgError(f"--mode {name!r}: unknown /{key}= (known: /dense=, "
+                                    f"{', '.join('/' + k + '=' for k in _POLICY_KEYS)})")
+                if field in fields:
+                    raise _ArgError(f"--mode {name!r}: /{key + eq if eq else 'GROUP'} given twice")
+                if field == "dense_layers":  # /dense=0.1.7: the policy's dense layers
+                    ids = val.split(".") if val else []
+                    if not eq or not all(x.isascii() and x.isdigit() for x in ids):
                         raise _ArgError(f"--mode {name!r}: /dense= takes layer indices joined by '.', got {part!r}")
                     fields["dense_layers"] = tuple(int(x) for x in ids)
-                elif part.partition("=")[0] in _POLICY_KEYS:  # /ch=8, /alpha=0.25, /page=16
-                    key, _, val = part.partition("=")
-                    field, conv = _POLICY_KEYS[key]
-                    try:
-                        fields[field] = conv(val)
-                    except ValueError:
-                        raise _ArgError(f"--mode {name!r}: /{key}= takes a number, got {val!r}") from None
+                elif field != "group_score":  # /ch=8, /alpha=0.25, /page=16
+                    conv = _POLICY_KEYS[key][1]
+                    fields[field] = _number(val, conv)
+                    if fields[field] is None:
+                        raise _ArgError(f"--mode {name!r}: /{key}= takes {'an integer' if conv is int else 'a number'}"
+                                        f", got {val!r}")
+                    if key == "ch":  # an explicit count: exactly these channels, not fitted to the model
+                        fields["fit_channels"] = False
                 else:
                     fields["group_score"] = part
             if any(not hasattr(pol, f) for f in fields):

@@ -29,6 +29,8 @@ CPU tensors run :func:`xoffload.kernels.reference.quest_page_scores_ref` (and
 """
 from __future__ import annotations
 
+import numbers
+
 import torch
 import triton
 import triton.language as tl
@@ -36,7 +38,7 @@ import triton.language as tl
 from . import reference
 from .checks import check_out, check_tensor, next_pow2, use_triton
 
-__all__ = ["channel_page_scores", "check_summaries", "quest_page_scores", "quest_page_scores_batched"]
+__all__ = ["channel_page_scores", "check_channels", "check_summaries", "quest_page_scores", "quest_page_scores_batched"]
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -244,6 +246,7 @@ def _channel_score_kernel(Q, KMIN, KMAX, CH, KL, S, N, GROUP, D, R, alpha,
     rm = orr < R
     nm = on < N
     ch = tl.load(CH + h * s_ch + orr, mask=rm, other=-1)  # the stored channels of this KV head
+    ch = tl.where(rm, tl.minimum(tl.maximum(ch, 0), D - 1), -1)  # clamped into [0, D): never reads outside q
     lab = tl.max((od[None, :] == ch[:, None]).to(tl.int32), axis=0) > 0  # [BLOCK_D]
     qrow = Q + (h * GROUP + og)[:, None] * s_qh
     q = tl.load(qrow + od[None, :], mask=gm[:, None] & dm[None, :] & ~lab[None, :], other=0.0)
@@ -261,7 +264,7 @@ def _channel_score_kernel(Q, KMIN, KMAX, CH, KL, S, N, GROUP, D, R, alpha,
     else:
         s = up
     if HAS_EXACT:  # exact part over the stored channels: [G, r] x [r, BLOCK_N * P], then each page's max
-        qc = tl.load(qrow + tl.maximum(ch, 0)[None, :], mask=gm[:, None] & rm[None, :], other=0.0).to(kmax.dtype)
+        qc = tl.load(qrow + ch[None, :], mask=gm[:, None] & rm[None, :], other=0.0).to(kmax.dtype)
         ot = nb * (BLOCK_N * P) + tl.arange(0, BLOCK_N * P)
         kl = tl.load(KL + h.to(tl.int64) * s_lh + ot[:, None].to(tl.int64) * s_lt + orr[None, :],
                      mask=(ot < N * P)[:, None] & rm[None, :], other=0.0)
@@ -271,9 +274,55 @@ def _channel_score_kernel(Q, KMIN, KMAX, CH, KL, S, N, GROUP, D, R, alpha,
     tl.store(S + h * s_sh + on, tl.max(s, axis=0), mask=nm)
 
 
+def check_channels(channels, klab, alpha, hkv: int, n: int, d: int, dtype, *, check: bool = True) -> tuple:
+    """``(r, P, alpha)`` of the exact-channel arguments of :func:`channel_page_scores` for summaries
+    of ``n`` pages of ``hkv`` KV heads and head dim ``d`` (``r = 0``, ``P = 16`` without channels),
+    after checking that they fit: ``channels`` and ``klab`` both given or both None, ``channels``
+    int32/int64 ``[hkv, r]`` with ``1 <= r <= 64``, ``klab`` ``[hkv, n * P, r]`` of ``dtype`` with
+    ``P`` a power of two in ``[16, 256]``, ``alpha`` a number in ``[0, 1]``. With ``check`` the
+    channel values too: each in ``[0, d)`` and distinct within a KV head (a host read of
+    ``channels``, which synchronises when they are on a GPU; callers in a decode step or a CUDA
+    graph pass ``check=False``: the kernel then clamps them into ``[0, d)``). Raises TypeError /
+    ValueError naming the value."""
+    if (channels is None) != (klab is None):
+        raise ValueError("channels and klab come together (both None: no exact part)")
+    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
+        raise TypeError(f"alpha must be a number in [0, 1], got {type(alpha).__name__} {alpha!r}")
+    a = float(alpha)
+    if not 0.0 <= a <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    if channels is None:
+        return 0, 16, a
+    if not isinstance(channels, torch.Tensor) or channels.dtype not in (torch.int32, torch.int64) \
+            or channels.dim() != 2 or channels.shape[0] != hkv or not 1 <= channels.shape[1] <= 64:
+        raise ValueError(f"channels must be an int32/int64 [Hkv={hkv}, r] tensor with 1 <= r <= 64, got "
+                         f"{tuple(channels.shape) if isinstance(channels, torch.Tensor) else type(channels).__name__}"
+                         f"{' ' + str(channels.dtype) if isinstance(channels, torch.Tensor) else ''}")
+    r = channels.shape[1]
+    check_tensor("klab", klab, 3)
+    if klab.shape[0] != hkv or klab.shape[2] != r or (n and klab.shape[1] % n):
+        raise ValueError(f"klab must be [Hkv={hkv}, n_pages * P, r={r}] for {n} pages, got {tuple(klab.shape)}")
+    P = klab.shape[1] // n if n else 16
+    if n and (P < 16 or P > 256 or P & (P - 1)):
+        raise ValueError(f"klab holds {P} tokens per page; it must be a power of two in [16, 256]")
+    if klab.dtype != dtype:
+        raise TypeError(f"klab must have q's dtype {dtype}, got {klab.dtype}")
+    if check:  # host read: validation only (check=False: the kernel clamps)
+        c = channels.cpu()
+        lo, hi = int(c.min()), int(c.max())
+        if lo < 0 or hi >= d:
+            raise ValueError(f"channels must be in [0, head_dim={d}), got min {lo}, max {hi}")
+        srt = c.sort(-1).values
+        rep = (srt[:, 1:] == srt[:, :-1]).any(-1).nonzero()
+        if len(rep):
+            h = int(rep[0])
+            raise ValueError(f"channels of KV head {h} repeat a channel: {c[h].tolist()}")
+    return r, P, a
+
+
 def channel_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, channels: torch.Tensor | None,
                         klab: torch.Tensor | None, *, alpha: float = 1.0,
-                        out: torch.Tensor | None = None) -> torch.Tensor:
+                        out: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
     """Page scores from exact scores on ``r`` stored key channels plus the min/max summary of the
     rest (module docstring), maximised over each KV head's query-head group, in one launch.
 
@@ -281,43 +330,31 @@ def channel_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         q: ``[Hq, D]`` one layer's (post-RoPE) query; fp16/bf16/fp32; last dim contiguous.
         kmin, kmax: ``[Hkv, n_pages, D]`` page minima / maxima (as :func:`quest_page_scores`).
         channels: int32/int64 ``[Hkv, r]``, ``1 <= r <= 64``, distinct channels in ``[0, D)`` per KV
-            head (not checked on the device: no host read), on q's device; or None (with ``klab``
-            None): no exact part, every channel scored from the summary.
+            head, on q's device; or None (with ``klab`` None): no exact part, every channel scored
+            from the summary.
         klab: ``[Hkv, n_pages * P, r]`` the keys' values in those channels, token by token, of the
             same ``n_pages`` pages of ``P`` tokens (``P`` a power of two, 16..256); q's dtype.
         alpha: weight of the key range's radius on the other channels, in ``[0, 1]`` (1: Quest's
             bound, and the score is an upper bound of ``q_g·k`` for every key of the page).
         out: optional fp32 ``[Hkv, n_pages]`` written in place (last dim contiguous).
+        check: check on the host that ``channels`` are in ``[0, D)`` and distinct per KV head (reads
+            them: a device->host copy that synchronises). ``check=False`` skips that (a decode step,
+            CUDA-graph capture; :class:`xoffload.sparse.quest.PageSummaries` chooses them distinct
+            and in range): entries are then clamped into ``[0, D)``, so the kernel never reads
+            outside q, and the reference does the same (a repeated channel is then counted once per
+            entry in the exact part: not a bound).
     Returns:
         fp32 ``[Hkv, n_pages]`` (:func:`xoffload.kernels.reference.channel_page_scores_ref`).
     Raises:
-        TypeError / ValueError: dtypes, shapes, devices or ``alpha`` that do not fit (named).
+        TypeError / ValueError: dtypes, shapes, devices, ``alpha`` or (with ``check``) channel
+        values that do not fit (named).
     """
     hq, hkv, n, d = check_summaries(q, kmin, kmax)
     if d > 256:
         raise ValueError(f"head_dim must be <= 256, got {d}")
     if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:
         raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
-    if (channels is None) != (klab is None):
-        raise ValueError("channels and klab come together (both None: no exact part)")
-    r, P = 0, 16
-    if channels is not None:
-        if not isinstance(channels, torch.Tensor) or channels.dtype not in (torch.int32, torch.int64) \
-                or channels.dim() != 2 or channels.shape[0] != hkv or not 1 <= channels.shape[1] <= 64:
-            raise ValueError(f"channels must be an int32/int64 [Hkv={hkv}, r] tensor with 1 <= r <= 64, got "
-                             f"{tuple(channels.shape) if isinstance(channels, torch.Tensor) else type(channels).__name__}")
-        r = channels.shape[1]
-        check_tensor("klab", klab, 3)
-        if klab.shape[0] != hkv or klab.shape[2] != r or (n and klab.shape[1] % n):
-            raise ValueError(f"klab must be [Hkv={hkv}, n_pages * P, r={r}] for {n} pages, got {tuple(klab.shape)}")
-        P = klab.shape[1] // n if n else 16
-        if n and (P < 16 or P > 256 or P & (P - 1)):
-            raise ValueError(f"klab holds {P} tokens per page; it must be a power of two in [16, 256]")
-        if klab.dtype != q.dtype:
-            raise TypeError(f"klab must have q's dtype {q.dtype}, got {klab.dtype}")
-    a = float(alpha)
-    if not 0.0 <= a <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
+    r, P, a = check_channels(channels, klab, alpha, hkv, n, d, q.dtype, check=check)
     devs = {q.device, kmin.device, kmax.device} | ({channels.device, klab.device} if r else set())
     if len(devs) != 1:
         raise ValueError(f"q, kmin, kmax, channels, klab must share a device, got {sorted(map(str, devs))}")

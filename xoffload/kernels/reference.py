@@ -363,13 +363,15 @@ def channel_page_scores_ref(q, kmin, kmax, channels, klab, alpha=1.0, per_head=F
     ``max over the page's tokens t of sum_{c in C_h} q_gc k_tc`` (exact, over the stored channels
     ``C_h = channels[h]`` of ``klab [Hkv, n * P, r]``) plus, over the other channels, the midpoint
     ``q·(m + M)/2`` plus ``alpha`` times the radius ``|q|·(M - m)/2`` of the page's key range
-    (``alpha = 1``: Quest's bound on those channels; the sum is then still an upper bound)."""
+    (``alpha = 1``: Quest's bound on those channels; the sum is then still an upper bound).
+    Channel entries are clamped into ``[0, D)`` as the kernel does with ``check=False``."""
     hkv, n, d = kmin.shape
     g = q.shape[0] // hkv
     qg = q.float().view(hkv, g, d)
     lab = torch.zeros(hkv, d, dtype=torch.bool, device=q.device)
     if channels is not None and channels.shape[-1]:
-        lab.scatter_(1, channels.long(), True)
+        channels = channels.long().clamp(0, d - 1)
+        lab.scatter_(1, channels, True)
     qr = qg.masked_fill(lab[:, None, :], 0.0)
     mid = (kmin.float() + kmax.float()) * 0.5
     rad = (kmax.float() - kmin.float()) * 0.5

@@ -150,6 +150,14 @@ class DecodePolicy:
     def sparse_layers(self, num_layers: int) -> tuple:
         raise NotImplementedError(f"{type(self).__name__}.sparse_layers")
 
+    def for_model(self, cfg) -> "DecodePolicy":
+        """This policy fitted to a model of config ``cfg`` (a
+        :class:`~xoffload.models.config.ModelConfig`), as the engine uses it: itself after checking
+        that its layers exist (ValueError naming those outside the model); a policy with settings
+        that depend on the model's shape returns a fitted copy."""
+        self.sparse_layers(cfg.num_layers)
+        return self
+
 
 #: prefill policy names accepted by :func:`resolve_prefill` (the class is built with its defaults)
 PREFILL_POLICIES = {"dense": DensePrefill, "none": DensePrefill, "xattn": XAttentionPrefill}
@@ -174,7 +182,8 @@ def decode_policies() -> dict:
     """Decode policy names accepted by :func:`resolve_decode` -> their classes (callables taking
     ``token_budget=``): ``"quest"`` (Quest's min/max bound) and ``"quest-ch"`` (Quest with 16 exact
     key channels per KV head and the bound scaled by 0.25 on the rest:
-    ``QuestDecode(exact_channels=16, bound_scale=0.25)``; on SmolLM2's RULER-style tasks at budget
+    ``QuestDecode(exact_channels=16, bound_scale=0.25, fit_channels=True)``: on a model whose head_dim is
+    below 32, ``head_dim // 2`` channels; on SmolLM2's RULER-style tasks at budget
     512 it scored 33.0 against dense 32.8 and Quest's 13.3 (H200, 10 samples per task at 4K and 8K,
     ``benchmarks/results/ruler_smollm2_channels*.json``); batched generation serves it one request
     at a time)."""
@@ -182,7 +191,8 @@ def decode_policies() -> dict:
 
     from .quest import QuestDecode
 
-    return {"quest": QuestDecode, "quest-ch": functools.partial(QuestDecode, exact_channels=16, bound_scale=0.25)}
+    return {"quest": QuestDecode,
+            "quest-ch": functools.partial(QuestDecode, exact_channels=16, bound_scale=0.25, fit_channels=True)}
 
 
 def resolve_decode(spec, token_budget=None):

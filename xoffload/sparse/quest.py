@@ -20,12 +20,13 @@ step reads, so every step of a request has the same shapes.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels.checks import check_int
-from ..kernels.quest_score import channel_page_scores, check_summaries, quest_page_scores
+from ..kernels.quest_score import channel_page_scores, check_channels, check_summaries, quest_page_scores
 from ..kernels.reference import channel_page_scores_ref
 from .policy import DecodePolicy
 
@@ -108,6 +109,12 @@ class QuestDecode(DecodePolicy):
         bound_scale: ``alpha`` in ``[0, 1]``, the weight of the page's key range on the channels
             scored from the summary: page score = exact part + ``q·mid + alpha·|q|·radius``.
             1 (default): Quest's upper bound; smaller estimates the page's best key instead.
+        fit_channels: ``exact_channels`` is a ceiling the model may lower: :meth:`for_model` keeps
+            ``min(exact_channels, head_dim // 2)`` channels (at most half of a key's channels stored
+            exactly) instead of refusing a model whose ``head_dim`` is not above them. The named
+            policy ``"quest-ch"`` sets it (16 channels; 8 on a head_dim-16 model such as
+            ``tiny-llama``). False (default): the channels are exactly ``exact_channels``, and a
+            ``head_dim <= exact_channels`` is refused when the engine is built.
         prefetch: offload with the page cache only — while layer ``l`` computes, layer ``l+1``'s
             pages are chosen from an estimate of its query (layer ``l+1``'s projection of layer
             ``l``'s input, as InfiniGen, Lee et al. 2024, predicts the next layer's attention) and
@@ -131,6 +138,7 @@ class QuestDecode(DecodePolicy):
     prefetch: bool = False
     exact_channels: int = 0
     bound_scale: float = 1.0
+    fit_channels: bool = False
 
     def __post_init__(self):
         if self.token_budget is not None:
@@ -154,11 +162,27 @@ class QuestDecode(DecodePolicy):
         check_int("exact_channels", self.exact_channels, 0)
         if self.exact_channels > 64:
             raise ValueError(f"exact_channels must be <= 64, got {self.exact_channels}")
+        if self.exact_channels and p > 256:  # the channel score kernel holds a page's tokens in one tile
+            raise ValueError(f"exact_channels needs page_size <= 256, got page_size={p}")
+        if not isinstance(self.fit_channels, bool):
+            raise TypeError(f"fit_channels must be a bool, got {self.fit_channels!r}")
         if isinstance(self.bound_scale, bool) or not isinstance(self.bound_scale, (int, float)):
             raise TypeError(f"bound_scale must be a number in [0, 1], got {self.bound_scale!r}")
         if not 0.0 <= float(self.bound_scale) <= 1.0:
             raise ValueError(f"bound_scale must be in [0, 1], got {self.bound_scale!r}")
         object.__setattr__(self, "bound_scale", float(self.bound_scale))
+
+    def for_model(self, cfg) -> "QuestDecode":
+        """This policy for a model of config ``cfg`` (``num_layers``, ``head_dim``): with
+        ``fit_channels``, ``exact_channels`` lowered to ``head_dim // 2`` where it is more (itself
+        otherwise). Raises ValueError for dense layers outside the model or exact channels not
+        below ``head_dim``."""
+        pol = super().for_model(cfg)
+        if self.fit_channels and self.exact_channels > cfg.head_dim // 2:
+            pol = dataclasses.replace(self, exact_channels=cfg.head_dim // 2)
+        if pol.exact_channels >= cfg.head_dim:
+            raise ValueError(f"exact_channels={pol.exact_channels} must be below the model's head_dim {cfg.head_dim}")
+        return pol
 
     def cache_slots(self, plan: "DecodePlan") -> int:
         """GPU cache slots per KV head and sparse layer for ``plan`` (0: no cache): ``cache_pages``
@@ -211,7 +235,14 @@ def choose_channels(kp: torch.Tensor, r: int) -> torch.Tensor:
         r: channels to keep, ``1 <= r <= D``.
     Returns:
         int32 ``[Hkv, r]`` distinct channel indices per KV head, on kp's device.
+    Raises:
+        ValueError: ``kp`` not 4-D or without a page, ``r`` outside ``[1, D]``.
     """
+    if kp.dim() != 4 or kp.shape[0] == 0:
+        raise ValueError(f"choose_channels: kp must be [n_pages >= 1, P, Hkv, D], got {tuple(kp.shape)}")
+    d = kp.shape[-1]
+    if isinstance(r, bool) or not isinstance(r, int) or not 1 <= r <= d:
+        raise ValueError(f"choose_channels: r must be an int in [1, head_dim={d}], got {r!r}")
     kf = kp.float()
     rng = (kf.amax(1) - kf.amin(1)).mean(0)  # [Hkv, D]
     w = rng * kf.abs().mean((0, 1))
@@ -233,9 +264,10 @@ class PageSummaries:
         max_pages: pages per layer (``ceil(max_tokens / page_size)``).
         page_size: tokens per page.
         dtype, device: of the K it summarises.
-        exact_channels: ``r`` (0: min/max only); ``< head_dim``.
+        exact_channels: ``r`` (0: min/max only); ``< head_dim`` and ``<= 64`` (the score kernel's
+            limit, as :class:`QuestDecode`'s).
     Raises:
-        ValueError: ``exact_channels`` not in ``[0, head_dim)``.
+        TypeError / ValueError: ``exact_channels`` not an int in ``[0, min(head_dim, 65))``.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_pages: int, page_size: int,
@@ -245,9 +277,9 @@ class PageSummaries:
         self.kmax = torch.empty(shape, dtype=dtype, device=device)
         self.page_size = page_size
         self.max_pages = max_pages
-        r = int(exact_channels)
-        if not 0 <= r < head_dim:
-            raise ValueError(f"exact_channels must be in [0, head_dim={head_dim}), got {exact_channels}")
+        r = check_int("exact_channels", exact_channels, 0)
+        if r >= head_dim or r > 64:
+            raise ValueError(f"exact_channels must be below head_dim={head_dim} and at most 64, got {exact_channels}")
         self.exact_channels = r
         self.channels = self.klab = None
         self._chosen = [False] * num_layers
@@ -289,18 +321,20 @@ class PageSummaries:
                scale: float | None = None) -> torch.Tensor:
         """fp32 ``[Hkv, n]``: :func:`page_scores` of query ``q`` ``[Hq, D]`` over pages ``first ..
         first + n - 1`` of ``layer``, with the policy's group score and bound scale, and the
-        stored exact channels (when kept)."""
+        stored exact channels (when kept; no host read: :func:`choose_channels` made them distinct
+        and in range, so the decode step needs no check and stays CUDA-graph safe)."""
         P = self.page_size
         ch = kl = None
         if self.klab is not None:
             ch, kl = self.channels[layer], self.klab[layer, :, first * P:(first + n) * P]
         return page_scores(q, self.kmin[layer, :, first:first + n], self.kmax[layer, :, first:first + n],
-                           group=policy.group_score, scale=scale, channels=ch, klab=kl, alpha=policy.bound_scale)
+                           group=policy.group_score, scale=scale, channels=ch, klab=kl, alpha=policy.bound_scale,
+                           check=False)
 
 
 def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, group: str = "max",
                 scale: float | None = None, channels: torch.Tensor | None = None, klab: torch.Tensor | None = None,
-                alpha: float = 1.0) -> torch.Tensor:
+                alpha: float = 1.0, check: bool = True) -> torch.Tensor:
     """Quest's upper bound of ``q·k`` per page, combined over each KV head's query-head group.
 
     Args:
@@ -316,22 +350,27 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
             r]`` (:class:`PageSummaries`); alpha: the range weight on the other channels (``[0,
             1]``). With either, each head's score is :func:`xoffload.kernels.quest_score.channel_page_scores`'
             (still an upper bound when ``alpha = 1``).
+        check: check the channel values on the host (in ``[0, D)``, distinct per KV head; a
+            device->host read): as :func:`xoffload.kernels.quest_score.channel_page_scores`;
+            ``False`` in a decode step.
     Returns:
         fp32 ``[Hkv, n_pages]``. With ``"max"``: ``max over g of (q_g⁺ · M + q_g⁻ · m)``, which is
         >= ``q_g · k`` for every key k of the page and every query head g of the group.
     Raises:
-        ValueError: shapes that do not fit (Hq not a multiple of Hkv, head_dim mismatch), an
-            unknown ``group``.
+        TypeError / ValueError: shapes that do not fit (Hq not a multiple of Hkv, head_dim
+            mismatch), an unknown ``group``, exact-channel arguments or ``alpha`` that do not fit
+            (:func:`xoffload.kernels.quest_score.check_channels`).
     """
     hq, hkv, n, d = check_summaries(q, kmin, kmax)
     if group not in GROUP_SCORES:
         raise ValueError(f"group must be one of {GROUP_SCORES}, got {group!r}")
-    hybrid = channels is not None or float(alpha) != 1.0
+    hybrid = channels is not None or klab is not None or alpha != 1.0
     if group == "max":  # one kernel (fp32 accumulation): xoffload.kernels.quest_score
         if hybrid:
-            return channel_page_scores(q.to(kmin.dtype), kmin, kmax, channels, klab, alpha=alpha)
+            return channel_page_scores(q.to(kmin.dtype), kmin, kmax, channels, klab, alpha=alpha, check=check)
         return quest_page_scores(q.to(kmin.dtype), kmin, kmax)
     if hybrid:
+        check_channels(channels, klab, alpha, hkv, n, d, kmin.dtype, check=check)
         s = channel_page_scores_ref(q, kmin, kmax, channels, klab, alpha, per_head=True)
         return torch.softmax(s * (d ** -0.5 if scale is None else float(scale)), dim=-1).sum(1)
     qg = q.to(kmin.dtype).view(hkv, hq // hkv, d)
