@@ -602,7 +602,10 @@ def main(argv=None):
     ap.add_argument("--time-budget", type=float, default=None,
                     help="skip a part whose planned seconds would take the run past this many seconds")
     a = ap.parse_args(argv)
-    configs = all_configs(a.configs, a.variants)  # an unknown name fails here, before anything runs
+    try:  # an unknown name fails here, before anything runs: one line, exit 2
+        configs = all_configs(a.configs, a.variants)
+    except ValueError as e:
+        ap.error(str(e))
     parts = [p for p in PARTS if p in a.part.split(",")]
     unknown = set(a.part.split(",")) - set(PARTS)
     if unknown:

@@ -53,9 +53,10 @@ class EngineConfig:
             ``offload_decode="direct"``), capture one decode step in a CUDA graph per request and
             replay it per token (default True; removes the host's per-kernel launch cost). False:
             the eager loop. Ignored with the ring and on the CPU. Both give the same tokens.
-        sparse_decode: the decode policy — None (every step reads all of the prompt's KV), ``"quest"``
-            or a :class:`xoffload.sparse.QuestDecode` (each step reads, per KV head, the pages
-            whose min/max bound scores highest, up to ``token_budget`` tokens). Works in both
+        sparse_decode: the decode policy — None (every step reads all of the prompt's KV), ``"quest"``,
+            ``"quest-ch"`` (Quest with 16 exact key channels, fitted to the model) or a
+            :class:`xoffload.sparse.QuestDecode` (each step reads, per KV head, the pages that
+            score highest, up to ``token_budget`` tokens). Works in both
             modes: offloaded, only the chosen pages cross PCIe; resident, it saves HBM reads.
             Resolved once by :func:`xoffload.sparse.resolve_decode`.
         token_budget: tokens a sparse layer attends to per step (sink + recent + chosen pages);
