@@ -81,6 +81,25 @@ def check_summaries(q, kmin, kmax) -> tuple:
     return hq, hkv, n, d
 
 
+def _check_operands(q, kmin, kmax, d, others=()) -> None:
+    """The checks every page scorer shares: ``head_dim <= 256``, one dtype for q and the summaries,
+    one device for them and ``others`` (``(name, tensor)`` pairs), contiguous last dims, and the
+    same strides for kmin and kmax. Raises TypeError / ValueError naming what does not fit."""
+    if d > 256:
+        raise ValueError(f"head_dim must be <= 256, got {d}")
+    if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:
+        raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
+    named = [("q", q), ("kmin", kmin), ("kmax", kmax), *others]
+    devs = {t.device for _, t in named}
+    if len(devs) != 1:
+        raise ValueError(f"{', '.join(n for n, _ in named)} must share a device, got {sorted(map(str, devs))}")
+    for nm_, t in named[:3]:
+        if t.stride(-1) != 1:
+            raise ValueError(f"{nm_} must have a contiguous last dim, got strides {tuple(t.stride())}")
+    if kmin.stride() != kmax.stride():
+        raise ValueError(f"kmin and kmax must have the same strides, got {kmin.stride()} and {kmax.stride()}")
+
+
 def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *,
                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Quest's upper bound of ``q·k`` per page, maximised over each KV head's query-head group.
@@ -99,17 +118,7 @@ def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *
         TypeError / ValueError: dtypes, shapes or devices that do not fit (named in the message).
     """
     hq, hkv, n, d = check_summaries(q, kmin, kmax)
-    if d > 256:
-        raise ValueError(f"head_dim must be <= 256, got {d}")
-    if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:
-        raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
-    if len({q.device, kmin.device, kmax.device}) != 1:
-        raise ValueError(f"q, kmin, kmax must share a device, got {q.device}, {kmin.device}, {kmax.device}")
-    for nm_, t in (("q", q), ("kmin", kmin), ("kmax", kmax)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{nm_} must have a contiguous last dim, got strides {tuple(t.stride())}")
-    if kmin.stride() != kmax.stride():
-        raise ValueError(f"kmin and kmax must have the same strides, got {kmin.stride()} and {kmax.stride()}")
+    _check_operands(q, kmin, kmax, d)
     if out is None:
         out = torch.empty(hkv, n, dtype=torch.float32, device=q.device)
     else:
@@ -185,8 +194,6 @@ def quest_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.T
     R, hq, d = q.shape
     check_summaries(q[0] if R else q.new_empty(hq, d), kmin, kmax)
     hkv = kmin.shape[0]
-    if d > 256:
-        raise ValueError(f"head_dim must be <= 256, got {d}")
     if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:
         raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
     if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int32, torch.int64) or index.dim() != 2 \
@@ -198,14 +205,7 @@ def quest_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.T
         raise ValueError(f"n_valid must be an int32 [R={R}] tensor, got "
                          f"{tuple(n_valid.shape) if isinstance(n_valid, torch.Tensor) else type(n_valid).__name__}"
                          f"{' ' + str(n_valid.dtype) if isinstance(n_valid, torch.Tensor) else ''}")
-    devs = {q.device, kmin.device, kmax.device, index.device, n_valid.device}
-    if len(devs) != 1:
-        raise ValueError(f"q, kmin, kmax, index, n_valid must share a device, got {sorted(map(str, devs))}")
-    for nm_, t in (("q", q), ("kmin", kmin), ("kmax", kmax)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{nm_} must have a contiguous last dim, got strides {tuple(t.stride())}")
-    if kmin.stride() != kmax.stride():
-        raise ValueError(f"kmin and kmax must have the same strides, got {kmin.stride()} and {kmax.stride()}")
+    _check_operands(q, kmin, kmax, d, (("index", index), ("n_valid", n_valid)))
     n = index.shape[1]
     if out is None:
         out = torch.empty(R, hkv, n, dtype=torch.float32, device=q.device)
@@ -350,19 +350,10 @@ def channel_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         values that do not fit (named).
     """
     hq, hkv, n, d = check_summaries(q, kmin, kmax)
-    if d > 256:
-        raise ValueError(f"head_dim must be <= 256, got {d}")
     if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:
         raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
     r, P, a = check_channels(channels, klab, alpha, hkv, n, d, q.dtype, check=check)
-    devs = {q.device, kmin.device, kmax.device} | ({channels.device, klab.device} if r else set())
-    if len(devs) != 1:
-        raise ValueError(f"q, kmin, kmax, channels, klab must share a device, got {sorted(map(str, devs))}")
-    for nm_, t in (("q", q), ("kmin", kmin), ("kmax", kmax)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{nm_} must have a contiguous last dim, got strides {tuple(t.stride())}")
-    if kmin.stride() != kmax.stride():
-        raise ValueError(f"kmin and kmax must have the same strides, got {kmin.stride()} and {kmax.stride()}")
+    _check_operands(q, kmin, kmax, d, (("channels", channels), ("klab", klab)) if r else ())
     if out is None:
         out = torch.empty(hkv, n, dtype=torch.float32, device=q.device)
     else:
