@@ -39,7 +39,8 @@ def test_store_choice():
     m = tiny_random()
     for pol, cls in ((POL, OffloadQuestBatchKV), (QuestDecode(cache_pages=0), OffloadQuestBatchKV),
                      (QuestDecode(cache_pages=8), SerialBatchKV), (QuestDecode(prefetch=True), SerialBatchKV),
-                     (QuestDecode(cache_pages=0, exact_channels=4), SerialBatchKV),
+                     (QuestDecode(cache_pages=0, exact_channels=4), OffloadQuestBatchKV),
+                     (QuestDecode(exact_channels=4, bound_scale=0.25), OffloadQuestBatchKV), ("quest-ch", OffloadQuestBatchKV),
                      (QuestDecode(cache_pages=0, bound_scale=0.5), SerialBatchKV)):
         llm = LLM(m, mode="offload", max_model_len=64, kv_block_size=32, max_num_seqs=2, sparse_decode=pol)
         assert batch_store_class(llm._store, llm.config)[0] is cls, pol
@@ -78,6 +79,71 @@ def test_lengths_around_pages_and_blocks_equal_alone(dense_on_gpu):
         assert o.timings["h2d_bytes_per_token"] == want, n
     assert any(POL.plan(n).pages_per_step < POL.plan(n).num_candidates for n in lens)  # some rows select
     assert llm.engine.sequences() == [] and llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+
+
+CH = dataclasses.replace(POL, exact_channels=4, bound_scale=0.25)
+
+
+def test_exact_channels_in_a_batch_equal_alone(dense_on_gpu):
+    """Exact key channels (each sequence choosing its own at prefill) in the batched store: the
+    same greedy tokens as one request at a time, for prompt lengths under a page, on page and block
+    edges and past them, joining mid-batch; the summary pool counts the channel values."""
+    m = tiny_random()
+    lens = [15, 16, 33, 100, 129, 200, 263]
+    prompts = _prompts(lens, seed=21)
+    sp = SamplingParams(max_tokens=7, ignore_eos=True)
+    ref = _alone(m, prompts, sp, 300, pol=CH)
+    llm = _batched(m, 300, pol=CH, max_num_seqs=3)
+    outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
+    assert any(CH.plan(n).pages_per_step < CH.plan(n).num_candidates for n in lens)  # some rows select
+    quest = [o.token_ids for o in _batched(m, 300, max_num_seqs=3).generate(prompts, sp)]
+    assert quest != [o.token_ids for o in outs]  # the channels change some choice (else the test proves nothing)
+    assert llm.engine.sequences() == [] and llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+
+
+def test_channel_scores_batched_match_reference_and_rows(device):
+    """channel_page_scores_batched: each row over its own pages of a shared pool with its own
+    channels equals the one-row scorer over those pages and the reference; -inf past the count."""
+    from helpers import EPS32
+    from xoffload.kernels.quest_score import channel_page_scores, channel_page_scores_batched
+    from xoffload.kernels.reference import channel_page_scores_batched_ref
+
+    g = torch.Generator().manual_seed(5)
+    R, hq, hkv, d, NP, P, r, N = 3, 6, 2, 32, 30, 16, 5, 12
+    k = torch.randn(hkv, NP, P, d, generator=g)
+    kmin, kmax = k.amin(2).contiguous(), k.amax(2).contiguous()
+    ch = torch.stack([torch.stack([torch.randperm(d, generator=g)[:r] for _ in range(hkv)]) for _ in range(R)])
+    owner = torch.arange(NP) % R
+    klab = torch.zeros(hkv, NP * P, r)
+    for p_ in range(NP):
+        klab[:, p_ * P:(p_ + 1) * P] = torch.gather(k[:, p_], 2, ch[owner[p_]][:, None, :].expand(hkv, P, r))
+    idx = torch.zeros(R, N, dtype=torch.int32)
+    nv = torch.tensor([10, 0, 7], dtype=torch.int32)
+    for i in range(R):
+        mine = (owner == i).nonzero().flatten()[: int(nv[i])]
+        idx[i, : len(mine)] = mine.to(torch.int32)
+    q = torch.randn(R, hq, d, generator=g)
+    args = [t.to(device) for t in (q, kmin, kmax, ch.to(torch.int32), klab, idx, nv)]
+    for alpha in (1.0, 0.25):
+        s = channel_page_scores_batched(*args, alpha=alpha)
+        ref = channel_page_scores_batched_ref(*args, alpha)
+        tol = 4 * d * EPS32 * float(q.abs().sum(-1).max() * k.abs().max())
+        assert bool((torch.isinf(s) == torch.isinf(ref)).all()) and bool(torch.isinf(s[1]).all())
+        fin = torch.isfinite(ref)
+        assert float((s[fin] - ref[fin]).abs().max()) <= tol
+        for i in (0, 2):
+            n = int(nv[i])
+            pid = idx[i, :n].long()
+            tok = (pid[:, None] * P + torch.arange(P)).flatten()
+            one = channel_page_scores(args[0][i], args[1][:, pid.to(device)].contiguous(),
+                                      args[2][:, pid.to(device)].contiguous(), args[3][i],
+                                      args[4][:, tok.to(device)].contiguous(), alpha=alpha)
+            assert float((one - s[i, :, :n]).abs().max()) <= tol
+    with pytest.raises(ValueError, match="channels must be"):
+        channel_page_scores_batched(args[0], args[1], args[2], args[3][0], args[4], args[5], args[6])
+    with pytest.raises(ValueError, match="n_valid must be"):
+        channel_page_scores_batched(*args[:6], args[6].long())
 
 
 def test_join_mid_batch_and_finish_after_one_token(dense_on_gpu):
@@ -256,6 +322,28 @@ def test_gpu_quest_batch_graphs_equal_eager_and_track_alone():
 
 
 @pytest.mark.cuda
+def test_gpu_exact_channels_batch_graphs_equal_eager_and_track_alone():
+    """bf16, random Llama-3.2-1B, quest-ch (16 exact channels, alpha 0.25) at budget 512 in the
+    batched store: the CUDA-graph batch gives the eager batch's tokens exactly, and every row
+    starts with the one-request path's first token and shares >= 60% of the tokens with it (as
+    the Quest test above: a bf16 near-tie sends a row down another path)."""
+    m = random_model("llama-3.2-1b", dtype=torch.bfloat16, device="cuda", seed=0, std=0.02)
+    prompts = _prompts([1, 700, 1025, 4100], vocab=m.cfg.vocab_size)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    kw = {"mode": "offload", "kv_block_size": 1024, "max_model_len": 4200, "sparse_decode": "quest-ch",
+          "token_budget": 512}
+    graph = LLM(m, max_num_seqs=4, max_num_batched_tokens=8192, **kw)
+    assert batch_store_class(graph._store, graph.config)[0] is OffloadQuestBatchKV
+    a = [o.token_ids for o in graph.generate(prompts, sp)]
+    eager = LLM(m, max_num_seqs=4, max_num_batched_tokens=8192, cuda_graph=False, **kw)
+    assert a == [o.token_ids for o in eager.generate(prompts, sp)]
+    alone = LLM(m, **kw)
+    ref = [alone.generate(p, sp)[0].token_ids for p in prompts]
+    same = [next((i for i, (x, y) in enumerate(zip(ra, rr)) if x != y), len(rr)) for ra, rr in zip(a, ref)]
+    assert all(n >= 1 for n in same) and sum(same) >= 0.6 * sum(map(len, ref)), same
+
+
+@pytest.mark.cuda
 def test_gpu_quest_continuous_batching_graphs_equal_eager():
     """40 requests through max_num_seqs=4 (bf16, Quest budget 256): the buckets' graphs, captured
     while sequences join and leave, give the eager batch's tokens."""
@@ -275,7 +363,7 @@ def test_gpu_quest_continuous_batching_graphs_equal_eager():
 @pytest.mark.parametrize("mode, kw", [("gpu", {}), ("offload", {"kv_block_size": 32})])
 def test_exact_channels_batched_equal_alone_and_full_budget_equals_dense(mode, kw):
     """Found holding under adversarial testing, kept as a regression test: with exact channels
-    (served one request at a time inside a batch, SerialBatchKV) each sequence's greedy tokens
+    (offload: the batched Quest store; gpu: per-sequence stores, SerialBatchKV) each sequence's greedy tokens
     equal its one-request run, prompts under a page (no candidate page: channels never chosen)
     included; a budget covering the context gives dense decode's tokens; repeated requests are
     unaffected by earlier ones."""
@@ -288,7 +376,8 @@ def test_exact_channels_batched_equal_alone_and_full_budget_equals_dense(mode, k
     one = LLM(m, sparse_decode=pol, **base)
     alone = [one.generate(p, sp)[0].token_ids for p in prompts]
     batch = LLM(m, sparse_decode=pol, max_num_seqs=4, **base)
-    assert batch_store_class(batch._store, batch.config)[0] is SerialBatchKV
+    want = OffloadQuestBatchKV if mode == "offload" else SerialBatchKV
+    assert batch_store_class(batch._store, batch.config)[0] is want
     assert [o.token_ids for o in batch.generate(prompts, sp)] == alone
     assert [one.generate(p, sp)[0].token_ids for p in prompts[::-1]] == alone[::-1]
     dense = [o.token_ids for o in LLM(m, **base).generate(prompts, sp)]

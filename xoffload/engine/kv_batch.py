@@ -51,6 +51,7 @@ import torch
 
 from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
 from ..runtime.allocator import BlockAllocator
+from ..sparse.quest import choose_channels
 from .kv_store import PrefillStaging, ResidentKV
 
 __all__ = ["BatchKV", "ResidentBatchKV", "OffloadBatchKV", "OffloadQuestBatchKV", "SerialBatchKV", "RowPool",
@@ -669,10 +670,11 @@ class OffloadQuestBatchKV(BatchKV):
         self.eng = shared
         self.block = self.eng.block_size
         pol = self.policy = config.decode_policy
-        if pol.exact_channels or pol.bound_scale != 1.0:
-            raise ValueError(f"OffloadQuestBatchKV scores pages with the min/max bound only; this policy has "
-                             f"exact_channels={pol.exact_channels}, bound_scale={pol.bound_scale} "
-                             f"(batch_store_class routes it to SerialBatchKV)")
+        self.r, self.alpha = int(pol.exact_channels), float(pol.bound_scale)
+        if not self.r and self.alpha != 1.0:
+            raise ValueError(f"OffloadQuestBatchKV scores a bound_scale below 1 only with exact channels; this "
+                             f"policy has exact_channels=0, bound_scale={pol.bound_scale} (batch_store_class routes "
+                             f"it to SerialBatchKV)")
         P = self.page = int(pol.page_size)
         if self.block % P:
             raise ValueError(f"QuestDecode.page_size {P} must divide the pool's block size {self.block}")
@@ -695,7 +697,7 @@ class OffloadQuestBatchKV(BatchKV):
         sneed = [_blocks(self._summary_pages(p), SUMMARY_BLOCK) for p in plans]
         nsb = _top_sum(sneed, self.max_num_seqs)
         el = torch.empty((), dtype=self.dtype).element_size()
-        per_sb = 2 * max(1, len(self.sparse)) * hkv * SUMMARY_BLOCK * d * el
+        per_sb = max(1, len(self.sparse)) * hkv * SUMMARY_BLOCK * (2 * d + P * self.r) * el  # min, max, channels
         self.memory_limited = limit is not None and (limit - self.tail.nbytes) // per_sb < nsb
         if self.memory_limited:
             nsb = max(0, (limit - self.tail.nbytes) // per_sb)
@@ -714,9 +716,12 @@ class OffloadQuestBatchKV(BatchKV):
         self.sum_alloc = BlockAllocator(nsb, SUMMARY_BLOCK)
         self.summ_scratch = nsb * SUMMARY_BLOCK  # the scratch page (padding entries of the index)
         self.summ = PageSummaries(max(1, len(self.sparse)), hkv, d, self.summ_scratch + 1, P, self.dtype,
-                                  self.device)
+                                  self.device, exact_channels=self.r)
         self.summ.kmin.zero_()
         self.summ.kmax.zero_()
+        # row r's exact channels per sparse layer and KV head (each sequence chooses its own at prefill)
+        self.chan = torch.zeros(R, max(1, len(self.sparse)), hkv, max(self.r, 1), dtype=torch.int32,
+                                device=self.device) if self.r else None
         Nw, Kw = max(self.N, 1), max(self.K, 1)
         self.cand_row = torch.zeros(R, Nw, dtype=torch.int32, device=self.device)  # pool row of candidate j
         self.dcand_row = torch.zeros(R, Nw, dtype=torch.int32, device=self.device) if self.dpool is not None \
@@ -781,8 +786,8 @@ class OffloadQuestBatchKV(BatchKV):
                              f"{self.sum_alloc.num_blocks * SUMMARY_BLOCK} pages (the GPU memory free for it)")
 
     def _sum_block_bytes(self) -> int:
-        return 2 * max(1, len(self.sparse)) * self.cfg.num_kv_heads * SUMMARY_BLOCK * self.cfg.head_dim * \
-            self.summ.kmin.element_size()
+        return max(1, len(self.sparse)) * self.cfg.num_kv_heads * SUMMARY_BLOCK * \
+            (2 * self.cfg.head_dim + self.page * self.r) * self.summ.kmin.element_size()
 
     def can_admit(self, seq) -> bool:
         nb, nt, ns = self._needs(seq)
@@ -845,10 +850,14 @@ class OffloadQuestBatchKV(BatchKV):
         trows = torch.empty(res, dtype=torch.int64, device=self.device)
         _to_device(trows, self.tail.rows(kv["tail"], res))
         ns = self._summary_pages(p)
-        srows = None
+        srows = lrows = None
         if ns:
             srows = torch.empty(ns, dtype=torch.int64, device=self.device)
             _to_device(srows, self._summary_rows(kv["stab"], ns))
+            if self.r:  # the channel values of summary page p live in klab rows p * P .. p * P + P - 1
+                lrows = (srows[:, None] * P + torch.arange(P, device=self.device)[None, :]).flatten()
+                kv["chan"] = torch.zeros(max(1, len(self.sparse)), self.cfg.num_kv_heads, self.r,
+                                         dtype=torch.int32, device=self.device)
         f, s0, t0 = p.first_page, p.sink_len, p.tail_start
         drows = None
         if self.dpool is not None:
@@ -872,6 +881,13 @@ class OffloadQuestBatchKV(BatchKV):
                 si = self._sl[layer]
                 self.summ.kmin[si].index_copy_(1, srows, kp.amin(1).transpose(0, 1))
                 self.summ.kmax[si].index_copy_(1, srows, kp.amax(1).transpose(0, 1))
+                if lrows is not None:  # as PagedKV: channels from the prompt's whole pages
+                    whole = T // P
+                    ch = choose_channels(k[:whole * P].unflatten(0, (whole, P)), self.r)
+                    kv["chan"][si] = ch
+                    vals = torch.gather(k[f * P:(f + ns) * P].transpose(0, 1), 2,
+                                        ch.long()[:, None, :].expand(-1, ns * P, -1))
+                    self.summ.klab[si].index_copy_(1, lrows, vals)
             if drows is not None and layer in self.dense:  # on the GPU only
                 di = self._dl[layer]
                 self.dpool.k[di].index_copy_(0, drows, k)
@@ -919,6 +935,11 @@ class OffloadQuestBatchKV(BatchKV):
             pairs.append((self.dcand_row, dcand))
         for dst, src in pairs:
             _to_device(dst[:rows], src)
+        if self.chan is not None:  # device to device, one copy per sequence (outside the graph)
+            self.chan[:rows].zero_()
+            for i, s in enumerate(seqs):
+                if s.kv.get("chan") is not None:
+                    self.chan[i].copy_(s.kv["chan"])
         self.n = rows
         return rows
 
@@ -933,11 +954,16 @@ class OffloadQuestBatchKV(BatchKV):
         if layer in self.dense:
             table, lens = self.dcand_row[:n, None], self.dlens[:n]
         else:
-            from ..kernels.quest_score import quest_page_scores_batched
+            from ..kernels.quest_score import channel_page_scores_batched, quest_page_scores_batched
 
             si = self._sl[layer]
-            sc = quest_page_scores_batched(q.to(self.dtype), self.summ.kmin[si], self.summ.kmax[si], self.sidx[:n],
-                                           self.nvalid[:n], out=self.scores[:n])
+            if self.r:
+                sc = channel_page_scores_batched(q.to(self.dtype), self.summ.kmin[si], self.summ.kmax[si],
+                                                 self.chan[:n, si], self.summ.klab[si], self.sidx[:n],
+                                                 self.nvalid[:n], alpha=self.alpha, out=self.scores[:n])
+            else:
+                sc = quest_page_scores_batched(q.to(self.dtype), self.summ.kmin[si], self.summ.kmax[si],
+                                               self.sidx[:n], self.nvalid[:n], out=self.scores[:n])
             sel = sc.topk(self.K, dim=-1, sorted=True).indices  # [n, Hkv, K]: row r's top k_r first
             tab = self.cand_row[:n].gather(1, sel.flatten(1)).view(n, -1, self.K)
             self.table[:n].copy_(tab)
@@ -1065,8 +1091,8 @@ def batch_store_class(store_cls, config):
     asks for no page cache or prefetch (``cache_pages`` None — the per-request default cache is not
     built in a batch — or 0, ``prefetch=False``), else :class:`SerialBatchKV` around ``store_cls``
     (an explicit ``cache_pages > 0`` or ``prefetch=True`` keeps the per-request stores and their
-    caches; so do ``exact_channels > 0`` and ``bound_scale < 1``: the batched score kernel is the
-    min/max bound's)."""
+    caches; so does ``bound_scale < 1`` without exact channels, which the batched score kernels do
+    not take)."""
     from ..sparse.quest import QuestDecode
     from .kv_paged import OffloadPagedKV
 
@@ -1076,7 +1102,7 @@ def batch_store_class(store_cls, config):
         return OffloadBatchKV, {}
     pol = config.decode_policy
     if store_cls is OffloadPagedKV and isinstance(pol, QuestDecode) and not pol.prefetch and not pol.cache_pages \
-            and not pol.exact_channels and pol.bound_scale == 1.0:
+            and (pol.exact_channels or pol.bound_scale == 1.0):
         return OffloadQuestBatchKV, {}
     return SerialBatchKV, {"store_cls": store_cls}
 

@@ -38,7 +38,8 @@ import triton.language as tl
 from . import reference
 from .checks import check_out, check_tensor, next_pow2, use_triton
 
-__all__ = ["channel_page_scores", "check_channels", "check_summaries", "quest_page_scores", "quest_page_scores_batched"]
+__all__ = ["channel_page_scores", "channel_page_scores_batched", "check_channels", "check_summaries", "quest_page_scores",
+           "quest_page_scores_batched"]
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -378,4 +379,124 @@ def channel_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
                                 BLOCK_D=max(16, next_pow2(d)), BLOCK_R=max(16, next_pow2(r)),
                                 HAS_LOWER=a != 1.0, HAS_EXACT=r > 0, DOT_PREC=prec,
                                 num_warps=4 if block_n * P <= 512 else 8)
+    return out
+
+
+@triton.jit(do_not_specialize=["N"])
+def _batched_channel_kernel(Q, KMIN, KMAX, CH, KL, IDX, NV, S, N, GROUP, D, R, alpha,
+                            s_qr, s_qh, s_kh, s_kn, s_cr, s_ch, s_lh, s_lt, s_ir, s_sr, s_sh,
+                            P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_R: tl.constexpr, HAS_LOWER: tl.constexpr, DOT_PREC: tl.constexpr):
+    row = tl.program_id(0)
+    h = tl.program_id(1)
+    nb = tl.program_id(2)
+    og = tl.arange(0, BLOCK_G)
+    od = tl.arange(0, BLOCK_D)
+    orr = tl.arange(0, BLOCK_R)
+    on = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    gm = og < GROUP
+    dm = od < D
+    rm = orr < R
+    nv = tl.load(NV + row)
+    valid = on < nv
+    idx = tl.load(IDX + row.to(tl.int64) * s_ir + on, mask=valid, other=0).to(tl.int64)
+    ch = tl.load(CH + row.to(tl.int64) * s_cr + h * s_ch + orr, mask=rm, other=-1)  # this row's channels
+    ch = tl.where(rm, tl.minimum(tl.maximum(ch, 0), D - 1), -1)
+    lab = tl.max((od[None, :] == ch[:, None]).to(tl.int32), axis=0) > 0
+    qrow = Q + row.to(tl.int64) * s_qr + (h * GROUP + og)[:, None] * s_qh
+    q = tl.load(qrow + od[None, :], mask=gm[:, None] & dm[None, :] & ~lab[None, :], other=0.0)
+    base = h.to(tl.int64) * s_kh + idx[:, None] * s_kn + od[None, :]
+    kmax = tl.load(KMAX + base, mask=valid[:, None] & dm[None, :], other=0.0)
+    kmin = tl.load(KMIN + base, mask=valid[:, None] & dm[None, :], other=0.0)
+    qp = tl.where(q > 0, q, 0.0).to(kmax.dtype)
+    qn = tl.where(q < 0, q, 0.0).to(kmax.dtype)
+    up = tl.dot(qp, tl.trans(kmax), input_precision=DOT_PREC)
+    up += tl.dot(qn, tl.trans(kmin), input_precision=DOT_PREC)
+    if HAS_LOWER:
+        low = tl.dot(qp, tl.trans(kmin), input_precision=DOT_PREC)
+        low += tl.dot(qn, tl.trans(kmax), input_precision=DOT_PREC)
+        s = 0.5 * (1.0 + alpha) * up + 0.5 * (1.0 - alpha) * low
+    else:
+        s = up
+    # exact part: the tokens of each gathered page (summary page idx -> klab rows idx * P + t)
+    qc = tl.load(qrow + ch[None, :], mask=gm[:, None] & rm[None, :], other=0.0).to(kmax.dtype)
+    tok = tl.reshape(idx[:, None] * P + tl.arange(0, P)[None, :], (BLOCK_N * P,))
+    tv = tl.reshape(tl.broadcast_to(valid[:, None], (BLOCK_N, P)), (BLOCK_N * P,))
+    kl = tl.load(KL + h.to(tl.int64) * s_lh + tok[:, None] * s_lt + orr[None, :], mask=tv[:, None] & rm[None, :],
+                 other=0.0)
+    ex = tl.dot(qc, tl.trans(kl), input_precision=DOT_PREC)  # [BLOCK_G, BLOCK_N * P]
+    s += tl.max(tl.reshape(ex, (BLOCK_G, BLOCK_N, P)), axis=2)
+    s = tl.where(gm[:, None], s, float("-inf"))
+    best = tl.where(valid, tl.max(s, axis=0), float("-inf"))
+    tl.store(S + row.to(tl.int64) * s_sr + h * s_sh + on, best, mask=on < N)
+
+
+def channel_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, channels: torch.Tensor,
+                                klab: torch.Tensor, index: torch.Tensor, n_valid: torch.Tensor, *,
+                                alpha: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`channel_page_scores` of a decode batch in one launch, each row over its own candidate
+    pages of a shared summary pool (as :func:`quest_page_scores_batched`) with its own channels.
+
+    Args:
+        q: ``[R, Hq, D]`` one layer's (post-RoPE) query per row; fp16/bf16/fp32; last dim contiguous.
+        kmin, kmax: ``[Hkv, NP, D]`` the shared summary pool (q's dtype and device, same strides).
+        channels: int32/int64 ``[R, Hkv, r]``, ``1 <= r <= 64``: row r's stored channels per KV
+            head (chosen distinct and in ``[0, D)`` by the store; clamped into it, never checked:
+            no host read in a decode step).
+        klab: ``[Hkv, NP * P, r]`` the pool's token values in each row's channels: summary page
+            ``p`` holds tokens ``p * P .. p * P + P - 1`` (``P`` a power of two, 16..256); q's dtype.
+        index: int32/int64 ``[R, N]``: summary page of row r's candidate j (entries ``j >=
+            n_valid[r]`` never read; the others in ``[0, NP)``, not checked).
+        n_valid: int32 ``[R]``: candidates of each row.
+        alpha: the radius weight on the other channels, in ``[0, 1]``.
+        out: optional fp32 ``[R, Hkv, N]`` written in place.
+    Returns:
+        fp32 ``[R, Hkv, N]``: row r's candidate j scored as :func:`channel_page_scores` of its page,
+        ``-inf`` for ``j >= n_valid[r]``
+        (:func:`xoffload.kernels.reference.channel_page_scores_batched_ref`).
+    Raises:
+        TypeError / ValueError: dtypes, shapes, devices or ``alpha`` that do not fit (named).
+    """
+    check_tensor("q", q, 3)
+    R, hq, d = q.shape
+    check_summaries(q[0] if R else q.new_empty(hq, d), kmin, kmax)
+    hkv, npg = kmin.shape[0], kmin.shape[1]
+    if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:
+        raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
+    if not isinstance(channels, torch.Tensor) or channels.dim() != 3 or channels.shape[0] != R:
+        raise ValueError(f"channels must be an int32/int64 [R={R}, Hkv={hkv}, r] tensor, got "
+                         f"{tuple(channels.shape) if isinstance(channels, torch.Tensor) else type(channels).__name__}")
+    # the per-row shape checks of the one-row scorer (channels [Hkv, r], klab [Hkv, NP * P, r], alpha)
+    r, P, a = check_channels(channels[0] if R else channels.new_zeros(hkv, max(1, channels.shape[2])), klab, alpha,
+                             hkv, npg, d, q.dtype, check=False)
+    for name, t, dt in (("index", index, (torch.int32, torch.int64)), ("n_valid", n_valid, (torch.int32,))):
+        want = (R, None) if name == "index" else (R,)
+        if not isinstance(t, torch.Tensor) or t.dtype not in dt or t.dim() != len(want) or t.shape[0] != R:
+            raise ValueError(f"{name} must be an {'/'.join(str(x).replace('torch.', '') for x in dt)} "
+                             f"[{', '.join('R=' + str(R) if w == R else 'N' for w in want)}] tensor, got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    _check_operands(q, kmin, kmax, d, (("channels", channels), ("klab", klab), ("index", index),
+                                       ("n_valid", n_valid)))
+    n = index.shape[1]
+    if out is None:
+        out = torch.empty(R, hkv, n, dtype=torch.float32, device=q.device)
+    else:
+        check_out("out", out, (R, hkv, n), torch.float32, q.device)
+    if n == 0 or R == 0:
+        return out
+    if not use_triton(q):
+        out.copy_(reference.channel_page_scores_batched_ref(q, kmin, kmax, channels, klab, index, n_valid, a))
+        return out
+    group = hq // hkv
+    block_n = 16
+    prec = "ieee" if q.dtype == torch.float32 else "tf32"
+    index, channels = index.contiguous(), channels.contiguous()
+    grid = (R, hkv, triton.cdiv(n, block_n))
+    _batched_channel_kernel[grid](q, kmin, kmax, channels, klab, index, n_valid.contiguous(), out, n, group, d, r, a,
+                                  q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), channels.stride(0),
+                                  channels.stride(1), klab.stride(0), klab.stride(1), index.stride(0),
+                                  out.stride(0), out.stride(1),
+                                  P=P, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n,
+                                  BLOCK_D=max(16, next_pow2(d)), BLOCK_R=max(16, next_pow2(r)),
+                                  HAS_LOWER=a != 1.0, DOT_PREC=prec, num_warps=4 if block_n * P <= 512 else 8)
     return out

@@ -384,6 +384,24 @@ def channel_page_scores_ref(q, kmin, kmax, channels, klab, alpha=1.0, per_head=F
     return s if per_head else s.amax(1)
 
 
+def channel_page_scores_batched_ref(q, kmin, kmax, channels, klab, index, n_valid, alpha=1.0):
+    """fp32 ``[R, Hkv, N]``: :func:`channel_page_scores_ref` of row r's query ``q[r]`` with its
+    channels ``channels[r]`` over the summary pages ``index[r]`` of a shared pool (``kmin`` /
+    ``kmax`` ``[Hkv, NP, D]``, ``klab`` ``[Hkv, NP * P, r]``: page p holds tokens ``p*P ..``);
+    ``-inf`` for candidates ``j >= n_valid[r]`` (their index entries clamped into the pool)."""
+    hkv, npg, d = kmin.shape
+    R, n = index.shape
+    P = klab.shape[1] // max(npg, 1)
+    out = torch.full((R, hkv, n), float("-inf"), dtype=torch.float32, device=q.device)
+    for r in range(R):
+        idx = index[r].long().clamp(0, max(npg - 1, 0))
+        tok = (idx[:, None] * P + torch.arange(P, device=q.device)[None, :]).flatten()
+        s = channel_page_scores_ref(q[r], kmin[:, idx], kmax[:, idx], channels[r], klab[:, tok], alpha)
+        nv = int(n_valid[r])
+        out[r, :, :nv] = s[:, :nv]
+    return out
+
+
 def quest_page_scores_batched_ref(q, kmin, kmax, index, n_valid):
     """fp32 ``[R, Hkv, N]``: :func:`quest_page_scores_ref` of row r's query ``q[r]`` ``[Hq, D]``
     over the summary pages ``index[r]`` of a shared pool ``[Hkv, NP, D]``; ``-inf`` for candidates

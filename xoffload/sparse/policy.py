@@ -185,8 +185,8 @@ def decode_policies() -> dict:
     ``QuestDecode(exact_channels=16, bound_scale=0.25, fit_channels=True)``: on a model whose head_dim is
     below 32, ``head_dim // 2`` channels; on SmolLM2's RULER-style tasks at budget
     512 it scored 33.0 against dense 32.8 and Quest's 13.3 (H200, 10 samples per task at 4K and 8K,
-    ``benchmarks/results/ruler_smollm2_channels*.json``); batched generation serves it one request
-    at a time)."""
+    ``benchmarks/results/ruler_smollm2_channels*.json``); batched offload generation runs it in the batched Quest
+    store)."""
     import functools
 
     from .quest import QuestDecode
