@@ -41,7 +41,8 @@ QUICK = {"8b_128k_quest", "8b_128k_ch8_a025", "8b_128k_ch16_a025"}
 
 def run_case(name, ctx, hq, hkv, d, page, r, alpha, hbm, dtype=torch.bfloat16) -> dict:
     """Time one layer's page scoring at ``ctx`` tokens; bytes, GB/s, the ceiling and the peer."""
-    from xoffload.kernels.quest_score import channel_page_scores, quest_page_scores
+    from xoffload.kernels.channel_score import channel_page_scores
+    from xoffload.kernels.quest_score import quest_page_scores
     from xoffload.kernels.reference import channel_page_scores_ref, quest_page_scores_ref
 
     n = ctx // page

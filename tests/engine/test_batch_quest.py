@@ -106,7 +106,7 @@ def test_channel_scores_batched_match_reference_and_rows(device):
     """channel_page_scores_batched: each row over its own pages of a shared pool with its own
     channels equals the one-row scorer over those pages and the reference; -inf past the count."""
     from helpers import EPS32
-    from xoffload.kernels.quest_score import channel_page_scores, channel_page_scores_batched
+    from xoffload.kernels.channel_score import channel_page_scores, channel_page_scores_batched
     from xoffload.kernels.reference import channel_page_scores_batched_ref
 
     g = torch.Generator().manual_seed(5)

@@ -116,7 +116,7 @@ def _channel_case(hq, hkv, d, n, p, r, dtype, device, seed=0, adversarial=False)
 def test_channel_scores_match_reference_and_bound_at_alpha_one(dtype, hq, hkv, d, n, p, r, alpha, device):
     """channel_page_scores equals its fp32 reference; with alpha = 1 it is still an upper bound of
     q·k over every key of the page (random and adversarial keys) and never above Quest's bound."""
-    from xoffload.kernels.quest_score import channel_page_scores
+    from xoffload.kernels.channel_score import channel_page_scores
     from xoffload.kernels.reference import channel_page_scores_ref
 
     if device == "cpu" and d > 64 and dtype == torch.float16:
@@ -141,7 +141,7 @@ def test_channel_scores_match_reference_and_bound_at_alpha_one(dtype, hq, hkv, d
 def test_channel_scores_without_channels_and_bad_inputs(device):
     """channels=None: the summary part alone (alpha = 1 is Quest's bound); bad inputs raise,
     naming the value."""
-    from xoffload.kernels.quest_score import channel_page_scores
+    from xoffload.kernels.channel_score import channel_page_scores
     from xoffload.kernels.reference import channel_page_scores_ref
 
     q, k, kmin, kmax, ch, klab = _channel_case(6, 2, 32, 9, 16, 4, torch.float32, device)
@@ -168,7 +168,7 @@ def test_channel_scores_without_channels_and_bad_inputs(device):
 
 @pytest.mark.cuda
 def test_gpu_channel_scores_bf16_long():
-    from xoffload.kernels.quest_score import channel_page_scores
+    from xoffload.kernels.channel_score import channel_page_scores
     from xoffload.kernels.reference import channel_page_scores_ref
 
     q, k, kmin, kmax, ch, klab = _channel_case(32, 8, 128, 1024, 32, 8, torch.bfloat16, "cuda")
@@ -187,7 +187,7 @@ def test_channel_scores_odd_shapes_and_pagedkv_slices(hq, hkv, d, n, p, r, devic
     r = D - 1, pages of 256, one page, page counts off the kernel's 16-page block, groups of 16 and
     of 1; klab, kmin and kmax as the slices of a PageSummaries layer that PagedKV passes
     (``klab[layer, :, f*P:(f+n)*P]``, strided) — all equal the fp32 reference."""
-    from xoffload.kernels.quest_score import channel_page_scores
+    from xoffload.kernels.channel_score import channel_page_scores
     from xoffload.kernels.reference import channel_page_scores_ref
 
     q, k, kmin, kmax, ch, klab = _channel_case(hq, hkv, d, n, p, r, torch.float32, device)
@@ -211,7 +211,7 @@ def test_channel_values_checked_on_the_host_or_clamped(device):
     check=True (the default) refuses both, naming them; check=False (the decode step: no host
     read) clamps entries into [0, D) in the kernel and in the reference alike; alpha must be a
     real number."""
-    from xoffload.kernels.quest_score import channel_page_scores
+    from xoffload.kernels.channel_score import channel_page_scores
     from xoffload.kernels.reference import channel_page_scores_ref
 
     q, k, kmin, kmax, ch, klab = _channel_case(8, 2, 32, 20, 16, 4, torch.float32, device)

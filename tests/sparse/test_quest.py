@@ -390,7 +390,7 @@ def test_exact_channel_arguments_checked_in_every_path(monkeypatch):
     s = PageSummaries(1, 2, 32, 20, 16, torch.float32, "cpu", exact_channels=4)
     s.write(0, k)
     pol = QuestDecode(page_size=16, exact_channels=4, bound_scale=0.5)
-    import xoffload.kernels.quest_score as qs
+    import xoffload.kernels.channel_score as qs
 
     seen, orig = [], qs.check_channels
     monkeypatch.setattr(qs, "check_channels", lambda *a, **kw: seen.append(kw["check"]) or orig(*a, **kw))

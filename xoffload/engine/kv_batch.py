@@ -954,7 +954,8 @@ class OffloadQuestBatchKV(BatchKV):
         if layer in self.dense:
             table, lens = self.dcand_row[:n, None], self.dlens[:n]
         else:
-            from ..kernels.quest_score import channel_page_scores_batched, quest_page_scores_batched
+            from ..kernels.channel_score import channel_page_scores_batched
+            from ..kernels.quest_score import quest_page_scores_batched
 
             si = self._sl[layer]
             if self.r:

@@ -14,22 +14,11 @@ per row with ``-inf`` past the row's count (the batched Quest store,
 :class:`xoffload.engine.kv_batch.OffloadQuestBatchKV`).
 
 
-:func:`channel_page_scores` tightens the bound where it is loosest. Quest's bound takes each
-channel's extreme from a different key, and in the retrieval layers of a RoPE model a few channels
-with a wide, large-magnitude range (the low-frequency rotary channels) dominate it, so every page
-looks alike. For ``r`` such channels per KV head (chosen once per request from the prompt's keys,
-:class:`xoffload.sparse.quest.PageSummaries`) the keys' own values are kept (``r / D`` of K's
-bytes, the "label cache" of Double Sparsity, Yang et al. 2024) and scored exactly, token by token,
-maximised over the page; the other channels keep the min/max summary, scored as its midpoint plus
-``alpha`` times its radius (``alpha = 1``: Quest's bound, so the sum stays an upper bound of
-``q·k``; smaller ``alpha`` estimates the page's best key instead of bounding it).
-
 CPU tensors run :func:`xoffload.kernels.reference.quest_page_scores_ref` (and
-``quest_page_scores_batched_ref``, ``channel_page_scores_ref``) unless Triton's interpreter is on.
+``quest_page_scores_batched_ref``) unless Triton's interpreter is on. The exact-channel scores
+that tighten this bound are :mod:`xoffload.kernels.channel_score`.
 """
 from __future__ import annotations
-
-import numbers
 
 import torch
 import triton
@@ -38,8 +27,7 @@ import triton.language as tl
 from . import reference
 from .checks import check_out, check_tensor, next_pow2, use_triton
 
-__all__ = ["channel_page_scores", "channel_page_scores_batched", "check_channels", "check_summaries", "quest_page_scores",
-           "quest_page_scores_batched"]
+__all__ = ["check_summaries", "quest_page_scores", "quest_page_scores_batched"]
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -82,7 +70,7 @@ def check_summaries(q, kmin, kmax) -> tuple:
     return hq, hkv, n, d
 
 
-def _check_operands(q, kmin, kmax, d, others=()) -> None:
+def check_operands(q, kmin, kmax, d, others=()) -> None:
     """The checks every page scorer shares: ``head_dim <= 256``, one dtype for q and the summaries,
     one device for them and ``others`` (``(name, tensor)`` pairs), contiguous last dims, and the
     same strides for kmin and kmax. Raises TypeError / ValueError naming what does not fit."""
@@ -119,7 +107,7 @@ def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *
         TypeError / ValueError: dtypes, shapes or devices that do not fit (named in the message).
     """
     hq, hkv, n, d = check_summaries(q, kmin, kmax)
-    _check_operands(q, kmin, kmax, d)
+    check_operands(q, kmin, kmax, d)
     if out is None:
         out = torch.empty(hkv, n, dtype=torch.float32, device=q.device)
     else:
@@ -206,7 +194,7 @@ def quest_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.T
         raise ValueError(f"n_valid must be an int32 [R={R}] tensor, got "
                          f"{tuple(n_valid.shape) if isinstance(n_valid, torch.Tensor) else type(n_valid).__name__}"
                          f"{' ' + str(n_valid.dtype) if isinstance(n_valid, torch.Tensor) else ''}")
-    _check_operands(q, kmin, kmax, d, (("index", index), ("n_valid", n_valid)))
+    check_operands(q, kmin, kmax, d, (("index", index), ("n_valid", n_valid)))
     n = index.shape[1]
     if out is None:
         out = torch.empty(R, hkv, n, dtype=torch.float32, device=q.device)
@@ -227,276 +215,4 @@ def quest_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.T
                                 out.stride(0), out.stride(1),
                                 BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
                                 DOT_PREC=prec, num_warps=4)
-    return out
-
-
-@triton.jit(do_not_specialize=["N"])
-def _channel_score_kernel(Q, KMIN, KMAX, CH, KL, S, N, GROUP, D, R, alpha,
-                          s_qh, s_kh, s_kn, s_ch, s_lh, s_lt, s_sh,
-                          P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                          BLOCK_R: tl.constexpr, HAS_LOWER: tl.constexpr, HAS_EXACT: tl.constexpr,
-                          DOT_PREC: tl.constexpr):
-    h = tl.program_id(0)
-    nb = tl.program_id(1)
-    og = tl.arange(0, BLOCK_G)
-    od = tl.arange(0, BLOCK_D)
-    orr = tl.arange(0, BLOCK_R)
-    on = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    gm = og < GROUP
-    dm = od < D
-    rm = orr < R
-    nm = on < N
-    ch = tl.load(CH + h * s_ch + orr, mask=rm, other=-1)  # the stored channels of this KV head
-    ch = tl.where(rm, tl.minimum(tl.maximum(ch, 0), D - 1), -1)  # clamped into [0, D): never reads outside q
-    lab = tl.max((od[None, :] == ch[:, None]).to(tl.int32), axis=0) > 0  # [BLOCK_D]
-    qrow = Q + (h * GROUP + og)[:, None] * s_qh
-    q = tl.load(qrow + od[None, :], mask=gm[:, None] & dm[None, :] & ~lab[None, :], other=0.0)
-    base = h.to(tl.int64) * s_kh + on[:, None].to(tl.int64) * s_kn + od[None, :]
-    kmax = tl.load(KMAX + base, mask=nm[:, None] & dm[None, :], other=0.0)
-    kmin = tl.load(KMIN + base, mask=nm[:, None] & dm[None, :], other=0.0)
-    qp = tl.where(q > 0, q, 0.0).to(kmax.dtype)
-    qn = tl.where(q < 0, q, 0.0).to(kmax.dtype)
-    up = tl.dot(qp, tl.trans(kmax), input_precision=DOT_PREC)  # q⁺·M + q⁻·m = q·mid + |q|·rad
-    up += tl.dot(qn, tl.trans(kmin), input_precision=DOT_PREC)
-    if HAS_LOWER:  # q⁺·m + q⁻·M = q·mid - |q|·rad; mid + alpha·rad = ((1+a)·up + (1-a)·low) / 2
-        low = tl.dot(qp, tl.trans(kmin), input_precision=DOT_PREC)
-        low += tl.dot(qn, tl.trans(kmax), input_precision=DOT_PREC)
-        s = 0.5 * (1.0 + alpha) * up + 0.5 * (1.0 - alpha) * low
-    else:
-        s = up
-    if HAS_EXACT:  # exact part over the stored channels: [G, r] x [r, BLOCK_N * P], then each page's max
-        qc = tl.load(qrow + ch[None, :], mask=gm[:, None] & rm[None, :], other=0.0).to(kmax.dtype)
-        ot = nb * (BLOCK_N * P) + tl.arange(0, BLOCK_N * P)
-        kl = tl.load(KL + h.to(tl.int64) * s_lh + ot[:, None].to(tl.int64) * s_lt + orr[None, :],
-                     mask=(ot < N * P)[:, None] & rm[None, :], other=0.0)
-        ex = tl.dot(qc, tl.trans(kl), input_precision=DOT_PREC)  # [BLOCK_G, BLOCK_N * P]
-        s += tl.max(tl.reshape(ex, (BLOCK_G, BLOCK_N, P)), axis=2)
-    s = tl.where(gm[:, None], s, float("-inf"))
-    tl.store(S + h * s_sh + on, tl.max(s, axis=0), mask=nm)
-
-
-def check_channels(channels, klab, alpha, hkv: int, n: int, d: int, dtype, *, check: bool = True) -> tuple:
-    """``(r, P, alpha)`` of the exact-channel arguments of :func:`channel_page_scores` for summaries
-    of ``n`` pages of ``hkv`` KV heads and head dim ``d`` (``r = 0``, ``P = 16`` without channels),
-    after checking that they fit: ``channels`` and ``klab`` both given or both None, ``channels``
-    int32/int64 ``[hkv, r]`` with ``1 <= r <= 64``, ``klab`` ``[hkv, n * P, r]`` of ``dtype`` with
-    ``P`` a power of two in ``[16, 256]``, ``alpha`` a number in ``[0, 1]``. With ``check`` the
-    channel values too: each in ``[0, d)`` and distinct within a KV head (a host read of
-    ``channels``, which synchronises when they are on a GPU; callers in a decode step or a CUDA
-    graph pass ``check=False``: the kernel then clamps them into ``[0, d)``). Raises TypeError /
-    ValueError naming the value."""
-    if (channels is None) != (klab is None):
-        raise ValueError("channels and klab come together (both None: no exact part)")
-    if isinstance(alpha, bool) or not isinstance(alpha, numbers.Real):
-        raise TypeError(f"alpha must be a number in [0, 1], got {type(alpha).__name__} {alpha!r}")
-    a = float(alpha)
-    if not 0.0 <= a <= 1.0:
-        raise ValueError(f"alpha must be in [0, 1], got {alpha!r}")
-    if channels is None:
-        return 0, 16, a
-    if not isinstance(channels, torch.Tensor) or channels.dtype not in (torch.int32, torch.int64) \
-            or channels.dim() != 2 or channels.shape[0] != hkv or not 1 <= channels.shape[1] <= 64:
-        raise ValueError(f"channels must be an int32/int64 [Hkv={hkv}, r] tensor with 1 <= r <= 64, got "
-                         f"{tuple(channels.shape) if isinstance(channels, torch.Tensor) else type(channels).__name__}"
-                         f"{' ' + str(channels.dtype) if isinstance(channels, torch.Tensor) else ''}")
-    r = channels.shape[1]
-    check_tensor("klab", klab, 3)
-    if klab.shape[0] != hkv or klab.shape[2] != r or (n and klab.shape[1] % n):
-        raise ValueError(f"klab must be [Hkv={hkv}, n_pages * P, r={r}] for {n} pages, got {tuple(klab.shape)}")
-    P = klab.shape[1] // n if n else 16
-    if n and (P < 16 or P > 256 or P & (P - 1)):
-        raise ValueError(f"klab holds {P} tokens per page; it must be a power of two in [16, 256]")
-    if klab.dtype != dtype:
-        raise TypeError(f"klab must have q's dtype {dtype}, got {klab.dtype}")
-    if check:  # host read: validation only (check=False: the kernel clamps)
-        c = channels.cpu()
-        lo, hi = int(c.min()), int(c.max())
-        if lo < 0 or hi >= d:
-            raise ValueError(f"channels must be in [0, head_dim={d}), got min {lo}, max {hi}")
-        srt = c.sort(-1).values
-        rep = (srt[:, 1:] == srt[:, :-1]).any(-1).nonzero()
-        if len(rep):
-            h = int(rep[0])
-            raise ValueError(f"channels of KV head {h} repeat a channel: {c[h].tolist()}")
-    return r, P, a
-
-
-def channel_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, channels: torch.Tensor | None,
-                        klab: torch.Tensor | None, *, alpha: float = 1.0,
-                        out: torch.Tensor | None = None, check: bool = True) -> torch.Tensor:
-    """Page scores from exact scores on ``r`` stored key channels plus the min/max summary of the
-    rest (module docstring), maximised over each KV head's query-head group, in one launch.
-
-    Args:
-        q: ``[Hq, D]`` one layer's (post-RoPE) query; fp16/bf16/fp32; last dim contiguous.
-        kmin, kmax: ``[Hkv, n_pages, D]`` page minima / maxima (as :func:`quest_page_scores`).
-        channels: int32/int64 ``[Hkv, r]``, ``1 <= r <= 64``, distinct channels in ``[0, D)`` per KV
-            head, on q's device; or None (with ``klab`` None): no exact part, every channel scored
-            from the summary.
-        klab: ``[Hkv, n_pages * P, r]`` the keys' values in those channels, token by token, of the
-            same ``n_pages`` pages of ``P`` tokens (``P`` a power of two, 16..256); q's dtype.
-        alpha: weight of the key range's radius on the other channels, in ``[0, 1]`` (1: Quest's
-            bound, and the score is an upper bound of ``q_g·k`` for every key of the page).
-        out: optional fp32 ``[Hkv, n_pages]`` written in place (last dim contiguous).
-        check: check on the host that ``channels`` are in ``[0, D)`` and distinct per KV head (reads
-            them: a device->host copy that synchronises). ``check=False`` skips that (a decode step,
-            CUDA-graph capture; :class:`xoffload.sparse.quest.PageSummaries` chooses them distinct
-            and in range): entries are then clamped into ``[0, D)``, so the kernel never reads
-            outside q, and the reference does the same (a repeated channel is then counted once per
-            entry in the exact part: not a bound).
-    Returns:
-        fp32 ``[Hkv, n_pages]`` (:func:`xoffload.kernels.reference.channel_page_scores_ref`).
-    Raises:
-        TypeError / ValueError: dtypes, shapes, devices, ``alpha`` or (with ``check``) channel
-        values that do not fit (named).
-    """
-    hq, hkv, n, d = check_summaries(q, kmin, kmax)
-    if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:
-        raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
-    r, P, a = check_channels(channels, klab, alpha, hkv, n, d, q.dtype, check=check)
-    _check_operands(q, kmin, kmax, d, (("channels", channels), ("klab", klab)) if r else ())
-    if out is None:
-        out = torch.empty(hkv, n, dtype=torch.float32, device=q.device)
-    else:
-        check_out("out", out, (hkv, n), torch.float32, q.device)
-    if n == 0:
-        return out
-    if not use_triton(q):
-        out.copy_(reference.channel_page_scores_ref(q, kmin, kmax, channels, klab, a))
-        return out
-    group = hq // hkv
-    block_n = 16
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    grid = (hkv, triton.cdiv(n, block_n))
-    if r:
-        channels = channels.contiguous()
-        s_ch, s_lh, s_lt = channels.stride(0), klab.stride(0), klab.stride(1)
-    else:  # never read (HAS_EXACT False, the channel mask all-false)
-        channels, klab, s_ch, s_lh, s_lt = torch.zeros(1, dtype=torch.int32, device=q.device), kmin, 0, 0, 0
-    _channel_score_kernel[grid](q, kmin, kmax, channels, klab, out, n, group, d, r, a,
-                                q.stride(0), kmin.stride(0), kmin.stride(1), s_ch, s_lh, s_lt, out.stride(0),
-                                P=P, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n,
-                                BLOCK_D=max(16, next_pow2(d)), BLOCK_R=max(16, next_pow2(r)),
-                                HAS_LOWER=a != 1.0, HAS_EXACT=r > 0, DOT_PREC=prec,
-                                num_warps=4 if block_n * P <= 512 else 8)
-    return out
-
-
-@triton.jit(do_not_specialize=["N"])
-def _batched_channel_kernel(Q, KMIN, KMAX, CH, KL, IDX, NV, S, N, GROUP, D, R, alpha,
-                            s_qr, s_qh, s_kh, s_kn, s_cr, s_ch, s_lh, s_lt, s_ir, s_sr, s_sh,
-                            P: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-                            BLOCK_R: tl.constexpr, HAS_LOWER: tl.constexpr, DOT_PREC: tl.constexpr):
-    row = tl.program_id(0)
-    h = tl.program_id(1)
-    nb = tl.program_id(2)
-    og = tl.arange(0, BLOCK_G)
-    od = tl.arange(0, BLOCK_D)
-    orr = tl.arange(0, BLOCK_R)
-    on = nb * BLOCK_N + tl.arange(0, BLOCK_N)
-    gm = og < GROUP
-    dm = od < D
-    rm = orr < R
-    nv = tl.load(NV + row)
-    valid = on < nv
-    idx = tl.load(IDX + row.to(tl.int64) * s_ir + on, mask=valid, other=0).to(tl.int64)
-    ch = tl.load(CH + row.to(tl.int64) * s_cr + h * s_ch + orr, mask=rm, other=-1)  # this row's channels
-    ch = tl.where(rm, tl.minimum(tl.maximum(ch, 0), D - 1), -1)
-    lab = tl.max((od[None, :] == ch[:, None]).to(tl.int32), axis=0) > 0
-    qrow = Q + row.to(tl.int64) * s_qr + (h * GROUP + og)[:, None] * s_qh
-    q = tl.load(qrow + od[None, :], mask=gm[:, None] & dm[None, :] & ~lab[None, :], other=0.0)
-    base = h.to(tl.int64) * s_kh + idx[:, None] * s_kn + od[None, :]
-    kmax = tl.load(KMAX + base, mask=valid[:, None] & dm[None, :], other=0.0)
-    kmin = tl.load(KMIN + base, mask=valid[:, None] & dm[None, :], other=0.0)
-    qp = tl.where(q > 0, q, 0.0).to(kmax.dtype)
-    qn = tl.where(q < 0, q, 0.0).to(kmax.dtype)
-    up = tl.dot(qp, tl.trans(kmax), input_precision=DOT_PREC)
-    up += tl.dot(qn, tl.trans(kmin), input_precision=DOT_PREC)
-    if HAS_LOWER:
-        low = tl.dot(qp, tl.trans(kmin), input_precision=DOT_PREC)
-        low += tl.dot(qn, tl.trans(kmax), input_precision=DOT_PREC)
-        s = 0.5 * (1.0 + alpha) * up + 0.5 * (1.0 - alpha) * low
-    else:
-        s = up
-    # exact part: the tokens of each gathered page (summary page idx -> klab rows idx * P + t)
-    qc = tl.load(qrow + ch[None, :], mask=gm[:, None] & rm[None, :], other=0.0).to(kmax.dtype)
-    tok = tl.reshape(idx[:, None] * P + tl.arange(0, P)[None, :], (BLOCK_N * P,))
-    tv = tl.reshape(tl.broadcast_to(valid[:, None], (BLOCK_N, P)), (BLOCK_N * P,))
-    kl = tl.load(KL + h.to(tl.int64) * s_lh + tok[:, None] * s_lt + orr[None, :], mask=tv[:, None] & rm[None, :],
-                 other=0.0)
-    ex = tl.dot(qc, tl.trans(kl), input_precision=DOT_PREC)  # [BLOCK_G, BLOCK_N * P]
-    s += tl.max(tl.reshape(ex, (BLOCK_G, BLOCK_N, P)), axis=2)
-    s = tl.where(gm[:, None], s, float("-inf"))
-    best = tl.where(valid, tl.max(s, axis=0), float("-inf"))
-    tl.store(S + row.to(tl.int64) * s_sr + h * s_sh + on, best, mask=on < N)
-
-
-def channel_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, channels: torch.Tensor,
-                                klab: torch.Tensor, index: torch.Tensor, n_valid: torch.Tensor, *,
-                                alpha: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`channel_page_scores` of a decode batch in one launch, each row over its own candidate
-    pages of a shared summary pool (as :func:`quest_page_scores_batched`) with its own channels.
-
-    Args:
-        q: ``[R, Hq, D]`` one layer's (post-RoPE) query per row; fp16/bf16/fp32; last dim contiguous.
-        kmin, kmax: ``[Hkv, NP, D]`` the shared summary pool (q's dtype and device, same strides).
-        channels: int32/int64 ``[R, Hkv, r]``, ``1 <= r <= 64``: row r's stored channels per KV
-            head (chosen distinct and in ``[0, D)`` by the store; clamped into it, never checked:
-            no host read in a decode step).
-        klab: ``[Hkv, NP * P, r]`` the pool's token values in each row's channels: summary page
-            ``p`` holds tokens ``p * P .. p * P + P - 1`` (``P`` a power of two, 16..256); q's dtype.
-        index: int32/int64 ``[R, N]``: summary page of row r's candidate j (entries ``j >=
-            n_valid[r]`` never read; the others in ``[0, NP)``, not checked).
-        n_valid: int32 ``[R]``: candidates of each row.
-        alpha: the radius weight on the other channels, in ``[0, 1]``.
-        out: optional fp32 ``[R, Hkv, N]`` written in place.
-    Returns:
-        fp32 ``[R, Hkv, N]``: row r's candidate j scored as :func:`channel_page_scores` of its page,
-        ``-inf`` for ``j >= n_valid[r]``
-        (:func:`xoffload.kernels.reference.channel_page_scores_batched_ref`).
-    Raises:
-        TypeError / ValueError: dtypes, shapes, devices or ``alpha`` that do not fit (named).
-    """
-    check_tensor("q", q, 3)
-    R, hq, d = q.shape
-    check_summaries(q[0] if R else q.new_empty(hq, d), kmin, kmax)
-    hkv, npg = kmin.shape[0], kmin.shape[1]
-    if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:
-        raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
-    if not isinstance(channels, torch.Tensor) or channels.dim() != 3 or channels.shape[0] != R:
-        raise ValueError(f"channels must be an int32/int64 [R={R}, Hkv={hkv}, r] tensor, got "
-                         f"{tuple(channels.shape) if isinstance(channels, torch.Tensor) else type(channels).__name__}")
-    # the per-row shape checks of the one-row scorer (channels [Hkv, r], klab [Hkv, NP * P, r], alpha)
-    r, P, a = check_channels(channels[0] if R else channels.new_zeros(hkv, max(1, channels.shape[2])), klab, alpha,
-                             hkv, npg, d, q.dtype, check=False)
-    for name, t, dt in (("index", index, (torch.int32, torch.int64)), ("n_valid", n_valid, (torch.int32,))):
-        want = (R, None) if name == "index" else (R,)
-        if not isinstance(t, torch.Tensor) or t.dtype not in dt or t.dim() != len(want) or t.shape[0] != R:
-            raise ValueError(f"{name} must be an {'/'.join(str(x).replace('torch.', '') for x in dt)} "
-                             f"[{', '.join('R=' + str(R) if w == R else 'N' for w in want)}] tensor, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
-    _check_operands(q, kmin, kmax, d, (("channels", channels), ("klab", klab), ("index", index),
-                                       ("n_valid", n_valid)))
-    n = index.shape[1]
-    if out is None:
-        out = torch.empty(R, hkv, n, dtype=torch.float32, device=q.device)
-    else:
-        check_out("out", out, (R, hkv, n), torch.float32, q.device)
-    if n == 0 or R == 0:
-        return out
-    if not use_triton(q):
-        out.copy_(reference.channel_page_scores_batched_ref(q, kmin, kmax, channels, klab, index, n_valid, a))
-        return out
-    group = hq // hkv
-    block_n = 16
-    prec = "ieee" if q.dtype == torch.float32 else "tf32"
-    index, channels = index.contiguous(), channels.contiguous()
-    grid = (R, hkv, triton.cdiv(n, block_n))
-    _batched_channel_kernel[grid](q, kmin, kmax, channels, klab, index, n_valid.contiguous(), out, n, group, d, r, a,
-                                  q.stride(0), q.stride(1), kmin.stride(0), kmin.stride(1), channels.stride(0),
-                                  channels.stride(1), klab.stride(0), klab.stride(1), index.stride(0),
-                                  out.stride(0), out.stride(1),
-                                  P=P, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n,
-                                  BLOCK_D=max(16, next_pow2(d)), BLOCK_R=max(16, next_pow2(r)),
-                                  HAS_LOWER=a != 1.0, DOT_PREC=prec, num_warps=4 if block_n * P <= 512 else 8)
     return out

@@ -359,7 +359,7 @@ def quest_page_scores_ref(q, kmin, kmax):
 
 def channel_page_scores_ref(q, kmin, kmax, channels, klab, alpha=1.0, per_head=False):
     """fp32 ``[Hkv, n]`` (``per_head``: ``[Hkv, g, n]`` before the group maximum): the page score of
-    :func:`xoffload.kernels.quest_score.channel_page_scores` — per query head ``g`` of KV head ``h``,
+    :func:`xoffload.kernels.channel_score.channel_page_scores` — per query head ``g`` of KV head ``h``,
     ``max over the page's tokens t of sum_{c in C_h} q_gc k_tc`` (exact, over the stored channels
     ``C_h = channels[h]`` of ``klab [Hkv, n * P, r]``) plus, over the other channels, the midpoint
     ``q·(m + M)/2`` plus ``alpha`` times the radius ``|q|·(M - m)/2`` of the page's key range

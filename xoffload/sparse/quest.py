@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.checks import check_int
-from ..kernels.quest_score import channel_page_scores, check_channels, check_summaries, quest_page_scores
+from ..kernels.channel_score import channel_page_scores, check_channels
+from ..kernels.quest_score import check_summaries, quest_page_scores
 from ..kernels.reference import channel_page_scores_ref
 from .policy import DecodePolicy
 
@@ -103,7 +104,7 @@ class QuestDecode(DecodePolicy):
             each page once).
         exact_channels: ``r`` key channels per KV head and sparse layer whose values are kept on
             the GPU token by token (``r / D`` of K's bytes on top of the min/max summaries) and scored
-            exactly (:func:`xoffload.kernels.quest_score.channel_page_scores`): the channels where
+            exactly (:func:`xoffload.kernels.channel_score.channel_page_scores`): the channels where
             the min/max bound is loosest, chosen from the prompt's keys (:func:`choose_channels`).
             0 (default): Quest's summaries alone. At most 64 and below ``head_dim``.
         bound_scale: ``alpha`` in ``[0, 1]``, the weight of the page's key range on the channels
@@ -348,10 +349,10 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
         scale: softmax scale for ``group="softmax"`` (default ``1/sqrt(D)``).
         channels, klab: optional exact channels ``[Hkv, r]`` and their values ``[Hkv, n_pages * P,
             r]`` (:class:`PageSummaries`); alpha: the range weight on the other channels (``[0,
-            1]``). With either, each head's score is :func:`xoffload.kernels.quest_score.channel_page_scores`'
+            1]``). With either, each head's score is :func:`xoffload.kernels.channel_score.channel_page_scores`'
             (still an upper bound when ``alpha = 1``).
         check: check the channel values on the host (in ``[0, D)``, distinct per KV head; a
-            device->host read): as :func:`xoffload.kernels.quest_score.channel_page_scores`;
+            device->host read): as :func:`xoffload.kernels.channel_score.channel_page_scores`;
             ``False`` in a decode step.
     Returns:
         fp32 ``[Hkv, n_pages]``. With ``"max"``: ``max over g of (q_g⁺ · M + q_g⁻ · m)``, which is
@@ -359,7 +360,7 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
     Raises:
         TypeError / ValueError: shapes that do not fit (Hq not a multiple of Hkv, head_dim
             mismatch), an unknown ``group``, exact-channel arguments or ``alpha`` that do not fit
-            (:func:`xoffload.kernels.quest_score.check_channels`).
+            (:func:`xoffload.kernels.channel_score.check_channels`).
     """
     hq, hkv, n, d = check_summaries(q, kmin, kmax)
     if group not in GROUP_SCORES:
