@@ -334,13 +334,10 @@ def load_gguf(path, *, dtype=None, device=None, load_tokenizer: bool = True) -> 
 
 
 # ---------------------------------------------------------------------------- random presets
-def random_model(preset, *, dtype=None, device=None, seed: int = 0, std: float = 0.02) -> LlamaModel:
-    """A model of a preset's shape (name or :class:`ModelConfig`) with random weights, created on
-    ``device`` (``normal_(0, std)`` there; norms are ones), so an 8B model appears in seconds on a GPU.
-    No tokenizer: prompts must be token ids. Raises ValueError for an unknown preset name.
-    """
-    cfg = preset if isinstance(preset, ModelConfig) else get_preset(preset)
-    dtype, device = resolve_dtype_device(dtype, device)
+def random_draws(dtype, device, seed: int, std: float) -> tuple:
+    """``(rnd, ones)``: ``rnd(*shape)`` draws ``normal_(0, std)`` on ``device`` from one generator
+    seeded with ``seed`` (successive calls continue its stream), ``ones(n)`` a norm weight — what
+    :func:`random_model` draws from, shared with the sharded loader so both draw the same numbers."""
     g = torch.Generator(device=device)
     g.manual_seed(int(seed))
 
@@ -350,13 +347,28 @@ def random_model(preset, *, dtype=None, device=None, seed: int = 0, std: float =
     def ones(n):
         return torch.ones(n, dtype=dtype, device=device)
 
+    return rnd, ones
+
+
+def random_layer(cfg: ModelConfig, rnd, ones) -> LayerWeights:
+    """One decoder layer of random weights drawn from ``rnd`` / ``ones`` (:func:`random_draws`) in
+    :func:`random_model`'s order: norm, wqkv, wo, norm, w_gate_up, w_down (then the q/k norms)."""
     h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
-    layers = []
-    for _ in range(cfg.num_layers):
-        layers.append(LayerWeights(
-            attn_norm=ones(h), wqkv=rnd((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h),
-            wo=rnd(h, cfg.num_heads * d), mlp_norm=ones(h), w_gate_up=rnd(2 * i, h), w_down=rnd(h, i),
-            q_norm=ones(d) if cfg.qk_norm else None, k_norm=ones(d) if cfg.qk_norm else None))
+    return LayerWeights(attn_norm=ones(h), wqkv=rnd((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h),
+                        wo=rnd(h, cfg.num_heads * d), mlp_norm=ones(h), w_gate_up=rnd(2 * i, h), w_down=rnd(h, i),
+                        q_norm=ones(d) if cfg.qk_norm else None, k_norm=ones(d) if cfg.qk_norm else None)
+
+
+def random_model(preset, *, dtype=None, device=None, seed: int = 0, std: float = 0.02) -> LlamaModel:
+    """A model of a preset's shape (name or :class:`ModelConfig`) with random weights, created on
+    ``device`` (``normal_(0, std)`` there; norms are ones), so an 8B model appears in seconds on a GPU.
+    No tokenizer: prompts must be token ids. Raises ValueError for an unknown preset name.
+    """
+    cfg = preset if isinstance(preset, ModelConfig) else get_preset(preset)
+    dtype, device = resolve_dtype_device(dtype, device)
+    rnd, ones = random_draws(dtype, device, seed, std)
+    h = cfg.hidden_size
+    layers = [random_layer(cfg, rnd, ones) for _ in range(cfg.num_layers)]
     embed = rnd(cfg.vocab_size, h)
     lm_head = embed if cfg.tie_word_embeddings else rnd(cfg.vocab_size, h)
     w = Weights(embed=embed, layers=layers, norm=ones(h), lm_head=lm_head)

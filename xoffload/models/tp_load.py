@@ -122,28 +122,17 @@ def random_sharded(preset, tp: TensorParallel, *, dtype=None, seed: int = 0, std
     only the slice is kept before the next is drawn, so the shards equal slices of the unsharded
     model bit for bit and a rank's peak is its shard plus the largest single tensor (the
     embedding). Raises ValueError (unknown preset, not divisible)."""
-    from .loader import resolve_dtype_device
+    from .loader import random_draws, random_layer, resolve_dtype_device
 
     cfg = preset if isinstance(preset, ModelConfig) else get_preset(preset)
     n, r = tp.world_size, tp.rank
     check_divisible(cfg, n)
     dtype, device = resolve_dtype_device(dtype, tp.device)
-    g = torch.Generator(device=device)
-    g.manual_seed(int(seed))
-
-    def rnd(*shape):
-        return torch.empty(shape, dtype=dtype, device=device).normal_(0.0, std, generator=g)
-
-    def ones(k):
-        return torch.ones(k, dtype=dtype, device=device)
-
-    h, i, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    rnd, ones = random_draws(dtype, device, seed, std)
+    h = cfg.hidden_size
     layers = []
-    for _ in range(cfg.num_layers):  # the order of random_model: wqkv, wo, w_gate_up, w_down
-        full = LayerWeights(attn_norm=ones(h), wqkv=rnd((cfg.num_heads + 2 * cfg.num_kv_heads) * d, h),
-                            wo=rnd(h, cfg.num_heads * d), mlp_norm=ones(h), w_gate_up=rnd(2 * i, h),
-                            w_down=rnd(h, i), q_norm=ones(d) if cfg.qk_norm else None,
-                            k_norm=ones(d) if cfg.qk_norm else None)
+    for _ in range(cfg.num_layers):  # random_model's draws, each layer sliced before the next is drawn
+        full = random_layer(cfg, rnd, ones)
         layers.append(shard_layer(full, cfg, r, n))
         del full
     lo, hi = tp.vocab_range(cfg.vocab_size)

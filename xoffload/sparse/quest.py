@@ -469,21 +469,15 @@ def selection_loss(q: torch.Tensor, k: torch.Tensor, policy: QuestDecode, prompt
         return 0.0, 0.0
     g = hq // hkv
     scale = d ** -0.5 if scale is None else float(scale)
-    kp = k[:(f + n) * P].float().unflatten(0, (f + n, P))[f:]  # [n, P, Hkv, D]
-    kmin, kmax = kp.amin(1).transpose(0, 1).contiguous(), kp.amax(1).transpose(0, 1).contiguous()
-    ch = kl = None
-    if policy.exact_channels:  # as PageSummaries: chosen from the prompt's whole pages
-        ch = choose_channels(k[:(T // P) * P].float().unflatten(0, (T // P, P)), policy.exact_channels)
-        kl = torch.gather(kp.flatten(0, 1).transpose(0, 1), 2,
-                          ch.long()[:, None, :].expand(-1, n * P, -1)).contiguous()
+    summ = PageSummaries(1, hkv, d, T // P, P, torch.float32, k.device, exact_channels=policy.exact_channels)
+    summ.write(0, k[:T].float())  # as the stores: the prompt's whole pages (and its channels)
     lost, olost = 0.0, 0.0
     for s in range(S):
         qs = q[s].float()
         keys = k[:T + s + 1].float().repeat_interleave(g, 1)  # [N, Hq, D]
         prob = torch.softmax(torch.einsum("hd,nhd->hn", qs, keys) * scale, -1)
         cand = prob[:, f * P:(f + n) * P].reshape(hkv, g, n, P).sum(-1)  # [Hkv, g, n]
-        sc = page_scores(qs, kmin, kmax, group=policy.group_score, scale=scale, channels=ch, klab=kl,
-                         alpha=policy.bound_scale)
+        sc = summ.scores(0, qs, f, n, policy, scale)
         for ids, acc in ((select_page_ids(sc, kk), 0),
                          (select_page_ids(cand.sum(1), kk), 1)):
             keep = torch.zeros(hkv, n, dtype=torch.bool, device=q.device).scatter_(1, ids, True)
