@@ -1,5 +1,5 @@
 """Which layers Quest should keep dense on a model: per sparse layer, the attention its min/max page
-selection loses over an oracle's (:func:`xoffload.sparse.quest.calibrate_dense_layers`), on
+selection loses over an oracle's (:func:`xoffload.sparse.quest_calibrate.calibrate_dense_layers`), on
 calibration prompts recorded by ``benchmarks/diag_quest.py`` (needle prompts of
 ``xoffload.evals.needle``, not the RULER tasks the policy is evaluated on) or
 ``benchmarks/diag_quest_ruler.py --cache``.
@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-from xoffload.sparse.quest import QuestDecode, calibrate_dense_layers
+from xoffload.sparse.quest import QuestDecode
+from xoffload.sparse.quest_calibrate import calibrate_dense_layers
 
 
 def main():

@@ -234,7 +234,7 @@ _DECOY_POLICY = dict(token_budget=48, page_size=16, sink_tokens=16, recent_token
 def test_selection_loss_decoy_pages_and_dense_plan():
     """The bound fooled by spread pages loses the needle's mass (the oracle keeps it); a plain layer
     loses nothing; a plan that reads every page loses nothing; bad shapes are one-line errors."""
-    from xoffload.sparse.quest import selection_loss
+    from xoffload.sparse.quest_calibrate import selection_loss
 
     pol = QuestDecode(dense_layers=(), **_DECOY_POLICY)
     assert pol.plan(160).pages_per_step == 1 and pol.plan(160).num_candidates == 8
@@ -258,7 +258,7 @@ def test_selection_loss_decoy_pages_and_dense_plan():
 def test_calibrate_dense_layers_adds_the_fooled_layer():
     """calibrate_dense_layers keeps the policy's dense layers and adds the sparse layer whose
     selection loses the most over the oracle's; bad extra / no records raise naming the value."""
-    from xoffload.sparse.quest import calibrate_dense_layers
+    from xoffload.sparse.quest_calibrate import calibrate_dense_layers
 
     layers = [_decoy_layer(f) for f in (False, False, True, False)]
     rec = dict(q=torch.stack([q for q, _ in layers], 1), k=torch.stack([k for _, k in layers]), T=160, scale=0.25)

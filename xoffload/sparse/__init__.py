@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from .policy import (DEFAULT_DENSE_LAYERS, PREFILL_POLICIES, DecodePolicy, DensePrefill, PrefillPolicy,
                      XAttentionPrefill, resolve_decode, resolve_prefill)
-from .quest import (DecodePlan, PageSummaries, QuestDecode, calibrate_dense_layers, page_scores, select_pages,
-                    selection_loss)
+from .quest import DecodePlan, PageSummaries, QuestDecode, page_scores, select_pages
+from .quest_calibrate import calibrate_dense_layers, selection_loss
 from .xattention import DEFAULT_DENSE_FALLBACK_LEN, DEFAULT_DENSE_LAST_Q, xattention_mask, xattention_prefill
 
 __all__ = ["PrefillPolicy", "DecodePolicy", "DensePrefill", "XAttentionPrefill", "resolve_prefill",
