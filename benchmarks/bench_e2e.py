@@ -120,6 +120,7 @@ def point(llm, n_ctx, n_new=N_NEW, seed=0) -> dict:
     from xoffload import SamplingParams
 
     ids = _prompt(n_ctx - N_NEW, llm.cfg.vocab_size, seed)
+    before = int(torch.cuda.memory_allocated()) if HAS_CUDA else None
     t0 = time.perf_counter()
     o = llm.generate(ids, SamplingParams(max_tokens=n_new, ignore_eos=True))[0]
     t = o.timings
@@ -127,6 +128,7 @@ def point(llm, n_ctx, n_new=N_NEW, seed=0) -> dict:
                                  "decode_first_steps_ms", "decode_steady_ms_per_token", "h2d_bytes_per_token",
                                  "mean_density", "cache_hit_rate", "cache_slots", "cache_bytes")}
     rec["peak_gpu_memory_bytes"] = o.peak_gpu_memory_bytes
+    rec["allocated_before_bytes"] = before  # what the request's peak counts that is not its own
     rec["peak_gpu_reserved_bytes"] = int(torch.cuda.max_memory_reserved()) if HAS_CUDA else None
     rec["wall_s"] = time.perf_counter() - t0
     rec["token_ids"] = o.token_ids[:8]

@@ -79,9 +79,9 @@ def _check_invariants(c: _Cache, pages, table, pool_k, pool_v, first_page=0, bt=
             assert torch.equal(c.v[r:r + P, h].cpu(), pool_v[row:row + P, h].cpu())
 
 
-@pytest.mark.parametrize("C", [8, 13, 16])
-def test_many_steps_match_pool_and_reference(C):
-    hkv, d, k, n = 3, 24, 8, 40
+@pytest.mark.parametrize("C,k,n", [(8, 8, 40), (13, 8, 40), (16, 8, 40), (2500, 70, 3000)])
+def test_many_steps_match_pool_and_reference(C, k, n):
+    hkv, d = 3, 24
     pool_k, pool_v = _pool(n * P, hkv, d)
     sels = _selections(12, hkv, k, n)
     tri = _Cache(hkv, d, C, n, torch.float16, "cpu", base=2 * P)
@@ -96,6 +96,20 @@ def test_many_steps_match_pool_and_reference(C):
         _check_invariants(tri, pages, t1, pool_k, pool_v)
     assert torch.equal(tri.hits, ref.hits) and int(tri.hits[0]) > 0
     assert int(tri.hits[1]) == 12 * hkv * k
+
+
+def test_state_reset_and_slot_limit():
+    from xoffload.kernels.page_cache import MAX_SLOTS
+    with pytest.raises(ValueError, match="num_slots"):
+        PageCacheState(2, MAX_SLOTS + 1, 10, "cpu")
+    hkv, d, k, n = 2, 16, 4, 12
+    pool_k, pool_v = _pool(n * P, hkv, d, torch.float32)
+    c = _Cache(hkv, d, 6, n, torch.float32, "cpu")
+    pages = torch.tensor([[0, 1, 2, 3], [4, 5, 6, 7]])
+    c.step(pages, pool_k, pool_v)
+    c.st.reset()
+    _, src = c.step(pages, pool_k, pool_v)  # after a reset nothing is cached
+    assert bool((src >= 0).all())
 
 
 def test_block_table_rows_and_first_page():

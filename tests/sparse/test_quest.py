@@ -204,6 +204,24 @@ def test_prefetch_needs_the_cache():
     with pytest.raises(ValueError, match="cache_pages"):
         QuestDecode(cache_pages=-1)
     assert QuestDecode(cache_pages=0).cache_slots(QuestDecode().plan(4096)) == 0
+    with pytest.raises(ValueError, match="cache_bytes"):
+        QuestDecode(cache_bytes=-1)
+
+
+def test_cache_slots_follow_the_byte_budget():
+    """Default slots: what cache_bytes holds, at least 4x a step's pages, at most the candidates."""
+    p = QuestDecode().plan(131072)  # 4091 candidates, 59 pages a step
+    k, n = p.pages_per_step, p.num_candidates
+    assert (k, n) == (59, 4091)
+    slot = 2 * 30 * 8 * 32 * 128 * 2  # the 8B shape: 30 sparse layers, 8 KV heads, bf16
+    assert QuestDecode().cache_slots(p, slot) == (2 << 30) // slot == 546
+    assert QuestDecode().cache_slots(p) == 4 * k  # no slot size: the 4x rule alone
+    assert QuestDecode(cache_bytes=0).cache_slots(p, slot) == 4 * k
+    assert QuestDecode(cache_bytes=1 << 40).cache_slots(p, slot) == n
+    assert QuestDecode(cache_pages=10).cache_slots(p, slot) == k  # never below one step's pages
+    from xoffload.kernels.page_cache import MAX_SLOTS
+    long = QuestDecode(page_size=16).plan(1 << 20)
+    assert QuestDecode(cache_bytes=1 << 50, page_size=16).cache_slots(long, slot) == MAX_SLOTS
 
 
 def _decoy_layer(fooled: bool, T=160, S=2, D=16, hq=2):

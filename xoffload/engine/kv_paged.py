@@ -116,7 +116,9 @@ class PagedKV(KVStore):
         p = self.plan
         head = p.resident_prompt_tokens if p is not None else 0
         self._tail_prompt = [T if l in self.dense else head for l in range(L)]
-        C = policy.cache_slots(p) if (p is not None and engine is not None and self.sparse) else 0
+        el = torch.tensor([], dtype=dtype).element_size()
+        slot_bytes = 2 * len(self.sparse) * hkv * (policy.page_size if policy is not None else 0) * d * el
+        C = policy.cache_slots(p, slot_bytes) if (p is not None and engine is not None and self.sparse) else 0
         self.cache_slots = C
         self._tk = [torch.empty(n + max_new, hkv, d, dtype=dtype, device=self.device) for n in self._tail_prompt]
         self._tv = [torch.empty_like(t) for t in self._tk]
@@ -124,7 +126,6 @@ class PagedKV(KVStore):
         # allocated at the first decode step (after prefill's buffers are gone: a lower peak)
         self._cached = frozenset(self.sparse) if C else frozenset()
         self._ck, self._cv = {}, {}
-        el = torch.tensor([], dtype=dtype).element_size()
         self.cache_bytes = sum(2 * (self._tail_prompt[l] + max_new + C * self.page) * hkv * d * el
                                for l in self._cached)
         # dense offload decode through two staging buffers filled on a copy stream

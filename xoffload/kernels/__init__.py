@@ -12,7 +12,8 @@ per-token layer ops; ``rope`` also has flash-attn's ``apply_rotary``), ``paged_d
 over a page list per KV head, pages on the GPU or in pinned host memory, row stores or flash-attn's
 block stores; ``decode`` and ``paged_decode`` take flash-attn's inference options: several query
 tokens, causal, window, softcap, ALiBi, left padding), ``gather`` (block copy out of pinned host
-memory), ``attention_dispatch`` (picks cuDNN or ours for whole-prompt causal attention); ``checks``
+memory), ``attention_dispatch`` (picks cuDNN or ours for whole-prompt causal attention), ``topk`` (exact
+top-k indices per row: sparse decode's page choice); ``checks``
 holds the shared input checks and dispatch rules, ``launch`` the launch-config type and the one
 override hook (:func:`launch_override`).
 """
@@ -31,6 +32,7 @@ from .paged_decode import paged_decode_attn_with_lse
 from .norm import rms_norm
 from .rope import apply_rotary, qkv_rope
 from .swiglu import silu_mul
+from .topk import topk_ids
 from .xattn import XAttnChunkStats, xattn_block_scores, xattn_chunk_stats, xattn_estimate, xattn_merge_stats
 
 __all__ = [
@@ -38,6 +40,6 @@ __all__ = [
     "causal_attention", "causal_attention_backend", "cpu_backend", "decode_attn_with_lse",
     "flash_attn_varlen_with_lse", "flash_attn_with_lse", "gather_blocks", "interpreter_on", "launch_override",
     "merge_attention_states", "merge_attention_states_", "merge_attention_states_n", "paged_decode_attn_with_lse",
-    "qkv_rope", "rms_norm", "silu_mul", "xattn_block_scores", "xattn_chunk_stats", "xattn_estimate",
+    "qkv_rope", "rms_norm", "silu_mul", "topk_ids", "xattn_block_scores", "xattn_chunk_stats", "xattn_estimate",
     "xattn_merge_stats",
 ]

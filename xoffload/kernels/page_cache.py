@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .checks import HostPtr, check_int, check_pow2, check_tensor, device_can_read_host, next_pow2, use_triton
 
-__all__ = ["PageCacheState", "page_cache_fill", "page_cache_lookup"]
+__all__ = ["MAX_SLOTS", "PageCacheState", "page_cache_fill", "page_cache_lookup"]
 
 
 class PageCacheState:
@@ -36,21 +36,27 @@ class PageCacheState:
 
     Args:
         num_kv_heads: ``Hkv``.
-        num_slots: ``C``, slots per KV head.
+        num_slots: ``C``, slots per KV head (at most :data:`MAX_SLOTS`).
         num_ids: page ids per KV head (``0 <= id < num_ids``).
         device: where the state lives (the cache's device).
 
     Attributes: ``tag`` int32 ``[Hkv, C]``, ``slot_of`` int32 ``[Hkv, num_ids]``, ``clock`` int32
-    ``[Hkv]``. :meth:`reset` empties the cache (a new request).
+    ``[Hkv]``; the lookup kernel's scratch: ``mark`` int32 ``[Hkv, C]`` (the step at which a hit
+    last held each slot), ``step`` int32 ``[Hkv]`` (lookups so far) and ``free`` int32 ``[Hkv, C]``.
+    :meth:`reset` empties the cache (a new request).
+    Raises ValueError for a count below 1 or more than :data:`MAX_SLOTS` slots.
     """
 
     def __init__(self, num_kv_heads: int, num_slots: int, num_ids: int, device):
         check_int("num_kv_heads", num_kv_heads, 1)
-        check_int("num_slots", num_slots, 1)
+        check_int("num_slots", num_slots, 1, MAX_SLOTS)
         check_int("num_ids", num_ids, 1)
         self.tag = torch.full((num_kv_heads, num_slots), -1, dtype=torch.int32, device=device)
         self.slot_of = torch.full((num_kv_heads, num_ids), -1, dtype=torch.int32, device=device)
         self.clock = torch.zeros(num_kv_heads, dtype=torch.int32, device=device)
+        self.mark = torch.zeros(num_kv_heads, num_slots, dtype=torch.int32, device=device)
+        self.step = torch.zeros(num_kv_heads, dtype=torch.int32, device=device)
+        self.free = torch.zeros(num_kv_heads, num_slots, dtype=torch.int32, device=device)
 
     @property
     def num_slots(self) -> int:
@@ -60,6 +66,12 @@ class PageCacheState:
         self.tag.fill_(-1)
         self.slot_of.fill_(-1)
         self.clock.zero_()
+        self.mark.zero_()
+        self.step.zero_()
+
+
+#: most cache slots per KV head (the lookup holds a head's slots in one program's registers)
+MAX_SLOTS = 16384
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,12 +80,14 @@ class PageCacheState:
 # per-request integers are not specialised: no new compiled variant per prompt length (and K == 1
 # stays a tensor, not a constexpr)
 @triton.jit(do_not_specialize=["K", "C", "NID", "first_page", "block_size", "base"])
-def _lookup_kernel(Pages, BT, Tag, SlotOf, Clock, Table, Src, Hits,
+def _lookup_kernel(Pages, BT, Tag, SlotOf, Clock, Mark, Step, Free, Table, Src, Hits,
                    K, C, NID, first_page, block_size, base,
                    s_ph, s_th,
                    PAGE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
                    HAS_BT: tl.constexpr, HAS_HITS: tl.constexpr):
-    """One program per KV head ``h``: hits, CLOCK victims for the misses, state update, outputs."""
+    """One program per KV head ``h``: hits, CLOCK victims for the misses, state update, outputs.
+    O(K + C) work: the hits stamp their slots in ``Mark`` with this lookup's step, the slots no
+    hit holds are listed in replacement order in ``Free``, and the r-th miss takes ``Free[r]``."""
     h = tl.program_id(0)
     kk = tl.arange(0, BLOCK_K)
     mk = kk < K
@@ -84,16 +98,21 @@ def _lookup_kernel(Pages, BT, Tag, SlotOf, Clock, Table, Src, Hits,
     sl = tl.load(SlotOf + h * NID + pg, mask=mk, other=-1)
     hit = mk & (sl >= 0)
     miss = mk & (sl < 0)
+    stamp = tl.load(Step + h) + 1
+    tl.store(Step + h, stamp)
+    tl.store(Mark + h * C + sl, tl.full([BLOCK_K], 0, tl.int32) + stamp, mask=hit)
     hand = tl.load(Clock + h)
+    tl.debug_barrier()
     rc = (cc + hand) % C  # slots in replacement order, starting at the hand
-    held = tl.max(((sl[:, None] == rc[None, :]) & hit[:, None]).to(tl.int32), axis=0)
+    held = tl.load(Mark + h * C + rc, mask=mc, other=0) == stamp
     elig = mc & (held == 0)
     csum = tl.cumsum(elig.to(tl.int32), axis=0)  # eligible slots up to and including each position
-    rank = tl.cumsum(miss.to(tl.int32), axis=0)  # 1-based rank of each miss
-    match = (csum[None, :] == rank[:, None]) & elig[None, :] & miss[:, None]
-    vic = tl.sum(tl.where(match, rc[None, :], 0), axis=1)
     nmiss = tl.sum(miss.to(tl.int32), axis=0)
+    tl.store(Free + h * C + csum - 1, rc, mask=elig & (csum <= nmiss))
     last = tl.sum(tl.where(elig & (csum == nmiss), cc, 0), axis=0)
+    rank = tl.cumsum(miss.to(tl.int32), axis=0)  # 1-based rank of each miss
+    tl.debug_barrier()
+    vic = tl.load(Free + h * C + rank - 1, mask=miss, other=0)
     old = tl.load(Tag + h * C + vic, mask=miss, other=-1)
     tl.debug_barrier()
     tl.store(SlotOf + h * NID + old, tl.full([BLOCK_K], -1, tl.int32), mask=miss & (old >= 0))
@@ -218,12 +237,13 @@ def page_cache_lookup(pages: torch.Tensor, state: PageCacheState, table: torch.T
     if not use_triton(pages):
         _lookup_ref(pages, block_table, state, table, src, hits, first_page, page_size, block_size, base)
         return
+    block_c = max(16, next_pow2(C))
     _lookup_kernel[(hkv,)](
-        pages, block_table if block_table is not None else src, state.tag, state.slot_of, state.clock, table, src,
-        hits if hits is not None else src,
+        pages, block_table if block_table is not None else src, state.tag, state.slot_of, state.clock,
+        state.mark, state.step, state.free, table, src, hits if hits is not None else src,
         k, C, nid, first_page, max(block_size, 1), base, pages.stride(0), table.stride(0),
-        PAGE=page_size, BLOCK_K=max(16, next_pow2(k)), BLOCK_C=max(16, next_pow2(C)),
-        HAS_BT=block_table is not None, HAS_HITS=hits is not None, num_warps=4,
+        PAGE=page_size, BLOCK_K=max(16, next_pow2(k)), BLOCK_C=block_c,
+        HAS_BT=block_table is not None, HAS_HITS=hits is not None, num_warps=4 if block_c <= 2048 else 8,
     )
 
 

@@ -629,3 +629,15 @@ def select_blocks_ref(scores, threshold, *, sq, sk, block_size, q_start=None, ca
                 for J in kept:
                     out[x, hh, I, J] = True
     return out
+
+
+def topk_ids_ref(scores, k: int):
+    """Reference of :func:`xoffload.kernels.topk.topk_ids`: int32 ``[R, k]``, per row the indices of
+    the ``k`` largest scores in ascending order; scores compare by their order-preserving int32
+    keys (so NaN is above every number and -0.0 below +0.0), ties at the k-th value go to the
+    lowest indices (one stable descending sort)."""
+    b = scores.float().contiguous().view(torch.int32)
+    key = (b ^ ((b >> 31) & 0x7FFFFFFF)).long()
+    key[scores.isnan()] = 2**31 - 1
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
+    return order.sort(dim=1).values.to(torch.int32)

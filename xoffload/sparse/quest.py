@@ -28,6 +28,7 @@ import torch
 from ..kernels.checks import check_int
 from ..kernels.channel_score import channel_page_scores, check_channels
 from ..kernels.quest_score import check_summaries, quest_page_scores
+from ..kernels.topk import topk_ids
 from ..kernels.reference import channel_page_scores_ref
 from .policy import DecodePolicy
 
@@ -97,10 +98,15 @@ class QuestDecode(DecodePolicy):
         cache_pages: offload only — GPU cache slots per KV head and sparse layer for pages fetched
             from the pool (ShadowKV's reuse of the pages chosen by consecutive steps;
             :mod:`xoffload.kernels.page_cache`): a step copies only the pages it misses. ``None``
-            (default): four times the pages a step reads (on the 8B shape at 128K, budget 2048,
-            random weights: 25% hits with 256 slots, 14% with 116; H200, bench_e2e); ``0``: no
-            cache, pages are read in place over PCIe every step. Capped at the candidate pages (a cache that holds them all fetches
-            each page once).
+            (default): as many slots as ``cache_bytes`` holds, and at least four times the pages a
+            step reads; ``0``: no cache, pages are read in place over PCIe every step. Capped at
+            the candidate pages (a cache that holds them all fetches each page once) and at
+            :data:`~xoffload.kernels.page_cache.MAX_SLOTS`.
+        cache_bytes: with ``cache_pages=None``, the GPU bytes (K and V, all sparse layers) the page
+            cache may take: default 2 GiB (the 8B shape: 546 slots of 32 tokens per KV head and
+            layer, 13% of a 128K prompt's pages; 4x the pages a step reads would be 232). It is
+            allocated at the first decode step, after prefill's buffers are freed, so it adds to
+            the decode footprint, not to prefill's peak.
         exact_channels: ``r`` key channels per KV head and sparse layer whose values are kept on
             the GPU token by token (``r / D`` of K's bytes on top of the min/max summaries) and scored
             exactly (:func:`xoffload.kernels.channel_score.channel_page_scores`): the channels where
@@ -135,6 +141,7 @@ class QuestDecode(DecodePolicy):
     dense_layers: tuple = (0, 1)
     group_score: str = "max"
     cache_pages: int | None = None
+    cache_bytes: int = 2 << 30
     prefetch: bool = False
     exact_channels: int = 0
     bound_scale: float = 1.0
@@ -155,6 +162,7 @@ class QuestDecode(DecodePolicy):
             raise ValueError(f"group_score must be one of {GROUP_SCORES}, got {self.group_score!r}")
         if self.cache_pages is not None:
             check_int("cache_pages", self.cache_pages, 0)
+        check_int("cache_bytes", self.cache_bytes, 0)
         if not isinstance(self.prefetch, bool):
             raise TypeError(f"prefetch must be a bool, got {self.prefetch!r}")
         if self.prefetch and self.cache_pages == 0:
@@ -184,14 +192,22 @@ class QuestDecode(DecodePolicy):
             raise ValueError(f"exact_channels={pol.exact_channels} must be below the model's head_dim {cfg.head_dim}")
         return pol
 
-    def cache_slots(self, plan: "DecodePlan") -> int:
-        """GPU cache slots per KV head and sparse layer for ``plan`` (0: no cache): ``cache_pages``
-        (default ``4 * pages_per_step``), at least ``pages_per_step`` and at most the candidates."""
+    def cache_slots(self, plan: "DecodePlan", slot_bytes: int = 0) -> int:
+        """GPU cache slots per KV head and sparse layer for ``plan`` (0: no cache): ``cache_pages``,
+        or by default ``max(4 * pages_per_step, cache_bytes // slot_bytes)`` (``slot_bytes``: K and
+        V bytes of one slot over every sparse layer and KV head; 0: the ``4 * pages_per_step``
+        rule alone); at least ``pages_per_step``, at most the candidates and
+        :data:`~xoffload.kernels.page_cache.MAX_SLOTS`."""
+        from ..kernels.page_cache import MAX_SLOTS
+
         k, n = plan.pages_per_step, plan.num_candidates
         if k == 0 or self.cache_pages == 0:
             return 0
-        c = 4 * k if self.cache_pages is None else self.cache_pages
-        return min(max(c, k), n)
+        if self.cache_pages is None:
+            c = max(4 * k, self.cache_bytes // slot_bytes if slot_bytes > 0 else 0)
+        else:
+            c = self.cache_pages
+        return min(max(c, k), n, MAX_SLOTS)
 
     def sparse_layers(self, num_layers: int) -> tuple:
         """Indices of the layers that select pages (the others are dense). Raises ValueError for a
@@ -379,16 +395,16 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
     return torch.softmax(s * (d ** -0.5 if scale is None else float(scale)), dim=-1).sum(1)
 
 
-def select_page_ids(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices ``[Hkv, k]`` (int64, distinct per row, in no particular order) of each KV head's
-    ``k`` best-scoring candidates of ``scores`` ``[Hkv, n_cand]``; all of them when ``k == n_cand``.
-    Raises ValueError unless ``0 <= k <= n_cand``."""
+def select_page_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Indices ``[Hkv, k]`` (int32, distinct and ascending per row) of each KV head's ``k``
+    best-scoring candidates of ``scores`` ``[Hkv, n_cand]`` (ties: the lowest indices); all of
+    them when ``k == n_cand``. One Triton program per row
+    (:func:`xoffload.kernels.topk.topk_ids`), CUDA-graph safe; ``out``: an optional int32
+    ``[Hkv, k]`` destination. Raises ValueError unless ``0 <= k <= n_cand``."""
     hkv, n = scores.shape
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, {n}] (candidate pages), got {k}")
-    if k < n:
-        return scores.topk(k, dim=-1, sorted=False).indices
-    return torch.arange(n, device=scores.device).expand(hkv, n)
+    return topk_ids(scores, k, out=out)
 
 
 def select_pages(scores: torch.Tensor, k: int, first_page: int, page_size: int, block_table: torch.Tensor | None,
@@ -412,7 +428,7 @@ def select_pages(scores: torch.Tensor, k: int, first_page: int, page_size: int, 
         raise ValueError(f"k must be in [0, {n}] (candidate pages), got {k}")
     if block_table is not None and block_size % page_size:
         raise ValueError(f"block_size {block_size} must be a multiple of page_size {page_size}")
-    idx = select_page_ids(scores, k)
+    idx = select_page_ids(scores, k).long()
     tok = (idx + first_page) * page_size
     if block_table is None:
         rows = tok

@@ -65,8 +65,8 @@ def selection_loss(q: torch.Tensor, k: torch.Tensor, policy: QuestDecode, prompt
         prob = torch.softmax(torch.einsum("hd,nhd->hn", qs, keys) * scale, -1)
         cand = prob[:, f * P:(f + n) * P].reshape(hkv, g, n, P).sum(-1)  # [Hkv, g, n]
         sc = summ.scores(0, qs, f, n, policy, scale)
-        for ids, acc in ((select_page_ids(sc, kk), 0),
-                         (select_page_ids(cand.sum(1), kk), 1)):
+        for ids, acc in ((select_page_ids(sc, kk).long(), 0),
+                         (select_page_ids(cand.sum(1), kk).long(), 1)):
             keep = torch.zeros(hkv, n, dtype=torch.bool, device=q.device).scatter_(1, ids, True)
             worst = float((cand * ~keep[:, None]).sum(-1).max())
             if acc == 0:

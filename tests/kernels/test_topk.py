@@ -1,0 +1,114 @@
+"""Tests of the exact top-k kernel (topk_ids) against its reference and against torch.topk's value
+sets: random rows of several lengths (power of two and not), k = 1 .. N, heavy ties, negative
+zero, +-inf and NaN, strided inputs, the out= buffer, bad input; on the GPU inside a CUDA graph and
+on rows longer than the register limit (the reference path).
+
+CPU: the Triton code under the interpreter (and the reference under cpu_backend("reference")).
+"""
+import pytest
+import torch
+
+from helpers import HAS_CUDA
+from xoffload.kernels import cpu_backend
+from xoffload.kernels.reference import topk_ids_ref
+from xoffload.kernels.topk import MAX_REGISTER_ROW, topk_ids
+
+
+def _check_topk(scores, ids, k):
+    """ids: k distinct indices per row, ascending, whose scores are the row's k largest (as a multiset)."""
+    assert ids.shape == (scores.shape[0], k) and ids.dtype == torch.int32
+    for r in range(scores.shape[0]):
+        row = ids[r].long().cpu()
+        assert torch.all(row[1:] > row[:-1]), "ascending and distinct"
+        got = scores[r].float().cpu()[row].sort(descending=True).values
+        want = scores[r].float().cpu().topk(k).values
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("n", [1, 7, 16, 100, 1000, 1024, 4096])
+def test_matches_reference_and_torch_topk(device, n):
+    g = torch.Generator().manual_seed(n)
+    s = torch.randn(3, n, generator=g).to(device)
+    for k in sorted({0, 1, min(2, n), n // 3, n // 2, max(n - 1, 0), n}):
+        ids = topk_ids(s, k)
+        _check_topk(s, ids, k)
+        assert torch.equal(ids.cpu(), topk_ids_ref(s.cpu(), k))
+
+
+def test_ties_take_the_lowest_indices(device):
+    s = torch.tensor([[1.0, 3.0, 3.0, 2.0, 3.0, 3.0, 0.0, 3.0]], device=device)
+    assert topk_ids(s, 2).tolist() == [[1, 2]]
+    assert topk_ids(s, 6).tolist() == [[1, 2, 3, 4, 5, 7]]
+    ones = torch.ones(2, 50, device=device)
+    assert topk_ids(ones, 5).tolist() == [list(range(5))] * 2  # all tied: the first k
+
+
+def test_special_values(device):
+    nan, inf = float("nan"), float("inf")
+    s = torch.tensor([[0.0, -0.0, -inf, inf, 5.0, -5.0, nan, 1e-30]], device=device)
+    assert topk_ids(s, 1).tolist() == [[6]]  # NaN above every number
+    assert topk_ids(s, 2).tolist() == [[3, 6]]
+    assert topk_ids(s, 4).tolist() == [[3, 4, 6, 7]]
+    assert topk_ids(s, 5).tolist() == [[0, 3, 4, 6, 7]]  # +0.0 above -0.0
+    neg_nan = torch.tensor([[1.0, 2.0, 3.0]], device=device)
+    neg_nan[0, 0] = -torch.tensor(nan)  # a NaN with the sign bit set
+    assert topk_ids(neg_nan, 1).tolist() == [[0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_scores_and_strided_rows(device, dtype):
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(4, 300, generator=g).to(dtype).to(device)
+    s = base[:, 7:157]  # rows 300 apart
+    ids = topk_ids(s, 37)
+    _check_topk(s, ids, 37)
+    assert torch.equal(ids.cpu(), topk_ids_ref(s.cpu(), 37))
+
+
+def test_out_buffer_and_reference_backend(device):
+    g = torch.Generator().manual_seed(4)
+    s = torch.randn(8, 513, generator=g).to(device)
+    out = torch.full((8, 40), -7, dtype=torch.int32, device=device)
+    assert topk_ids(s, 40, out=out) is out
+    with cpu_backend("reference"):
+        ref = topk_ids(s.cpu(), 40)
+    assert torch.equal(out.cpu(), ref)
+
+
+def test_bad_input(device):
+    s = torch.randn(2, 10, device=device)
+    with pytest.raises(ValueError, match="k"):
+        topk_ids(s, 11)
+    with pytest.raises(ValueError, match="k"):
+        topk_ids(s, -1)
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        topk_ids(torch.randn(2, 20, device=device)[:, ::2], 1)
+    with pytest.raises(ValueError, match="scores"):
+        topk_ids(s[0], 1)
+    with pytest.raises(TypeError, match="scores"):
+        topk_ids(s.long(), 1)
+    with pytest.raises(ValueError, match="out must be int32 \\[2, 3\\]"):
+        topk_ids(s, 3, out=torch.empty(2, 4, dtype=torch.int32, device=device))
+    with pytest.raises(TypeError, match="out"):
+        topk_ids(s, 3, out=torch.empty(2, 3, dtype=torch.int64, device=device))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+def test_gpu_graph_replay_and_long_rows():
+    g = torch.Generator().manual_seed(5)
+    s = torch.randn(8, 4096, generator=g).cuda()
+    out = torch.empty(8, 58, dtype=torch.int32, device="cuda")
+    topk_ids(s, 58, out=out)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        topk_ids(s, 58, out=out)
+    for seed in range(3):
+        s.copy_(torch.randn(8, 4096, generator=torch.Generator().manual_seed(seed)).cuda())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), topk_ids_ref(s.cpu(), 58))
+    long = torch.randn(2, MAX_REGISTER_ROW + 5, generator=g).cuda()
+    ids = topk_ids(long, 100)
+    _check_topk(long, ids, 100)
+    assert torch.equal(ids.cpu(), topk_ids_ref(long.cpu(), 100))
