@@ -163,6 +163,60 @@ def test_history_page_ids_keep_sink_recent_and_a_planted_page():
         history_page_ids(q[:, :5], kmin, kmax, 4)
 
 
+def test_history_page_ids_with_exact_channels_score_each_token_and_keep_the_best():
+    """With exact channels the history pages are the top pages of the channel score maximised over
+    the chunk's tokens (checked against the fp32 reference scorer, token by token), plus the forced
+    ones. A page whose best key is large on two channels at once (the needle) beats pages whose
+    two channels peak in different tokens (decoys): exact scoring finds it, Quest's bound, which
+    takes each channel's extreme from a different token, ranks every decoy above it."""
+    from xoffload.kernels.reference import channel_page_scores_ref
+
+    torch.manual_seed(1)
+    hkv, g, d, n, P, r = 2, 2, 16, 30, 16, 2
+    keys = torch.randn(hkv, n, P, d) * 0.1
+    keys[1, :, 0, 1] = 4.0  # decoys: channel 1 peaks in token 0, channel 2 in token 1
+    keys[1, :, 1, 2] = 4.0
+    keys[1, 11, :2, 1:3] = 0.0  # the needle page: one token large on both (true score 6 > 4)
+    keys[1, 11, 5, 1:3] = 3.0
+    kmin, kmax = keys.amin(2), keys.amax(2)
+    channels = torch.tensor([[1, 2], [1, 2]], dtype=torch.int32)
+    klab = keys[..., 1:3].reshape(hkv, n * P, r).contiguous()
+    q = torch.randn(70, hkv * g, d) * 0.01  # 70 tokens: two blocks of the batched scorer
+    q[40, g:, 1:3] = 1.0  # one token of KV head 1's group looks along channels 1 and 2
+    ids = history_page_ids(q, kmin, kmax, 6, recent_pages=2, channels=channels, klab=klab, alpha=0.25)
+    best = torch.stack([channel_page_scores_ref(q[t], kmin, kmax, channels, klab, 0.25) for t in range(70)]).amax(0)
+    forced = [0, 28, 29]
+    best[:, forced] = float("inf")
+    for h in range(hkv):
+        assert sorted(ids[h].tolist()) == sorted(best[h].topk(6).indices.tolist())
+    assert 11 in ids[1].tolist() and set(forced) <= set(ids[1].tolist())
+    assert 11 not in history_page_ids(q, kmin, kmax, 6, recent_pages=2)[1].tolist()  # Quest's bound misses it
+    with pytest.raises(ValueError, match="come together"):
+        history_page_ids(q, kmin, kmax, 6, channels=channels)
+
+
+def test_sparse_history_with_exact_channels_reading_every_page_equals_dense(monkeypatch):
+    """A quest-ch style session: its sparse history, scored with the exact channels, reads every
+    page when the forced pages cover the history (then equals dense history), and reads fewer
+    bytes below it."""
+    from xoffload.engine import kv_history
+
+    calls = []
+    orig = kv_history._channel_best
+    monkeypatch.setattr(kv_history, "_channel_best", lambda *a: calls.append(1) or orig(*a))
+    m = tiny_random()
+    llm = LLM(m, mode="offload", kv_block_size=32, max_model_len=2048, sparse_decode=CHANNELS, **SDPA)
+    prompts = _prompts([150, 30, 20], seed=5)
+    dense = _conversation(llm, prompts, dense_layers=1)[0]
+    assert _conversation(llm, prompts, history_budget=96, recent_pages=16, dense_layers=1)[0] == dense
+    prompts = _prompts([900, 20], seed=6)
+    _, d = _conversation(llm, prompts, dense_layers=1)
+    _, sp = _conversation(llm, prompts, history_budget=192, recent_pages=2, dense_layers=1)
+    assert sp[1].timings["history_h2d_bytes"] < d[1].timings["history_h2d_bytes"]
+    assert len(sp[1].token_ids) == SP.max_tokens
+    assert calls  # the channel score chose the pages
+
+
 @pytest.mark.parametrize("mode", ["gpu", "offload"])
 def test_interleaved_sessions_and_requests_do_not_see_each_other(mode):
     """20 turns: sessions A and B alternate, with a plain request between turns (the seeds'

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..kernels import flash_attn_with_lse, gather_blocks, paged_decode_attn_with_lse
+from ..kernels import flash_attn_with_lse, gather_blocks, paged_decode_attn_with_lse, topk_ids
+from ..kernels.channel_score import channel_page_scores_batched
 from ..kernels.page_cache import page_cache_fill
 from .kv_store import PrefillStaging
 
@@ -34,21 +35,30 @@ def _to_device(values, dtype, device) -> torch.Tensor:
 
 
 def history_page_ids(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k: int, *,
-                     recent_pages: int = 4) -> torch.Tensor:
-    """The history pages a chunk's sparse layer reads, per KV head (Quest's bound, Tang et al. 2024).
+                     recent_pages: int = 4, channels: torch.Tensor | None = None,
+                     klab: torch.Tensor | None = None, alpha: float = 1.0) -> torch.Tensor:
+    """The history pages a chunk's sparse layer reads, per KV head (Quest's bound, Tang et al. 2024,
+    or with exact key channels the score of :func:`~xoffload.kernels.channel_score.channel_page_scores`).
 
     Args:
         q: ``[T, Hq, D]`` the chunk's (post-RoPE) queries of one layer, any float dtype.
         kmin, kmax: ``[Hkv, n_pages, D]`` page minima / maxima of the history's K (whole pages).
         k: pages to read per KV head (clamped to ``[forced, n_pages]``).
         recent_pages: the last pages always read (with page 0, the sink).
+        channels, klab: the summaries' exact key channels (int ``[Hkv, r]``) and the history's
+            values in them (``[Hkv, n_pages * P, r]``, kmin's dtype), or None (both): a page is then
+            scored per chunk token by the exact part on those channels plus ``q·mid +
+            alpha·|q|·radius`` on the others (as sparse decode with ``exact_channels``), instead
+            of Quest's bound.
+        alpha: the radius weight with ``channels`` (the decode policy's ``bound_scale``).
     Returns:
-        int64 ``[Hkv, k']`` distinct page ids per KV head (no particular order), ``k' = min(n_pages,
-        max(k, forced))``: the sink page, the ``recent_pages`` last pages, then the highest bounds
-        ``q_t⁺·max + q_t⁻·min`` maximised over the chunk's tokens t and each KV head's query-head
-        group (an upper bound of every ``q·k`` of the page for every query of the chunk).
+        int32 ``[Hkv, k']`` distinct page ids per KV head (ascending), ``k' = min(n_pages, max(k,
+        forced))``: the sink page, the ``recent_pages`` last pages, then the highest scores
+        maximised over the chunk's tokens t and each KV head's query-head group (Quest's bound
+        ``q_t⁺·max + q_t⁻·min``: an upper bound of every ``q·k`` of the page for every query of
+        the chunk).
     Raises:
-        ValueError: shapes that do not fit, ``k < 0``.
+        ValueError: shapes that do not fit, ``k < 0``, ``channels`` without ``klab``.
     """
     if q.dim() != 3 or kmin.dim() != 3 or kmin.shape != kmax.shape or q.shape[-1] != kmin.shape[-1]:
         raise ValueError(f"q must be [T, Hq, D] and kmin/kmax [Hkv, n_pages, D] with the same D, got "
@@ -58,19 +68,42 @@ def history_page_ids(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, k:
         raise ValueError(f"Hq={q.shape[1]} is not a multiple of Hkv={hkv}")
     if isinstance(k, bool) or not isinstance(k, int) or k < 0:
         raise ValueError(f"k must be an int >= 0, got {k!r}")
+    if (channels is None) != (klab is None):
+        raise ValueError("channels and klab come together (both None: Quest's bound)")
     g = q.shape[1] // hkv
     forced = sorted({0, *range(max(1, full - recent_pages), full)}) if full else []
     k = min(full, max(k, len(forced)))
     if k >= full:
-        return torch.arange(full, device=kmin.device).expand(hkv, full)
+        return torch.arange(full, dtype=torch.int32, device=kmin.device).expand(hkv, full)
     best = torch.full((hkv, full), float("-inf"), dtype=torch.float32, device=kmin.device)
-    mx, mn = kmax.float(), kmin.float()
-    for a in range(0, q.shape[0], _Q_CHUNK):
-        qc = q[a:a + _Q_CHUNK].float().view(-1, hkv, g, d)  # [t, Hkv, g, D]
-        b = torch.einsum("thgd,hpd->thgp", qc.clamp(min=0), mx) + torch.einsum("thgd,hpd->thgp", qc.clamp(max=0), mn)
-        best = torch.maximum(best, b.amax(dim=(0, 2)))
+    if channels is not None:
+        best = _channel_best(q, kmin, kmax, channels, klab, alpha, best)
+    else:
+        mx, mn = kmax.float(), kmin.float()
+        for a in range(0, q.shape[0], _Q_CHUNK):
+            qc = q[a:a + _Q_CHUNK].float().view(-1, hkv, g, d)  # [t, Hkv, g, D]
+            b = torch.einsum("thgd,hpd->thgp", qc.clamp(min=0), mx) + torch.einsum("thgd,hpd->thgp", qc.clamp(max=0), mn)
+            best = torch.maximum(best, b.amax(dim=(0, 2)))
     best[:, forced] = float("inf")
-    return best.topk(k, dim=-1, sorted=False).indices
+    return topk_ids(best, k)
+
+
+def _channel_best(q, kmin, kmax, channels, klab, alpha, best):
+    """``best`` maxed with each chunk token's exact-channel page scores (one batched launch per
+    :data:`_Q_CHUNK` tokens: the rows of :func:`channel_page_scores_batched` are the tokens, all
+    over the same pages)."""
+    hkv, full, _ = kmin.shape
+    rows = min(_Q_CHUNK, q.shape[0])
+    dev = kmin.device
+    index = torch.arange(full, dtype=torch.int32, device=dev).expand(rows, full).contiguous()
+    n_valid = torch.full((rows,), full, dtype=torch.int32, device=dev)
+    ch = channels.expand(rows, *channels.shape).contiguous()
+    for a in range(0, q.shape[0], _Q_CHUNK):
+        qc = q[a:a + _Q_CHUNK].to(kmin.dtype).contiguous()
+        t = qc.shape[0]
+        sc = channel_page_scores_batched(qc, kmin, kmax, ch[:t], klab, index[:t], n_valid[:t], alpha=alpha)
+        best = torch.maximum(best, sc.amax(0))
+    return best
 
 
 class ChunkSink:
@@ -199,10 +232,15 @@ class ChunkSink:
         r = n - full * P
         k_sel = min(full, s.history_budget // P - (1 if r else 0))
         hkv = s.cfg.num_kv_heads
-        ids = history_page_ids(q, s._summ.kmin[layer, :, :full], s._summ.kmax[layer, :, :full], k_sel,
-                               recent_pages=s.recent_pages)
+        summ = s._summ
+        ch = kl = None
+        if summ.klab is not None:  # the decode policy's exact key channels score the history too
+            ch, kl = summ.channels[layer], summ.klab[layer, :, :full * P]
+        ids = history_page_ids(q, summ.kmin[layer, :, :full], summ.kmax[layer, :, :full], k_sel,
+                               recent_pages=s.recent_pages, channels=ch, klab=kl,
+                               alpha=s.policy.bound_scale if ch is not None else 1.0)
         k_sel = ids.shape[1]
-        tok = ids * P  # first token of each chosen page, [Hkv, k]
+        tok = ids.long() * P  # first token of each chosen page, [Hkv, k]
         if r:
             tok = torch.cat([tok, torch.full((hkv, 1), full * P, dtype=tok.dtype, device=s.device)], 1)
         m = tok.shape[1]

@@ -18,7 +18,9 @@ tokens, as a chunk that continues the history:
 Sparse history (``history_budget``): per layer not in ``dense_layers`` and per KV head,
 the history pages (``page_size`` tokens) whose Quest bound (Tang et al. 2024: elementwise min/max
 of each page's K, kept on the GPU for the whole session; ``q⁺·max + q⁻·min`` maximised over the
-chunk's query tokens and the KV head's query-head group) is highest, up to ``history_budget``
+chunk's query tokens and the KV head's query-head group; with a decode policy that keeps exact
+key channels, ``quest-ch``, the page score of sparse decode instead: exact on those channels, the
+scaled bound on the others) is highest, up to ``history_budget``
 tokens counting the first page (sink), the last ``recent_pages`` and the partial last page; only
 those pages are copied from the pool (offload) — one gather kernel per layer reading pinned memory
 over UVA — and attended. A budget at least the history reads every page (equal to dense history).
