@@ -93,7 +93,10 @@ class EngineConfig:
             the reused prefix as a session attends to its history; blocks are reference-counted,
             a shared partly filled block is copied before it is written, and cached blocks no live
             sequence holds are evicted (LRU, leaf first) when the pool runs short
-            (:class:`xoffload.runtime.PrefixCache`). Default False.
+            (:class:`xoffload.runtime.PrefixCache`). Resident mode with ``max_num_seqs > 1`` and
+            dense decode: the same within one batched ``generate`` call, over its GPU pool (the
+            prompts of a call share their common prefixes;
+            :mod:`xoffload.engine.kv_batch_prefix`). Default False.
     """
 
     mode: str = "resident"
@@ -170,14 +173,16 @@ class EngineConfig:
         self.seed = int(self.seed)
         self.tensor_parallel_size = _positive("tensor_parallel_size", self.tensor_parallel_size)
         check_bool("prefix_caching", self.prefix_caching)
-        if self.prefix_caching and (self.mode != "offload" or self.offload_decode == "ring"
-                                    or (self.max_num_seqs != 1 and self.sparse_decode is not None)
-                                    or self.tensor_parallel_size != 1):
-            raise ValueError(f"prefix_caching reuses KV blocks of the offload pool: it needs mode='offload' with "
-                             f"offload_decode 'direct' or 'uva', one device, and (with max_num_seqs > 1) no decode "
-                             f"policy; got mode={self.mode!r}, offload_decode={self.offload_decode!r}, "
-                             f"max_num_seqs={self.max_num_seqs}, sparse_decode={self.sparse_decode!r}, "
-                             f"tensor_parallel_size={self.tensor_parallel_size}")
+        resident_ok = self.mode in ("resident", "gpu") and self.max_num_seqs > 1 and self.sparse_decode is None
+        offload_ok = self.mode == "offload" and self.offload_decode != "ring" \
+            and (self.max_num_seqs == 1 or self.sparse_decode is None)
+        if self.prefix_caching and (not (resident_ok or offload_ok) or self.tensor_parallel_size != 1):
+            raise ValueError(f"prefix_caching reuses KV blocks of a pool: it needs one device and either "
+                             f"mode='offload' with offload_decode 'direct' or 'uva' (with max_num_seqs > 1: no decode "
+                             f"policy), or mode='resident' with max_num_seqs > 1 (batched generation; the prompts "
+                             f"of a call share their prefixes) and no decode policy; got mode={self.mode!r}, "
+                             f"offload_decode={self.offload_decode!r}, max_num_seqs={self.max_num_seqs}, "
+                             f"sparse_decode={self.sparse_decode!r}, tensor_parallel_size={self.tensor_parallel_size}")
 
     @property
     def policy(self) -> PrefillPolicy:

@@ -1086,7 +1086,8 @@ class SerialBatchKV(BatchKV):
 
 def batch_store_class(store_cls, config):
     """``(batched store class, open keyword arguments)`` serving the LLM's per-request store class
-    ``store_cls`` under ``config``: :class:`ResidentBatchKV` for :class:`ResidentKV`,
+    ``store_cls`` under ``config``: :class:`ResidentBatchKV` for :class:`ResidentKV` (with
+    ``prefix_caching``: :class:`~xoffload.engine.kv_batch_prefix.ResidentPrefixBatchKV`),
     :class:`OffloadBatchKV` for offload's direct store without a decode policy,
     :class:`OffloadQuestBatchKV` for it with a :class:`~xoffload.sparse.QuestDecode` policy that
     asks for no page cache or prefetch (``cache_pages`` None — the per-request default cache is not
@@ -1098,6 +1099,10 @@ def batch_store_class(store_cls, config):
     from .kv_paged import OffloadPagedKV
 
     if store_cls is ResidentKV:
+        if config.prefix_caching:
+            from .kv_batch_prefix import ResidentPrefixBatchKV
+
+            return ResidentPrefixBatchKV, {}
         return ResidentBatchKV, {}
     if store_cls is OffloadPagedKV and config.decode_policy is None:
         return OffloadBatchKV, {}

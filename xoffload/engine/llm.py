@@ -89,10 +89,10 @@ class LLM:
         self.batch_stats: dict = {}
         self._sessions: dict = {}  # live sessions by id (see session())
         self.prefix_cache = None
-        if cfg.prefix_caching:
+        if cfg.prefix_caching and self.engine is not None:  # offload: over the pinned pool, for good
             from ..runtime import PrefixCache
 
-            self.prefix_cache = PrefixCache(self.engine)
+            self.prefix_cache = PrefixCache(self.engine)  # (resident: per batched call, in its GPU pool)
         self._stop_ids = set(self.cfg.eos_token_ids)
         tok = self.tokenizer
         if tok is not None and getattr(tok, "eos_token_id", None) is not None:

@@ -175,6 +175,18 @@ class OffloadEngine:
         self._seqs[sid] = st
         return sid
 
+    def kv_in_pool(self, seq: int, n: int, what: str = "kv_in_pool") -> int:
+        """Make the first ``min(n, len)`` tokens' KV of ``seq`` (``len``: the tokens it holds)
+        be in its pool blocks in every layer, flushing its decode buffer when needed; returns
+        that count. Raises ValueError (named ``what``): seq unknown/freed, inside a decode step,
+        or with layers of unequal length; PoolExhaustedError if the flush needs a copy-on-write
+        block and none is free."""
+        s = self._get(seq)
+        n = min(self._uniform_len(s, what), int(n))
+        if n > min(s.pool_len):
+            self.flush(seq)
+        return n
+
     def fork(self, parent: int, n_tokens: int | None = None) -> int:
         """New sequence sharing the first ``n_tokens`` (default: all) tokens of ``parent``'s KV.
 

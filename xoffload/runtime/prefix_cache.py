@@ -104,7 +104,11 @@ def _lcp(a, b) -> int:
 
 
 class PrefixCache:
-    """Block-hash prefix cache over one :class:`~xoffload.runtime.OffloadEngine`'s pool.
+    """Block-hash prefix cache over one :class:`~xoffload.runtime.OffloadEngine`'s pool (or any block
+    pool with the same small interface: ``block_size``, ``allocator`` (a
+    :class:`~xoffload.runtime.BlockAllocator`), ``_closed``, ``kv_in_pool(seq, n, what)`` and,
+    for :meth:`add_sequence`, ``add_sequence(prefix_blocks=, prefix_len=)``; the batched resident
+    store's GPU pool is one).
 
     Args:
         engine: the engine whose blocks are cached; the cache installs itself as the engine's
@@ -178,13 +182,9 @@ class PrefixCache:
         PoolExhaustedError if the flush needs a copy-on-write block and none is free.
         """
         self._check_open()
-        eng = self.engine
-        s = eng._get(seq)
         ids = self._tokens(token_ids)
-        n = min(eng._uniform_len(s, "PrefixCache.insert"), len(ids))
+        n = self.engine.kv_in_pool(seq, len(ids), "PrefixCache.insert")
         ids = ids[:n]
-        if n > min(s.pool_len):
-            eng.flush(seq)
         table = self._alloc.table(seq)
         bs = self.block_size
         self._clock += 1

@@ -1,0 +1,154 @@
+"""Prefix caching for batched ``resident`` generation: the prompts of one ``LLM.generate`` call share
+the KV blocks of their common leading tokens in the GPU pool of :class:`ResidentBatchKV`.
+
+A sequence's KV lives in blocks of the store's GPU :class:`~xoffload.engine.kv_batch.RowPool`. Right
+before its prefill (:meth:`ResidentPrefixBatchKV.prefill_start`) its prompt is matched against a
+:class:`~xoffload.runtime.PrefixCache` over that pool (chained block hashes, as vLLM's automatic
+prefix caching): the matched blocks join its block table with one more reference each, a shared
+partly filled last block is copied first (copy-on-write), and only the rest of the prompt is
+prefilled, its queries attending to the reused prefix in place (the prefill kernel reading the
+pool's blocks through a block table: no copy) merged by LSE with their own causal attention. When its prefill ends, its prompt's blocks
+are registered, so the prompts prefilled after it in the same call find them. Cached blocks that
+no running sequence holds are evicted (LRU, leaf first) when the pool runs short.
+
+Admission reserves a sequence's whole KV (prompt + new tokens) as without caching: a bound on the
+blocks its table will hold (shared ones included; the copy-on-write block takes the shared one's
+place, which is not held meanwhile), so the running sequences never hold more blocks than the
+pool has, and an allocation can always evict what only the cache holds.
+Decode writes the new tokens after the prompt: into the sequence's own blocks, or into rows past
+the registered tokens of its prompt's partly filled last block, which no other holder reads (a
+sequence sharing that block copies it before writing, and reads only the registered rows).
+
+The cache lives as long as the call's pool (one ``generate``); reuse across calls is the offload
+mode's (its pool persists in the LLM) and the sessions' (:mod:`xoffload.engine.session`).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..kernels import flash_attn_with_lse
+from ..runtime.prefix_cache import PrefixCache
+from .kv_batch import ResidentBatchKV, _blocks, _StagedSink, _to_device
+
+__all__ = ["ResidentPrefixBatchKV"]
+
+
+class _PoolBlocks:
+    """The block-pool interface :class:`~xoffload.runtime.PrefixCache` needs, over a RowPool:
+    ``block_size``, ``allocator``, ``_closed``, and ``kv_in_pool`` (the tokens whose KV a sequence
+    has written, set by the store when its prefill ends)."""
+
+    def __init__(self, pool):
+        self.block_size = pool.block
+        self.allocator = pool.alloc
+        self._closed = False
+        self.written: dict = {}
+
+    def kv_in_pool(self, seq: int, n: int, what: str = "kv_in_pool") -> int:
+        if seq not in self.written:
+            raise ValueError(f"{what}: sequence {seq} has written no KV to the pool")
+        return min(int(n), self.written[seq])
+
+
+class ResidentPrefixBatchKV(ResidentBatchKV):
+    """:class:`~xoffload.engine.kv_batch.ResidentBatchKV` with prefix caching (module docstring);
+    chosen by :func:`~xoffload.engine.kv_batch.batch_store_class` for ``mode="resident"``,
+    ``prefix_caching=True``, dense decode. Each request's timings carry ``prefix_reused_tokens``;
+    ``cow_copies`` counts the copied blocks."""
+
+    def __init__(self, model, config, shared, seqs):
+        super().__init__(model, config, shared, seqs)
+        self._blocks = _PoolBlocks(self.pool)
+        self.cache = PrefixCache(self._blocks)
+        self._reserved = 0
+        self.cow_copies = 0
+
+    # admission: the whole KV is reserved as a count; blocks are taken at prefill_start
+    def can_admit(self, seq) -> bool:
+        return self._reserved + _blocks(seq.final_len, self.block) <= self.pool.num_blocks
+
+    def admit(self, seq):
+        self._reserved += _blocks(seq.final_len, self.block)
+        seq.kv = {"table": None, "start": 0}
+
+    def prefill_start(self, seq) -> int:
+        """Match the prompt (less its last token, recomputed for its logits) against the cache,
+        start the sequence's block table on the matched blocks (copying a shared partly filled
+        last one), allocate the rest of its KV; returns the reused token count."""
+        sid, alloc, B = seq.index, self.pool.alloc, self.block
+        m = self.cache.match(seq.req.ids[:-1])
+        partial = m.n_tokens % B != 0  # the last matched block is partly used: this sequence writes into it
+        alloc.add(sid, m.blocks[:-1] if partial else m.blocks)
+        try:
+            if partial:  # copy-on-write: a fresh block, filled from the shared one
+                # the shared block is not referenced here, so the allocation may evict it (it is
+                # then only the cache's); its rows stay intact until a block is written, and the
+                # copy below is the next write, stream-ordered (if the allocator hands it back,
+                # nothing needs copying)
+                old = m.blocks[-1]
+                new = alloc.allocate(sid, 1)[0]
+                if new != old:
+                    self._copy_block(old, new)
+            alloc.allocate(sid, _blocks(seq.final_len, B) - len(alloc.table(sid)))
+        except Exception:
+            alloc.free(sid)
+            raise
+        seq.kv = {"table": alloc.table(sid), "start": m.n_tokens}
+        return m.n_tokens
+
+    def _copy_block(self, old: int, new: int) -> None:
+        """Copy-on-write: block ``old``'s rows to ``new`` in every layer (K and V), stream-ordered
+        before any write into ``new``."""
+        B = self.block
+        for t in (self.pool.k, self.pool.v):
+            t[:, new * B:(new + 1) * B].copy_(t[:, old * B:(old + 1) * B])
+        self.cow_copies += 1
+
+    def release(self, seq):
+        if seq.kv is not None:
+            self._reserved -= _blocks(seq.final_len, self.block)
+        self._blocks.written.pop(seq.index, None)
+        super().release(seq)
+
+    def sink(self, seq):
+        table, T, start = seq.kv["table"], seq.prompt_len, seq.kv["start"]
+        rows = torch.empty(T - start, dtype=torch.int64, device=self.device)
+        _to_device(rows, self.pool.rows(table, T)[start:])
+        L = self.cfg.num_layers
+
+        def buffers(layer, t):
+            shape = (t, self.cfg.num_kv_heads, self.cfg.head_dim)
+            if self._stage is None or self._stage[0].shape[0] < t:
+                self._stage = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                               torch.empty(shape, dtype=self.dtype, device=self.device))
+            return self._stage[0][:t], self._stage[1][:t]
+
+        def done(layer, k, v):
+            self.pool.k[layer].index_copy_(0, rows, k)
+            self.pool.v[layer].index_copy_(0, rows, v)
+            if layer == L - 1:  # every layer written: later prompts of the call may share it
+                self._blocks.written[seq.index] = T
+                self.cache.insert(seq.index, seq.req.ids)
+
+        history = None
+        if start:
+            nb, B = _blocks(start, self.block), self.block
+            bt = torch.empty(1, nb, dtype=torch.int32, device=self.device)
+            _to_device(bt[0], torch.tensor(table[:nb], dtype=torch.int32))
+            used = torch.full((1,), start, dtype=torch.int32, device=self.device)
+            hkv, d = self.cfg.num_kv_heads, self.cfg.head_dim
+
+            def history(layer, q):
+                """The chunk's queries ``q [T', Hq, D]`` over the reused prefix, read in the pool."""
+                k = self.pool.k[layer].view(-1, B, hkv, d)
+                v = self.pool.v[layer].view(-1, B, hkv, d)
+                return flash_attn_with_lse(q[None], k, v, causal=False, softmax_scale=self.scale, block_table=bt,
+                                           seqused_k=used, check=False)
+
+        return _StagedSink(buffers, done, history)
+
+    def close(self):
+        if self.cache is not None:
+            self._blocks._closed = True
+        self.cache = None
+        super().close()
