@@ -75,7 +75,7 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> t
     """
     check_tensor("scores", scores, 2, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     rows, n = scores.shape
-    check_int("k", k, 0, n)
+    k = check_int("k", k, 0, n)
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
     else:
