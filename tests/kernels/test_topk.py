@@ -75,6 +75,14 @@ def test_out_buffer_and_reference_backend(device):
     assert torch.equal(out.cpu(), ref)
 
 
+def test_numpy_integer_k(device):
+    """k may be any integer check_int accepts (a numpy integer too), as torch.topk's k may."""
+    np = pytest.importorskip("numpy")
+    s = torch.randn(3, 40, generator=torch.Generator().manual_seed(6)).to(device)
+    for k in (np.int64(5), np.int32(40), np.int64(0)):
+        assert torch.equal(topk_ids(s, k).cpu(), topk_ids_ref(s.cpu(), int(k)))
+
+
 def test_bad_input(device):
     s = torch.randn(2, 10, device=device)
     with pytest.raises(ValueError, match="k"):

@@ -222,6 +222,12 @@ def test_cache_slots_follow_the_byte_budget():
     from xoffload.kernels.page_cache import MAX_SLOTS
     long = QuestDecode(page_size=16).plan(1 << 20)
     assert QuestDecode(cache_bytes=1 << 50, page_size=16).cache_slots(long, slot) == MAX_SLOTS
+    # a step reading more pages than MAX_SLOTS: no cache (a cache of MAX_SLOTS < K slots cannot
+    # take one step's pages; page_cache_lookup refuses it)
+    huge = QuestDecode(page_size=16, token_budget=1 << 19).plan(1 << 21)
+    assert huge.pages_per_step > MAX_SLOTS
+    assert QuestDecode(page_size=16, token_budget=1 << 19).cache_slots(huge, slot) == 0
+    assert QuestDecode(page_size=16, token_budget=1 << 19, cache_pages=MAX_SLOTS).cache_slots(huge, slot) == 0
 
 
 def _decoy_layer(fooled: bool, T=160, S=2, D=16, hq=2):

@@ -303,7 +303,7 @@ class OffloadKV(KVStore):
         n = req.final_len
         return cls(shared, seq, model.cfg, model.dtype, model.device, model.scale, max_len=n)
 
-    # prefill: two staging buffers alternating by layer (PrefillStaging)
+    # prefill: a staging buffer reused by layer after its copy out (PrefillStaging)
     def buffers(self, layer, T):
         return self._stage.buffers(self.eng, layer, T)
 

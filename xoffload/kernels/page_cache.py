@@ -9,7 +9,10 @@ token rows in a GPU row store ``[R, Hkv, D]`` (slot ``s`` of head ``h`` is rows
 
 * ``tag`` ``[Hkv, C]``: page id held by each slot (-1: empty);
 * ``slot_of`` ``[Hkv, n_ids]``: slot holding each page id (-1: not cached);
-* ``clock`` ``[Hkv]``: the replacement hand.
+* ``clock`` ``[Hkv]``: the replacement hand;
+
+and the lookup's scratch (``mark`` ``[Hkv, C]``, ``step`` ``[Hkv]``, ``free`` ``[Hkv, C]``: see
+:class:`PageCacheState`).
 
 :func:`page_cache_lookup` (one program per KV head, no host work: CUDA-graph safe) marks the hits,
 gives each miss the next slot after the hand that no hit of this step holds (CLOCK replacement

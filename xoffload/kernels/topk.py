@@ -66,7 +66,7 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> t
             buffer.
     Returns:
         int32 ``[R, k]``: per row the indices of its ``k`` largest scores (ties at the k-th value:
-        the lowest indices; NaN above every number), in ascending order.
+        the lowest indices; NaN above every number, -0.0 below +0.0), in ascending order.
     Raises:
         TypeError / ValueError: ``scores`` not 2-D floating point, ``k`` outside ``[0, N]``, a bad
         ``out``.
@@ -75,7 +75,7 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> t
     """
     check_tensor("scores", scores, 2, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     rows, n = scores.shape
-    check_int("k", k, 0, n)
+    k = check_int("k", k, 0, n)
     if out is None:
         out = torch.empty(rows, k, dtype=torch.int32, device=scores.device)
     else:

@@ -101,7 +101,8 @@ class QuestDecode(DecodePolicy):
             (default): as many slots as ``cache_bytes`` holds, and at least four times the pages a
             step reads; ``0``: no cache, pages are read in place over PCIe every step. Capped at
             the candidate pages (a cache that holds them all fetches each page once) and at
-            :data:`~xoffload.kernels.page_cache.MAX_SLOTS`.
+            :data:`~xoffload.kernels.page_cache.MAX_SLOTS` (no cache when a step reads more pages
+            than that).
         cache_bytes: with ``cache_pages=None``, the GPU bytes (K and V, all sparse layers) the page
             cache may take: default 2 GiB (the 8B shape: 546 slots of 32 tokens per KV head and
             layer, 13% of a 128K prompt's pages; 4x the pages a step reads would be 232). It is
@@ -197,11 +198,12 @@ class QuestDecode(DecodePolicy):
         or by default ``max(4 * pages_per_step, cache_bytes // slot_bytes)`` (``slot_bytes``: K and
         V bytes of one slot over every sparse layer and KV head; 0: the ``4 * pages_per_step``
         rule alone); at least ``pages_per_step``, at most the candidates and
-        :data:`~xoffload.kernels.page_cache.MAX_SLOTS`."""
+        :data:`~xoffload.kernels.page_cache.MAX_SLOTS`; 0 when a step reads more pages than
+        ``MAX_SLOTS`` (the cache cannot hold one step's pages: they are read in place)."""
         from ..kernels.page_cache import MAX_SLOTS
 
         k, n = plan.pages_per_step, plan.num_candidates
-        if k == 0 or self.cache_pages == 0:
+        if k == 0 or self.cache_pages == 0 or k > MAX_SLOTS:
             return 0
         if self.cache_pages is None:
             c = max(4 * k, self.cache_bytes // slot_bytes if slot_bytes > 0 else 0)
