@@ -223,12 +223,12 @@ def page_cache_lookup(pages: torch.Tensor, state: PageCacheState, table: torch.T
         raise ValueError("table must have a contiguous last dim and src must be contiguous")
     if pages.stride(1) != 1:
         pages = pages.contiguous()
-    check_pow2("page_size", page_size, 16)
-    check_int("first_page", first_page, 0)
-    check_int("base", base, 0)
+    page_size = check_pow2("page_size", page_size, 16)
+    first_page = check_int("first_page", first_page, 0)
+    base = check_int("base", base, 0)
     if block_table is not None:
         check_tensor("block_table", block_table, 1, dtypes=(torch.int32,))
-        check_int("block_size", block_size, 1)
+        block_size = check_int("block_size", block_size, 1)
         if block_size % page_size:
             raise ValueError(f"block_size {block_size} must be a multiple of page_size {page_size}")
     if hits is not None:
@@ -303,7 +303,7 @@ def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tenso
     hkv, k = src.shape
     if tuple(table.shape) != (hkv, k) or hkv != dst_k.shape[1]:
         raise ValueError(f"src {tuple(src.shape)} and table {tuple(table.shape)} must be [Hkv={dst_k.shape[1]}, K]")
-    check_pow2("page_size", page_size, 16)
+    page_size = check_pow2("page_size", page_size, 16)
     host = dst_k.is_cuda and not src_k.is_cuda
     if host:
         for n, t in (("src_k", src_k), ("src_v", src_v)):

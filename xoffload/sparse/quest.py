@@ -104,7 +104,8 @@ class QuestDecode(DecodePolicy):
             :data:`~xoffload.kernels.page_cache.MAX_SLOTS` (no cache when a step reads more pages
             than that).
         cache_bytes: with ``cache_pages=None``, the GPU bytes (K and V, all sparse layers) the page
-            cache may take: default 2 GiB (the 8B shape: 546 slots of 32 tokens per KV head and
+            cache is sized to, unless four times a step's pages need more (that floor wins):
+            default 2 GiB (the 8B shape: 546 slots of 32 tokens per KV head and
             layer, 13% of a 128K prompt's pages; 4x the pages a step reads would be 232). It is
             allocated at the first decode step, after prefill's buffers are freed, so it adds to
             the decode footprint, not to prefill's peak.
