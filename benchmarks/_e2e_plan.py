@@ -69,7 +69,22 @@ def variant_configs() -> dict:
 
     return {"offload+quest-nocache": {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=0)},
             "offload+quest-prefetch": {"mode": "offload", "sparse_decode": QuestDecode(prefetch=True)},
-            "offload+quest-cache2x": {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=116)}}
+            "offload+quest-cache2x": {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=116)},
+            **reuse_configs()}
+
+
+def reuse_configs() -> dict:
+    """Opt-in configurations (run only when ``--configs`` names them, at every length): the page
+    cache's reuse bias (:attr:`xoffload.sparse.QuestDecode.reuse_bias`, 2: a cached page gives
+    way only to a page whose score says twice its attention weight) on ``quest`` and ``quest-ch``."""
+    import dataclasses
+
+    from xoffload.sparse import QuestDecode
+    from xoffload.sparse.policy import decode_policies
+
+    qch = decode_policies()["quest-ch"]()
+    return {"offload+quest-reuse2": {"mode": "offload", "sparse_decode": QuestDecode(reuse_bias=2.0)},
+            "offload+quest-ch-reuse2": {"mode": "offload", "sparse_decode": dataclasses.replace(qch, reuse_bias=2.0)}}
 
 
 def all_configs(only: str | None = None, variants: bool = False) -> dict:
@@ -84,7 +99,7 @@ def all_configs(only: str | None = None, variants: bool = False) -> dict:
     names = [x for x in (only or "").split(",") if x]
     if "offload+quest" in cfgs:
         extra = variant_configs()
-        cfgs.update({k: v for k, v in extra.items() if variants or k in names})
+        cfgs.update({k: v for k, v in extra.items() if (variants and k in VARIANTS) or k in names})
     else:
         extra = {}
     if names:

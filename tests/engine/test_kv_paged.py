@@ -8,6 +8,8 @@ row store) plus a resident tail. CPU (the kernels' references; the pool in host 
 - 20 sequential requests through one engine are unaffected by the ones before;
 - the pool and tails are released.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -210,6 +212,62 @@ def test_page_cache_gives_the_uncached_tokens_and_counts_hits(model):
     assert res[None, False][3]["cache_hit_rate"] > 0  # consecutive steps choose some pages again
     # the prefetched pages are found by the exact selection more often than the cache alone finds them
     assert res[None, True][3]["cache_hit_rate"] > res[None, False][3]["cache_hit_rate"]
+
+
+def test_reuse_bias_keeps_cached_pages_and_is_exact_at_a_full_budget(model):
+    """QuestDecode(reuse_bias=B): cached pages compete with their score + ln(B) / scale, so with
+    a small cache the hit rate rises and the bytes per step fall against B = 1 (the same plan);
+    the selection differs only by that bias (checked on one layer's step against topk of the
+    shifted scores); with a budget covering the prompt every page is read and the tokens equal
+    dense offload decode."""
+    import math
+
+    cfg = model.cfg
+    ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(4))
+    stats = {}
+    for bias in (1.0, 64.0):
+        pol = QuestDecode(token_budget=128, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,),
+                          cache_pages=4, reuse_bias=bias)
+        eng = _engine(cfg, T + N)
+        kv = PagedKV(cfg, torch.float32, torch.device("cpu"), model.scale, prompt_len=T, max_new=N, policy=pol,
+                     engine=eng, seq=eng.add_sequence())
+        assert kv.cache_slots == kv.plan.pages_per_step == 4
+        if bias != 1.0:  # one selection, seen from outside: topk_ids of the scores shifted on cached pages
+            import xoffload.engine.kv_paged as kp
+
+            seen = []
+            orig = kp.select_page_ids
+
+            def spy(sc, k, **kw):
+                out = orig(sc, k, **kw)
+                seen.append((sc.clone(), kw["prefer"].clone(), kw["prefer_bonus"], out.clone()))
+                return out
+
+            kp.select_page_ids = spy
+        try:
+            _run(model, ids, kv, N)
+        finally:
+            if bias != 1.0:
+                kp.select_page_ids = orig
+        stats[bias] = (kv.decode_stats()["cache_hit_rate"], kv.h2d_bytes_per_step)
+        kv.close()
+        eng.close()
+    sc, pref, bonus, out = seen[-1]
+    assert bonus == pytest.approx(math.log(64.0) / model.scale)
+    shifted = sc + (pref[:, :sc.shape[1]] >= 0).float() * bonus
+    assert torch.equal(out, kp.select_page_ids(shifted, 4))  # the shifted scores' own top 4
+    assert stats[64.0][0] > stats[1.0][0] and stats[64.0][1] < stats[1.0][1]
+    # a full budget reads every page whatever the bias
+    dense_pol = QuestDecode(token_budget=None, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,))
+    toks = {}
+    for pol in (dense_pol, dataclasses.replace(dense_pol, reuse_bias=8.0)):
+        eng = _engine(cfg, T + N)
+        kv = PagedKV(cfg, torch.float32, torch.device("cpu"), model.scale, prompt_len=T, max_new=N, policy=pol,
+                     engine=eng, seq=eng.add_sequence())
+        toks[pol.reuse_bias] = _run(model, ids, kv, N)[0]
+        kv.close()
+        eng.close()
+    assert toks[1.0] == toks[8.0]
 
 
 def test_twenty_sequential_requests_are_independent(model):

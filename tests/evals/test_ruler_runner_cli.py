@@ -220,7 +220,9 @@ def test_mode_dense_layers_suffix():
     kw = mode_options("offload+quest@512/ch=8/alpha=0.25/page=16/dense=0.1")
     assert kw["sparse_decode"] == QuestDecode(token_budget=512, exact_channels=8, bound_scale=0.25, page_size=16,
                                               dense_layers=(0, 1))
+    assert mode_options("offload+quest-ch@512/reuse=2")["sparse_decode"].reuse_bias == 2.0
     for bad, msg in (("offload+quest@512/ch=x", "/ch= takes an integer"), ("offload+quest@512/alpha=2", "bound_scale"),
+                     ("offload+quest@512/reuse=0.5", "reuse_bias"), ("offload+quest@512/softmax/reuse=2", "group_score"),
                      ("offload+quest@512/page=24", "power of two"), ("offload@512/ch=8", "decode-policy")):
         with pytest.raises(ValueError, match=msg):
             mode_options(bad)

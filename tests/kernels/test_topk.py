@@ -83,6 +83,29 @@ def test_numpy_integer_k(device):
         assert torch.equal(topk_ids(s, k).cpu(), topk_ids_ref(s.cpu(), int(k)))
 
 
+def test_preferred_entries_compete_with_a_bonus(device):
+    """prefer >= 0 adds prefer_bonus to an entry's score for the choice (kernel == reference); a
+    bonus of 0 changes nothing; a large one takes every preferred entry first."""
+    g = torch.Generator().manual_seed(6)
+    s = torch.randn(4, 300, generator=g).to(device)
+    prefer = torch.full((4, 320), -1, dtype=torch.int32)
+    prefer[:, ::7] = 3  # every 7th page "cached"
+    prefer = prefer.to(device)
+    for bonus in (0.0, 0.5, 100.0):
+        ids = topk_ids(s, 20, prefer=prefer, prefer_bonus=bonus)
+        shifted = s.float() + (prefer[:, :300] >= 0).float() * bonus
+        assert torch.equal(ids.cpu(), topk_ids_ref(shifted.cpu(), 20))
+        if bonus == 0.0:
+            assert torch.equal(ids, topk_ids(s, 20))
+        if bonus == 100.0:
+            assert bool((ids % 7 == 0).all())  # 43 preferred entries per row: all 20 from them
+    assert torch.equal(s, s.clone())  # the scores are not modified
+    with pytest.raises(ValueError, match="prefer must be int32"):
+        topk_ids(s, 3, prefer=prefer[:, :100])
+    with pytest.raises(ValueError, match="prefer_bonus"):
+        topk_ids(s, 3, prefer=prefer, prefer_bonus=float("inf"))
+
+
 def test_bad_input(device):
     s = torch.randn(2, 10, device=device)
     with pytest.raises(ValueError, match="k"):

@@ -206,6 +206,12 @@ def test_prefetch_needs_the_cache():
     assert QuestDecode(cache_pages=0).cache_slots(QuestDecode().plan(4096)) == 0
     with pytest.raises(ValueError, match="cache_bytes"):
         QuestDecode(cache_bytes=-1)
+    for bad in (0.5, float("inf"), True, "2"):
+        with pytest.raises(ValueError, match="reuse_bias"):
+            QuestDecode(reuse_bias=bad)
+    with pytest.raises(ValueError, match="needs group_score='max'"):
+        QuestDecode(reuse_bias=2.0, group_score="softmax")
+    assert QuestDecode(reuse_bias=2).reuse_bias == 2.0
 
 
 def test_cache_slots_follow_the_byte_budget():

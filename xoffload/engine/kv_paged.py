@@ -28,6 +28,7 @@ element size; dense decode: the whole prompt's KV of every layer.
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -418,8 +419,11 @@ class PagedKV(KVStore):
         p = self.plan
         f, n = p.first_page, p.num_candidates
         s = self.summaries.scores(layer, q, f, n, self.policy, self.scale)
-        ids = select_page_ids(s, self._k)
-        page_cache_lookup(ids, self._cstate[layer], table, src, first_page=f, page_size=self.page,
+        st = self._cstate[layer]
+        bias = self.policy.reuse_bias
+        ids = select_page_ids(s, self._k, prefer=st.slot_of if bias != 1.0 else None,
+                              prefer_bonus=math.log(bias) / self.scale)
+        page_cache_lookup(ids, st, table, src, first_page=f, page_size=self.page,
                           base=self._cbase, block_table=self._bt, block_size=self._block, hits=hits)
         kr, vr = self._store(layer)
         page_cache_fill(kr, vr, self._ck[layer], self._cv[layer], src, table, page_size=self.page)

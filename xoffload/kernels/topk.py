@@ -15,6 +15,8 @@ tie rule).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -29,12 +31,16 @@ MAX_REGISTER_ROW = 16384
 
 
 @triton.jit(do_not_specialize=["N", "K"])
-def _topk_kernel(S, Out, N, K, s_sr, s_or, BLOCK_N: tl.constexpr):
-    """Program r: the K largest of row r's N scores, their indices ascending into Out[r, :K]."""
+def _topk_kernel(S, Out, Prefer, N, K, s_sr, s_or, s_pr, bonus, BLOCK_N: tl.constexpr, HAS_PREFER: tl.constexpr):
+    """Program r: the K largest of row r's N scores (``+ bonus`` where ``Prefer[r, j] >= 0``),
+    their indices ascending into Out[r, :K]."""
     r = tl.program_id(0).to(tl.int64)
     n = tl.arange(0, BLOCK_N)
     m = n < N
     x = tl.load(S + r * s_sr + n, mask=m, other=0.0).to(tl.float32)
+    if HAS_PREFER:
+        pf = tl.load(Prefer + r * s_pr + n, mask=m, other=-1)
+        x = tl.where(pf >= 0, x + bonus, x)
     b = x.to(tl.int32, bitcast=True)
     key = (b ^ ((b >> 31) & 0x7FFFFFFF)).to(tl.int64)  # float order == signed int order
     key = tl.where(x != x, 2147483647, key)  # every NaN (either sign) above +inf
@@ -55,7 +61,8 @@ def _topk_kernel(S, Out, N, K, s_sr, s_or, BLOCK_N: tl.constexpr):
     tl.store(Out + r * s_or + pos, n.to(tl.int32), mask=take)
 
 
-def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
+             prefer: torch.Tensor | None = None, prefer_bonus: float = 0.0) -> torch.Tensor:
     """Indices of the ``k`` largest scores of each row, ascending within a row.
 
     Args:
@@ -64,6 +71,11 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> t
         k: ``0 <= k <= N``.
         out: optional int32 ``[R, k]`` destination (last dim contiguous), e.g. a CUDA graph's static
             buffer.
+        prefer: optional int32 ``[R, >= N]`` (last dim contiguous, on scores' device): entries
+            ``j`` with ``prefer[r, j] >= 0`` compete with ``scores[r, j] + prefer_bonus`` (in fp32),
+            e.g. the page cache's ``slot_of`` (pages already on the GPU); the scores themselves are
+            not changed.
+        prefer_bonus: the finite amount added to preferred entries.
     Returns:
         int32 ``[R, k]``: per row the indices of its ``k`` largest scores (ties at the k-th value:
         the lowest indices; NaN above every number, -0.0 below +0.0), in ascending order.
@@ -84,15 +96,27 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> t
             raise ValueError(f"out must be int32 [{rows}, {k}] on {scores.device}, got {tuple(out.shape)} on {out.device}")
         if k > 1 and out.stride(1) != 1:
             raise ValueError(f"out must have a contiguous last dim, got strides {tuple(out.stride())}")
+    if prefer is not None:
+        check_tensor("prefer", prefer, 2, dtypes=(torch.int32,))
+        if prefer.shape[0] != rows or prefer.shape[1] < n or prefer.device != scores.device:
+            raise ValueError(f"prefer must be int32 [{rows}, >= {n}] on {scores.device}, got "
+                             f"{tuple(prefer.shape)} on {prefer.device}")
+        if isinstance(prefer_bonus, bool) or not isinstance(prefer_bonus, (int, float)) \
+                or not math.isfinite(prefer_bonus):
+            raise ValueError(f"prefer_bonus must be a finite number, got {prefer_bonus!r}")
     if k == 0 or rows == 0:
         return out
     if k == n:
         out.copy_(torch.arange(n, dtype=torch.int32, device=scores.device).expand(rows, n))
         return out
     if not use_triton(scores) or n > MAX_REGISTER_ROW:
+        if prefer is not None:
+            scores = scores.float() + (prefer[:, :n] >= 0).float() * float(prefer_bonus)
         out.copy_(topk_ids_ref(scores, k))
         return out
     block = max(16, next_pow2(n))
     warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
-    _topk_kernel[(rows,)](scores, out, n, k, scores.stride(0), out.stride(0), BLOCK_N=block, num_warps=warps)
+    _topk_kernel[(rows,)](scores, out, prefer if prefer is not None else out, n, k, scores.stride(0), out.stride(0),
+                          prefer.stride(0) if prefer is not None else 0, float(prefer_bonus),
+                          BLOCK_N=block, HAS_PREFER=prefer is not None, num_warps=warps)
     return out

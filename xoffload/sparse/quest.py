@@ -123,6 +123,13 @@ class QuestDecode(DecodePolicy):
             policy ``"quest-ch"`` sets it (16 channels; 8 on a head_dim-16 model such as
             ``tiny-llama``). False (default): the channels are exactly ``exact_channels``, and a
             ``head_dim <= exact_channels`` is refused when the engine is built.
+        reuse_bias: offload with the page cache only — ``beta >= 1``: a page already in the GPU
+            cache is preferred; its score gains ``ln(beta) / softmax_scale`` (``ln(beta)`` in logit
+            units), so a page outside the cache displaces a cached one only when its score says
+            its attention weight is ``beta`` times larger. Fewer misses, fewer bytes over PCIe;
+            the pages read are then not the top of the scores alone (hysteresis), so measure the
+            accuracy (``xoffload eval``, mode suffix ``/reuse=B``). 1.0 (default): off. Needs
+            ``group_score="max"`` (raw ``q·k`` scores).
         prefetch: offload with the page cache only — while layer ``l`` computes, layer ``l+1``'s
             pages are chosen from an estimate of its query (layer ``l+1``'s projection of layer
             ``l``'s input, as InfiniGen, Lee et al. 2024, predicts the next layer's attention) and
@@ -144,6 +151,7 @@ class QuestDecode(DecodePolicy):
     group_score: str = "max"
     cache_pages: int | None = None
     cache_bytes: int = 2 << 30
+    reuse_bias: float = 1.0
     prefetch: bool = False
     exact_channels: int = 0
     bound_scale: float = 1.0
@@ -165,6 +173,12 @@ class QuestDecode(DecodePolicy):
         if self.cache_pages is not None:
             check_int("cache_pages", self.cache_pages, 0)
         check_int("cache_bytes", self.cache_bytes, 0)
+        if isinstance(self.reuse_bias, bool) or not isinstance(self.reuse_bias, (int, float)) \
+                or not 1.0 <= float(self.reuse_bias) < float("inf"):
+            raise ValueError(f"reuse_bias must be a finite number >= 1, got {self.reuse_bias!r}")
+        object.__setattr__(self, "reuse_bias", float(self.reuse_bias))
+        if self.reuse_bias != 1.0 and self.group_score != "max":
+            raise ValueError(f"reuse_bias={self.reuse_bias} needs group_score='max', got {self.group_score!r}")
         if not isinstance(self.prefetch, bool):
             raise TypeError(f"prefetch must be a bool, got {self.prefetch!r}")
         if self.prefetch and self.cache_pages == 0:
@@ -398,16 +412,19 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
     return torch.softmax(s * (d ** -0.5 if scale is None else float(scale)), dim=-1).sum(1)
 
 
-def select_page_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def select_page_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
+                    prefer: torch.Tensor | None = None, prefer_bonus: float = 0.0) -> torch.Tensor:
     """Indices ``[Hkv, k]`` (int32, distinct and ascending per row) of each KV head's ``k``
     best-scoring candidates of ``scores`` ``[Hkv, n_cand]`` (ties: the lowest indices); all of
     them when ``k == n_cand``. One Triton program per row
     (:func:`xoffload.kernels.topk.topk_ids`), CUDA-graph safe; ``out``: an optional int32
-    ``[Hkv, k]`` destination. Raises ValueError unless ``0 <= k <= n_cand``."""
+    ``[Hkv, k]`` destination; ``prefer`` / ``prefer_bonus``: entries with ``prefer >= 0`` (the
+    page cache's ``slot_of``) compete with their score plus the bonus (:attr:`QuestDecode.reuse_bias`).
+    Raises ValueError unless ``0 <= k <= n_cand``."""
     hkv, n = scores.shape
     if not 0 <= k <= n:
         raise ValueError(f"k must be in [0, {n}] (candidate pages), got {k}")
-    return topk_ids(scores, k, out=out)
+    return topk_ids(scores, k, out=out, prefer=prefer, prefer_bonus=prefer_bonus)
 
 
 def select_pages(scores: torch.Tensor, k: int, first_page: int, page_size: int, block_table: torch.Tensor | None,
