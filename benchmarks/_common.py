@@ -177,10 +177,18 @@ def _replace_file(path: str, text: str) -> None:
 save_json = write_json  # the name bench scripts outside this room still use
 
 
+def doc_summary(doc: str | None, name: str = "") -> str:
+    """The first paragraph of a module docstring as one line (``name`` when there is none): a
+    ``--help`` description that does not stop mid-sentence at the docstring's first line break."""
+    para = (doc or "").strip().split("\n\n")[0]
+    return " ".join(para.split()) or name
+
+
 def bench_parser(doc: str, name: str, quick_help: str = "fewer shapes") -> argparse.ArgumentParser:
     """The argparse base of every benchmark script: description from the module docstring's first
-    line, ``--quick`` and ``--out`` (default ``benchmarks/results/<name>.json``)."""
-    ap = argparse.ArgumentParser(description=(doc or name).split("\n")[0])
+    paragraph (:func:`doc_summary`), ``--quick`` and ``--out`` (default
+    ``benchmarks/results/<name>.json``)."""
+    ap = argparse.ArgumentParser(description=doc_summary(doc, name))
     ap.add_argument("--quick", action="store_true", help=quick_help)
     ap.add_argument("--out", default=os.path.join(RESULTS_DIR, f"{name}.json"), help="result JSON path")
     return ap

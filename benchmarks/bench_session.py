@@ -19,6 +19,8 @@ Writes ``benchmarks/results/session.json``.
 """
 from __future__ import annotations
 
+import argparse
+
 from _common import bench_parser, parse_gpu_args, requires_cuda, run, write_json
 
 import torch
@@ -169,9 +171,23 @@ def part_prefix_batch(model, doc: int, n_q: int = 8) -> dict:
     return res
 
 
+#: the parts of ``--part``, in the order they run
+PARTS = ("profile", "turns", "prefix", "prefix_batch")
+
+
+def _parts(text: str) -> set:
+    """``--part``: comma-separated names of :data:`PARTS` (argparse error naming an unknown one)."""
+    parts = {p.strip() for p in text.split(",") if p.strip()}
+    bad = sorted(parts - set(PARTS))
+    if bad or not parts:
+        raise argparse.ArgumentTypeError(f"unknown part(s) {', '.join(map(repr, bad)) or repr(text)}; "
+                                         f"parts: {', '.join(PARTS)}")
+    return parts
+
+
 def main(argv=None):
     ap = bench_parser(__doc__, "session", "history 32K, document 8K")
-    ap.add_argument("--part", default="turns,prefix,prefix_batch",
+    ap.add_argument("--part", default="turns,prefix,prefix_batch", type=_parts,
                     help="comma-separated parts: turns, prefix, prefix_batch (the 8 questions in one batched "
                     "resident call), profile (one sparse turn over 32K under torch.profiler)")
     ap.add_argument("--history", type=int, default=131072 - 1024, help="tokens of the first turn's document")
@@ -182,7 +198,7 @@ def main(argv=None):
         return 0
     from xoffload.models import random_model
 
-    parts = set(a.part.split(","))
+    parts = a.part
     history, doc = (32768 - 1024, 8192) if a.quick else (a.history, a.doc)
     model = random_model(PRESET, dtype=torch.bfloat16, device="cuda", seed=0)
     h2d = h2d_bandwidth_gbps()

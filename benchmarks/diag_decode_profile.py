@@ -26,7 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import env_record  # noqa: E402
+from _common import doc_summary, env_record, parse_gpu_args  # noqa: E402
 from bench_llm import _free, _prompt  # noqa: E402
 
 
@@ -150,26 +150,41 @@ def profile(llm, n_ctx: int, n_new: int) -> dict:
             "last_step": seq}
 
 
+def _lengths(text: str) -> list:
+    """``--lengths``-style value: comma-separated positive token counts (argparse error otherwise)."""
+    try:
+        out = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        out = None
+    if out is None or any(n < 1 for n in out):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive token counts, got {text!r}")
+    return out
+
+
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--preset", default="llama-3.1-8b")
-    ap.add_argument("--config", default="offload+quest", help="a name of xoffload.engine.modes.configurations()")
-    ap.add_argument("--lengths", default="32768,131072")
-    ap.add_argument("--memory-lengths", default="131072")
-    ap.add_argument("--eager-lengths", default="32768", help="also profile these lengths without CUDA graphs")
-    ap.add_argument("--new", type=int, default=24)
-    ap.add_argument("--out", default="/tmp/diag_decode.json")
-    a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("diag_decode_profile needs a GPU")
-    from xoffload import LLM
     from xoffload.engine.modes import configurations
+
+    configs = configurations()
+    ap = argparse.ArgumentParser(description=doc_summary(__doc__, "diag_decode_profile"))
+    ap.add_argument("--preset", default="llama-3.1-8b", help="random-weight model preset (default llama-3.1-8b)")
+    ap.add_argument("--config", default="offload+quest", choices=sorted(configs), metavar="CONFIG",
+                    help="a name of xoffload.engine.modes.configurations() (default offload+quest)")
+    ap.add_argument("--lengths", type=_lengths, default="32768,131072", help="prompt lengths to profile the decode of")
+    ap.add_argument("--memory-lengths", type=_lengths, default="131072",
+                    help="prompt lengths whose peak GPU memory is traced")
+    ap.add_argument("--eager-lengths", type=_lengths, default="32768",
+                    help="also profile these lengths without CUDA graphs ('' for none)")
+    ap.add_argument("--new", type=int, default=24, help="tokens generated per request (default 24)")
+    ap.add_argument("--out", default="/tmp/diag_decode.json", help="result JSON (a _last_step.txt beside it)")
+    a = parse_gpu_args(ap, argv)
+    if a is None:
+        return 0
+    from xoffload import LLM
     from xoffload.models import random_model
 
-    kw = configurations()[a.config]
+    kw = configs[a.config]
     model = random_model(a.preset, dtype=torch.bfloat16, device="cuda", seed=0)
-    lengths = [int(x) for x in a.lengths.split(",") if x]
-    mem_lengths = [int(x) for x in a.memory_lengths.split(",") if x]
+    lengths, mem_lengths = a.lengths, a.memory_lengths
     res = {"env": env_record(), "config": a.config, "kw": kw, "preset": a.preset, "memory": {}, "profile": {}}
     llm = LLM(model, max_model_len=max(lengths + mem_lengths) + 64, **kw)
     try:
@@ -190,7 +205,7 @@ def main(argv=None):
         llm.close()
         del llm
         _free()
-    eager = [int(x) for x in a.eager_lengths.split(",") if x]
+    eager = a.eager_lengths
     if eager:
         llm = LLM(model, max_model_len=max(eager) + 64, cuda_graph=False, **kw)
         try:
@@ -210,7 +225,8 @@ def main(argv=None):
             for row in p["last_step"]:
                 f.write(f"{row[1]:9.2f} {row[2]:8.2f}  {row[0]}\n")
     print("wrote", a.out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -111,11 +111,18 @@ def test_copy_on_write_keeps_the_other_holders_kv():
 
 
 def test_refused_configurations():
+    """Each refusal is one line naming the value that is wrong (not every condition at once)."""
     m = tiny_random()
-    with pytest.raises(ValueError, match="max_num_seqs > 1"):
+    with pytest.raises(ValueError, match="needs max_num_seqs > 1, got max_num_seqs=1") as e:
         LLM(m, mode="resident", prefix_caching=True, max_model_len=256)
-    with pytest.raises(ValueError, match="no decode policy"):
+    assert "\n" not in str(e.value) and "sparse_decode" not in str(e.value)
+    with pytest.raises(ValueError, match="no decode policy, got sparse_decode=QuestDecode$"):
         LLM(m, mode="resident", prefix_caching=True, max_num_seqs=2, max_model_len=256,
+            sparse_decode=QuestDecode(token_budget=64, page_size=16))
+    with pytest.raises(ValueError, match="offload_decode 'direct' or 'uva', got 'ring'"):
+        LLM(m, mode="offload", offload_decode="ring", prefix_caching=True, max_model_len=256)
+    with pytest.raises(ValueError, match="batched offload .max_num_seqs=2. needs dense decode"):
+        LLM(m, mode="offload", prefix_caching=True, max_num_seqs=2, max_model_len=256, kv_block_size=16,
             sparse_decode=QuestDecode(token_budget=64, page_size=16))
 
 

@@ -316,6 +316,20 @@ def test_bad_input_leaves_the_session_serving(mode):
         LLM(m, mode="offload", offload_decode="ring", max_model_len=128).session()
 
 
+def test_history_budget_is_checked_as_an_int():
+    """A numpy integer is an int (as everywhere check_int runs); a non-int or a non-positive value is
+    one ValueError naming it."""
+    np = pytest.importorskip("numpy")
+    llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=128, **SDPA)
+    s = llm.session(history_budget=np.int64(64))
+    assert s.history_budget == 64 and type(s.history_budget) is int
+    for bad, msg in (("x", "history_budget must be an int, got str 'x'"), (True, "got bool True"),
+                     (0, "history_budget must be >= 1, got 0"), (1.5, "got float 1.5")):
+        with pytest.raises(ValueError, match=msg):
+            s.history_budget = bad
+    s.close()
+
+
 def test_llm_close_closes_sessions():
     m = tiny_random()
     llm = LLM(m, mode="offload", kv_block_size=32, max_model_len=256, **SDPA)

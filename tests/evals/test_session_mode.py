@@ -1,6 +1,8 @@
 """``xoffload eval`` asking each prompt as a session's second turn (``:session`` modes): the
 question's first token is found in the prompt, the two turns see exactly the one-shot prompt's
 tokens (so the answer equals the one-shot answer in fp32), and the mode syntax is checked."""
+import re
+
 import pytest
 
 from xoffload.engine import LLM, SamplingParams
@@ -35,4 +37,15 @@ def test_session_mode_syntax():
     for bad in ("offload:session@", "offload:session@x", "offload:session@0", "offload:sessionx",
                 "offload:session@512/dense=a"):
         with pytest.raises(_ArgError, match="session"):
+            mode_options(bad)
+
+
+def test_session_history_budget_is_checked_against_the_page_size_before_any_run():
+    """The session's own rule (a multiple of the page size, at least 2 pages) is a --mode error at
+    parse time, not a failure after the model is loaded and earlier modes have run."""
+    assert mode_options("offload+quest-ch:session@512")["session"] == {"history_budget": 512}
+    assert mode_options("offload+quest@512/page=16:session@48")["session"] == {"history_budget": 48}
+    for bad, page, got in (("offload+quest-ch:session@100", 32, 100), ("offload:session@32", 32, 32),
+                           ("offload+quest@512/page=16:session@40", 16, 40)):
+        with pytest.raises(_ArgError, match=f"{re.escape(bad)}'.*multiple of the page size {page} .*got {got}$"):
             mode_options(bad)

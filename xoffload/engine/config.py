@@ -173,16 +173,31 @@ class EngineConfig:
         self.seed = int(self.seed)
         self.tensor_parallel_size = _positive("tensor_parallel_size", self.tensor_parallel_size)
         check_bool("prefix_caching", self.prefix_caching)
-        resident_ok = self.mode in ("resident", "gpu") and self.max_num_seqs > 1 and self.sparse_decode is None
-        offload_ok = self.mode == "offload" and self.offload_decode != "ring" \
-            and (self.max_num_seqs == 1 or self.sparse_decode is None)
-        if self.prefix_caching and (not (resident_ok or offload_ok) or self.tensor_parallel_size != 1):
-            raise ValueError(f"prefix_caching reuses KV blocks of a pool: it needs one device and either "
-                             f"mode='offload' with offload_decode 'direct' or 'uva' (with max_num_seqs > 1: no decode "
-                             f"policy), or mode='resident' with max_num_seqs > 1 (batched generation; the prompts "
-                             f"of a call share their prefixes) and no decode policy; got mode={self.mode!r}, "
-                             f"offload_decode={self.offload_decode!r}, max_num_seqs={self.max_num_seqs}, "
-                             f"sparse_decode={self.sparse_decode!r}, tensor_parallel_size={self.tensor_parallel_size}")
+        if self.prefix_caching:
+            why = self._prefix_caching_refusal()
+            if why:
+                raise ValueError(f"prefix_caching reuses KV blocks of a pool: {why}")
+
+    def _prefix_caching_refusal(self) -> str | None:
+        """Why this config cannot cache prefixes (one clause naming the value), or None: it needs
+        one device, and either ``offload`` with ``direct`` / ``uva`` decode (batched: no decode
+        policy) or ``resident`` with ``max_num_seqs > 1`` and no decode policy."""
+        pol = None if self.sparse_decode is None else type(self.sparse_decode).__name__
+        if self.tensor_parallel_size != 1:
+            return f"it needs one device, got tensor_parallel_size={self.tensor_parallel_size}"
+        if self.mode == "offload":
+            if self.offload_decode == "ring":
+                return "mode='offload' needs offload_decode 'direct' or 'uva', got 'ring'"
+            if self.max_num_seqs > 1 and pol:
+                return (f"batched offload (max_num_seqs={self.max_num_seqs}) needs dense decode: "
+                        f"no decode policy, got sparse_decode={pol}")
+            return None
+        if self.max_num_seqs == 1:
+            return (f"mode={self.mode!r} shares blocks between the prompts of one batched call: it needs "
+                    f"max_num_seqs > 1, got max_num_seqs=1 (or mode='offload')")
+        if pol:
+            return f"mode={self.mode!r} needs dense decode: no decode policy, got sparse_decode={pol}"
+        return None
 
     @property
     def policy(self) -> PrefillPolicy:

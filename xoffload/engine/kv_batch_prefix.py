@@ -53,7 +53,8 @@ class _PoolBlocks:
 class ResidentPrefixBatchKV(ResidentBatchKV):
     """:class:`~xoffload.engine.kv_batch.ResidentBatchKV` with prefix caching (module docstring);
     chosen by :func:`~xoffload.engine.kv_batch.batch_store_class` for ``mode="resident"``,
-    ``prefix_caching=True``, dense decode. Each request's timings carry ``prefix_reused_tokens``;
+    ``prefix_caching=True``, dense decode. A request that reused a prefix carries ``prefix_reused_tokens`` in its timings
+    (the key is absent when it reused none, as in offload mode: ``timings.get(..., 0)``);
     ``cow_copies`` counts the copied blocks."""
 
     def __init__(self, model, config, shared, seqs):

@@ -121,6 +121,8 @@ class LLM:
         return [int(x) for x in self.tokenizer.encode(text)]
 
     def decode(self, ids) -> str | None:
+        """Text of token ids (special tokens skipped); None for a model without a tokenizer (the
+        random-weight presets)."""
         if self.tokenizer is None:
             return None
         return self.tokenizer.decode(list(ids), skip_special_tokens=True)

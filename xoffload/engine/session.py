@@ -42,6 +42,7 @@ import itertools
 import torch
 
 from ..kernels import cpu_backend
+from ..kernels.checks import check_int
 from ..sparse.quest import PageSummaries
 from .kv_history import ChunkSink, history_page_ids
 from .kv_paged import PagedKV
@@ -150,8 +151,7 @@ class Session:
     @history_budget.setter
     def history_budget(self, value) -> None:
         if value is not None:
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"history_budget must be None or a positive int, got {value!r}")
+            value = check_int("history_budget", value, 1, type_error=ValueError)
             if value % self.page or value < 2 * self.page:
                 raise ValueError(f"history_budget must be a multiple of page_size={self.page} and at least 2 pages "
                                  f"({2 * self.page} tokens), got {value}")

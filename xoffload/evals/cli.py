@@ -210,6 +210,19 @@ def mode_options(name: str) -> dict:
             except (TypeError, ValueError) as e:
                 raise _ArgError(f"--mode {name!r}: {e}") from None
     if session is not None:
+        hb = session["history_budget"]
+        if hb is not None:  # the session's check (Session.history_budget), before any model is loaded
+            from xoffload.engine.session import HISTORY_PAGE
+            from xoffload.sparse.policy import resolve_decode
+
+            try:
+                pol = resolve_decode(kw.get("sparse_decode"), kw.get("token_budget"))
+            except (TypeError, ValueError) as e:
+                raise _ArgError(f"--mode {name + sep + sess!r}: {e}") from None
+            page = getattr(pol, "page_size", None) or HISTORY_PAGE
+            if hb % page or hb < 2 * page:
+                raise _ArgError(f"--mode {name + sep + sess!r}: the history budget must be a multiple of the page "
+                                f"size {page} and at least 2 pages ({2 * page} tokens), got {hb}")
         kw["session"] = session
     return kw
 

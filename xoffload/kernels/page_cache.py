@@ -63,9 +63,12 @@ class PageCacheState:
 
     @property
     def num_slots(self) -> int:
+        """Cache slots per KV head (``C``)."""
         return self.tag.shape[1]
 
     def reset(self) -> None:
+        """Empty the cache (every slot free, clocks at 0) in place: the tensors a captured CUDA
+        graph holds stay valid."""
         self.tag.fill_(-1)
         self.slot_of.fill_(-1)
         self.clock.zero_()

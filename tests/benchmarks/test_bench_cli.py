@@ -1,0 +1,48 @@
+"""The GPU benchmarks' command lines on a CPU machine: a bad option is one argparse line (exit 2),
+a good command skips cleanly (exit 0, "no CUDA GPU, skipped"), ``--help`` describes the script in
+whole sentences."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "benchmarks"))
+
+import _common  # noqa: E402
+import bench_session  # noqa: E402
+import bench_topk  # noqa: E402
+import diag_decode_profile  # noqa: E402
+
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip without a GPU")
+
+
+@no_gpu
+@pytest.mark.parametrize("mod,argv", [(bench_topk, ["--quick"]), (bench_session, ["--quick", "--part", "prefix_batch"]),
+                                      (diag_decode_profile, ["--config", "offload+quest-ch", "--lengths", "4096"])])
+def test_skips_cleanly_without_a_gpu(mod, argv, capsys):
+    assert mod.main(argv) == 0
+    assert "no CUDA GPU, skipped" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("mod,argv,named", [
+    (bench_session, ["--part", "prefix-batch"], "'prefix-batch'"),
+    (bench_session, ["--part", "turns,bogus"], "'bogus'"),
+    (diag_decode_profile, ["--config", "nope"], "'nope'"),
+    (diag_decode_profile, ["--lengths", "1k"], "'1k'"),
+    (diag_decode_profile, ["--eager-lengths", "0"], "'0'"),
+])
+def test_bad_options_are_one_line_naming_the_value(mod, argv, named, capsys):
+    with pytest.raises(SystemExit) as e:
+        mod.main(argv)
+    assert e.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if "error:" in line]
+    assert len(err) == 1 and named in err[0]
+
+
+def test_help_description_is_the_docstrings_first_paragraph():
+    assert _common.doc_summary("One line\ngoes on here.\n\nSecond paragraph.") == "One line goes on here."
+    assert _common.doc_summary(None, "name") == "name"
+    ap = _common.bench_parser(bench_topk.__doc__, "topk")
+    assert ap.description.endswith("against ``torch.topk`` and the launch floor.")
