@@ -53,8 +53,8 @@ class _PoolBlocks:
 class ResidentPrefixBatchKV(ResidentBatchKV):
     """:class:`~xoffload.engine.kv_batch.ResidentBatchKV` with prefix caching (module docstring);
     chosen by :func:`~xoffload.engine.kv_batch.batch_store_class` for ``mode="resident"``,
-    ``prefix_caching=True``, dense decode. Each request's timings carry ``prefix_reused_tokens``;
-    ``cow_copies`` counts the copied blocks."""
+    ``prefix_caching=True``, dense decode. A request that reused a prefix has
+    ``prefix_reused_tokens`` in its timings; ``cow_copies`` counts the copied blocks."""
 
     def __init__(self, model, config, shared, seqs):
         super().__init__(model, config, shared, seqs)
@@ -70,6 +70,9 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
     def admit(self, seq):
         self._reserved += _blocks(seq.final_len, self.block)
         seq.kv = {"table": None, "start": 0}
+
+    def prefill_tokens(self, seq) -> int:
+        return seq.prompt_len - self.cache.peek(seq.req.ids[:-1])
 
     def prefill_start(self, seq) -> int:
         """Match the prompt (less its last token, recomputed for its logits) against the cache,
