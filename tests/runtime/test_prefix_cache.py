@@ -348,3 +348,20 @@ def test_cuda_pinned_reuse_copy_on_write_ordering():
     c.clear()
     assert e.num_free_blocks == 64
     e.close()
+
+
+def test_peek_is_match_without_side_effects():
+    """peek: the tokens match would find (full blocks and a partial tail), stats and LRU unchanged."""
+    e = eng_()
+    c = PrefixCache(e)
+    a = list(range(1, 11))  # 2 full blocks + 2 tokens
+    s = e.add_sequence()
+    prefill(e, s, a, 0)
+    c.insert(s, a)
+    e.free(s)
+    before, order = c.stats(), c.entries()
+    for ids in (a, a[:9], a[:5] + [99], [99], []):
+        n = c.peek(ids)
+        assert c.stats() == before and c.entries() == order
+        assert n == c.match(ids).n_tokens
+        before, order = c.stats(), c.entries()

@@ -298,6 +298,11 @@ class BatchKV:
         its prefill; default 0."""
         return 0
 
+    def prefill_tokens(self, seq) -> int:
+        """Tokens ``seq``'s prefill would compute if it started now (what the scheduler's
+        ``max_num_batched_tokens`` counts): its prompt less a cached prefix; default the prompt."""
+        return seq.prompt_len
+
     def h2d_bytes_per_step(self, seq) -> int | None:
         """Bytes one decode step reads from host memory for ``seq`` (None: none)."""
         return None
@@ -527,6 +532,11 @@ class OffloadBatchKV(BatchKV):
         if kv["sid"] is None:
             kv["sid"], kv["start"] = self.cache.add_sequence(seq.req.ids[:-1])
         return kv["start"]
+
+    def prefill_tokens(self, seq) -> int:
+        if self.cache is None:
+            return seq.prompt_len
+        return seq.prompt_len - self.cache.peek(seq.req.ids[:-1])
 
     def release(self, seq):
         kv = seq.kv

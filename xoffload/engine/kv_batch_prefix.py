@@ -72,6 +72,9 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
         self._reserved += _blocks(seq.final_len, self.block)
         seq.kv = {"table": None, "start": 0}
 
+    def prefill_tokens(self, seq) -> int:
+        return seq.prompt_len - self.cache.peek(seq.req.ids[:-1])
+
     def prefill_start(self, seq) -> int:
         """Match the prompt (less its last token, recomputed for its logits) against the cache,
         start the sequence's block table on the matched blocks (copying a shared partly filled

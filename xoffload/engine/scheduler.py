@@ -8,8 +8,9 @@ while
 
 * fewer than ``max_num_seqs`` run,
 * the prompt tokens admitted since the last decode step stay within ``max_num_batched_tokens``
-  (the first admission of a step is always allowed, so a prompt longer than the limit still runs,
-  alone), and
+  (the tokens to prefill: ``capacity.prefill_tokens(seq)`` when the store has it, the prompt less
+  a cached prefix; the first admission of a step is always allowed, so a prompt longer than the
+  limit still runs, alone), and
 * the KV store can reserve the sequence's whole KV (``capacity.can_admit``): its prompt and
   every token it may generate, so a running sequence never runs out of memory and nothing is
   preempted.
@@ -100,7 +101,9 @@ class Scheduler:
             first admission of a step is exempt).
         capacity: the KV store's admission interface: ``check(seq)`` (raise ValueError when the
             sequence alone can never fit), ``can_admit(seq) -> bool``, ``admit(seq)`` (reserve its
-            KV), ``release(seq)`` (return it).
+            KV), ``release(seq)`` (return it); optionally ``prefill_tokens(seq)`` (the tokens
+            its prefill would compute, counted against ``max_num_batched_tokens``; default its
+            prompt length).
     Raises:
         ValueError: a limit below 1.
     """
@@ -128,7 +131,8 @@ class Scheduler:
         new, tokens = [], 0
         while self.waiting and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if new and tokens + seq.prompt_len > self.max_num_batched_tokens:
+            n = self.capacity.prefill_tokens(seq) if hasattr(self.capacity, "prefill_tokens") else seq.prompt_len
+            if new and tokens + n > self.max_num_batched_tokens:
                 break
             if not self.capacity.can_admit(seq):
                 break
@@ -137,7 +141,7 @@ class Scheduler:
             seq.status = RUNNING
             self.running.append(seq)
             new.append(seq)
-            tokens += seq.prompt_len
+            tokens += n
         self.max_running = max(self.max_running, len(self.running))
         if not self.running and self.waiting:  # nothing runs and the head does not fit: cannot happen
             head = self.waiting[0]  # after check(); a capacity that changed under us

@@ -157,6 +157,14 @@ class PrefixCache:
         blocks = tuple(e.block for e in chain) + ((tail.block,) if tail is not None else ())
         return PrefixMatch(blocks, n)
 
+    def peek(self, token_ids) -> int:
+        """Tokens of ``token_ids`` that :meth:`match` would find now, without marking entries
+        used or counting hits/misses (an estimate for admission: evictions may lower it before
+        the match). Raises as :meth:`match`."""
+        self._check_open()
+        chain, _, m = self._walk(self._tokens(token_ids))
+        return len(chain) * self.block_size + m
+
     def add_sequence(self, token_ids) -> tuple[int, int]:
         """``match(token_ids)`` and start an engine sequence on the matched blocks, at once.
         Returns ``(seq, n_tokens)``: the new sequence already holds the first ``n_tokens``
