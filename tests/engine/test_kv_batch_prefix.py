@@ -58,6 +58,10 @@ def test_eight_questions_over_one_document(monkeypatch):
     reused = [o.timings.get("prefix_reused_tokens", 0) for o in outs]
     assert reused[0] == 0 and all(r >= 288 for r in reused[1:]), reused  # the document's 9 whole blocks at least
     assert seen[-1]["seq_blocks"] == 0 and seen[-1]["hits"] >= 7 * 288
+    # the prefill figures count what the prefills computed, not the reused tokens
+    assert llm.batch_stats["prefill_tokens"] == sum(len(p) for p in prompts) - sum(reused)
+    t = outs[1].timings
+    assert t["prefill_tok_per_s"] == pytest.approx((len(prompts[1]) - reused[1]) / t["prefill_ms"] * 1e3)
     assert llm.prefix_cache is None  # resident: the cache is the call's
 
 

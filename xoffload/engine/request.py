@@ -126,16 +126,20 @@ class TokenLog:
         return False
 
 
-def request_timings(clock: Clock, marks: dict, prompt_tokens: int, steps: int, densities) -> dict:
+def request_timings(clock: Clock, marks: dict, prompt_tokens: int, steps: int, densities,
+                    computed_tokens: int | None = None) -> dict:
     """The ``timings`` dict of a :class:`RequestOutput` from the marks ``t0`` (start), ``prefill``,
     ``first`` (first token sampled) and ``end``; ``densities``: per-layer densities of a sparse
-    prefill (tensor, float or None per layer), or None for a dense one."""
+    prefill (tensor, float or None per layer), or None for a dense one; ``computed_tokens``: the
+    prompt tokens the prefill computed when fewer than ``prompt_tokens`` (a reused prefix): then
+    ``prefill_tok_per_s`` counts those only."""
     prefill_ms = clock.ms(marks["t0"], marks["prefill"])
     dec_ms = clock.ms(marks["first"], marks["end"])
+    done = prompt_tokens if computed_tokens is None else computed_tokens
     t = {
         "prompt_tokens": prompt_tokens,
         "prefill_ms": prefill_ms,
-        "prefill_tok_per_s": prompt_tokens / prefill_ms * 1e3 if prefill_ms > 0 else float("inf"),
+        "prefill_tok_per_s": done / prefill_ms * 1e3 if prefill_ms > 0 else float("inf"),
         "ttft_ms": clock.ms(marks["t0"], marks["first"]),
         "decode_steps": steps,
         "decode_ms_per_token": dec_ms / steps if steps > 0 else None,

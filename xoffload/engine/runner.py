@@ -144,7 +144,7 @@ class BatchRunner:
                 t = time.perf_counter()
                 for s in sched.admit():
                     self._prefill(s, store, log, clock)
-                    host["prefill_tok"] += s.prompt_len
+                    host["prefill_tok"] += s.prompt_len - s.reused  # what the prefill computed
                 host["prefill_s"] += time.perf_counter() - t
                 log.poll(lag)
                 self._retire(sched, store, clock)
@@ -199,7 +199,7 @@ class BatchRunner:
         tok = sample(logits, s.req.sp, s.req.gen)
         s.marks["first"] = clock.mark()
         s.last_tok, s.n_out = tok, 1
-        self._prefills.append((s.prompt_len, a, b))
+        self._prefills.append((s.prompt_len - start, a, b))
         log.publish(tok, [s])
 
     def _retire(self, sched: Scheduler, store, clock: Clock) -> None:
@@ -214,7 +214,8 @@ class BatchRunner:
     # ------------------------------------------------------------------ results
     def _output(self, s: Sequence, store, clock, start, peak) -> RequestOutput:
         out_ids, reason = s.req.finish(s.tokens[:s.req.max_new])
-        t = request_timings(clock, s.marks, s.prompt_len, s.steps, s.densities)
+        t = request_timings(clock, s.marks, s.prompt_len, s.steps, s.densities,
+                            computed_tokens=s.prompt_len - getattr(s, "reused", 0))
         t["queue_ms"] = clock.ms(start, s.marks["t0"])
         if getattr(s, "reused", 0):
             t["prefix_reused_tokens"] = s.reused
