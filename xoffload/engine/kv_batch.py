@@ -421,18 +421,20 @@ class ResidentBatchKV(BatchKV):
         rows = torch.empty(T, dtype=torch.int64, device=self.device)
         _to_device(rows, self.pool.rows(table, T))
 
-        def buffers(layer, t):
-            shape = (t, self.cfg.num_kv_heads, self.cfg.head_dim)
-            if self._stage is None or self._stage[0].shape[0] < t:
-                self._stage = (torch.empty(shape, dtype=self.dtype, device=self.device),
-                               torch.empty(shape, dtype=self.dtype, device=self.device))
-            return self._stage[0][:t], self._stage[1][:t]
-
         def done(layer, k, v):
             self.pool.k[layer].index_copy_(0, rows, k)
             self.pool.v[layer].index_copy_(0, rows, v)
 
-        return _StagedSink(buffers, done)
+        return _StagedSink(self._staging, done)
+
+    def _staging(self, layer: int, t: int):
+        """A prefill's K/V ``[t, Hkv, D]`` staging buffers (one pair, grown to the longest ``t``),
+        copied into the sequence's pool rows by its sink's ``done``."""
+        shape = (t, self.cfg.num_kv_heads, self.cfg.head_dim)
+        if self._stage is None or self._stage[0].shape[0] < t:
+            self._stage = (torch.empty(shape, dtype=self.dtype, device=self.device),
+                           torch.empty(shape, dtype=self.dtype, device=self.device))
+        return self._stage[0][:t], self._stage[1][:t]
 
     def set_batch(self, seqs) -> int:
         rows = self.bucket(len(seqs))

@@ -120,13 +120,6 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
         _to_device(rows, self.pool.rows(table, T)[start:])
         L = self.cfg.num_layers
 
-        def buffers(layer, t):
-            shape = (t, self.cfg.num_kv_heads, self.cfg.head_dim)
-            if self._stage is None or self._stage[0].shape[0] < t:
-                self._stage = (torch.empty(shape, dtype=self.dtype, device=self.device),
-                               torch.empty(shape, dtype=self.dtype, device=self.device))
-            return self._stage[0][:t], self._stage[1][:t]
-
         def done(layer, k, v):
             self.pool.k[layer].index_copy_(0, rows, k)
             self.pool.v[layer].index_copy_(0, rows, v)
@@ -149,7 +142,7 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
                 return flash_attn_with_lse(q[None], k, v, causal=False, softmax_scale=self.scale, block_table=bt,
                                            seqused_k=used, check=False)
 
-        return _StagedSink(buffers, done, history)
+        return _StagedSink(self._staging, done, history)
 
     def close(self):
         if self.cache is not None:
