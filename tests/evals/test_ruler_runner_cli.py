@@ -221,6 +221,7 @@ def test_mode_dense_layers_suffix():
     assert kw["sparse_decode"] == QuestDecode(token_budget=512, exact_channels=8, bound_scale=0.25, page_size=16,
                                               dense_layers=(0, 1))
     assert mode_options("offload+quest-ch@512/reuse=2")["sparse_decode"].reuse_bias == 2.0
+    assert mode_options("offload+quest-ch@512/cache=32/reuse=2")["sparse_decode"].cache_pages == 32
     for bad, msg in (("offload+quest@512/ch=x", "/ch= takes an integer"), ("offload+quest@512/alpha=2", "bound_scale"),
                      ("offload+quest@512/reuse=0.5", "reuse_bias"), ("offload+quest@512/softmax/reuse=2", "group_score"),
                      ("offload+quest@512/page=24", "power of two"), ("offload@512/ch=8", "decode-policy")):

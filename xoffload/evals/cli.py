@@ -56,7 +56,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "budget as @N (offload+quest@512) and its GQA group score as /GROUP "
                         "(offload+quest@512/softmax) and its dense layers as /dense=I.J.K "
                         "(offload+quest@512/dense=0.1.18), exact key channels, bound scale and page size as "
-                        "/ch=R, /alpha=A, /page=P, /reuse=B (offload+quest@512/ch=8/alpha=0.25), a :session suffix to ask each prompt as the "
+                        "/ch=R, /alpha=A, /page=P, /reuse=B, /cache=C (offload+quest@512/ch=8/alpha=0.25), a :session suffix to ask each prompt as the "
                         "second turn of a session whose first turn gave the context (offload:session; "
                         ":session@N: sparse history of N tokens), "
                         "both (= resident,offload; default), or hf: transformers' own "
@@ -113,7 +113,7 @@ def _has_cuda(device) -> bool:
 
 #: ``/KEY=VALUE`` suffixes of a decode-policy mode: QuestDecode field and value type
 _POLICY_KEYS = {"ch": ("exact_channels", int), "alpha": ("bound_scale", float), "page": ("page_size", int),
-                "reuse": ("reuse_bias", float)}
+                "reuse": ("reuse_bias", float), "cache": ("cache_pages", int)}
 
 
 def _number(text: str, conv):
@@ -163,7 +163,7 @@ def mode_options(name: str) -> dict:
     base = "resident" if base == "gpu" else base.replace("gpu+", "resident+")
     if base not in confs:
         raise _ArgError(f"unknown --mode {name!r}; known: both, gpu, {', '.join(confs)}, {HF_MODE} "
-                        f"(decode policies take @BUDGET[/GROUP][/dense=I.J][/ch=R][/alpha=A][/page=P][/reuse=B]; any engine "
+                        f"(decode policies take @BUDGET[/GROUP][/dense=I.J][/ch=R][/alpha=A][/page=P][/reuse=B][/cache=C]; any engine "
                         f"mode :session[@N])")
     kw = dict(confs[base])
     if at:
@@ -203,7 +203,7 @@ def mode_options(name: str) -> dict:
                 else:
                     fields["group_score"] = part
             if any(not hasattr(pol, f) for f in fields):
-                raise _ArgError(f"--mode {name!r}: /GROUP, /dense=, /ch=, /alpha=, /page= and /reuse= need a Quest-style "
+                raise _ArgError(f"--mode {name!r}: /GROUP, /dense=, /ch=, /alpha=, /page=, /reuse= and /cache= need a Quest-style "
                                 f"decode policy")
             try:
                 kw["sparse_decode"] = dataclasses.replace(pol, **fields)
