@@ -317,7 +317,8 @@ def _record(label, k, s, mt, o, tokenizer) -> dict:
         "score": 100.0 * _score(pred, s.outputs, s.metric),
         "generated_ids": list(o.token_ids), "finish_reason": o.finish_reason,
         "timings": {key: t.get(key) for key in ("prefill_tok_per_s", "ttft_ms", "decode_ms_per_token",
-                                                "decode_steps", "total_ms", "mean_density")},
+                                                "decode_steps", "total_ms", "mean_density", "cache_hit_rate",
+                                                "h2d_bytes_per_token")},
         "peak_gpu_memory_bytes": o.peak_gpu_memory_bytes,
     }
     if t.get("top2_gap") is not None:  # the transformers peer's per-token top-2 logit gaps

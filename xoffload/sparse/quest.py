@@ -28,9 +28,9 @@ import torch
 from ..kernels.checks import check_int
 from ..kernels.channel_score import channel_page_scores, check_channels
 from ..kernels.quest_score import check_summaries, quest_page_scores
-from ..kernels.topk import topk_ids
 from ..kernels.reference import channel_page_scores_ref
 from .policy import DecodePolicy
+from .select import select_page_ids, select_pages  # noqa: F401  (re-exported: the page choice)
 
 __all__ = ["DecodePlan", "GROUP_SCORES", "PageSummaries", "QuestDecode", "choose_channels", "page_scores",
            "select_page_ids", "select_pages"]
@@ -410,52 +410,3 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
     s = torch.bmm(qg.clamp(min=0), kmax.transpose(1, 2)).float()
     s += torch.bmm(qg.clamp(max=0), kmin.transpose(1, 2)).float()
     return torch.softmax(s * (d ** -0.5 if scale is None else float(scale)), dim=-1).sum(1)
-
-
-def select_page_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
-                    prefer: torch.Tensor | None = None, prefer_bonus: float = 0.0) -> torch.Tensor:
-    """Indices ``[Hkv, k]`` (int32, distinct and ascending per row) of each KV head's ``k``
-    best-scoring candidates of ``scores`` ``[Hkv, n_cand]`` (ties: the lowest indices); all of
-    them when ``k == n_cand``. One Triton program per row
-    (:func:`xoffload.kernels.topk.topk_ids`), CUDA-graph safe; ``out``: an optional int32
-    ``[Hkv, k]`` destination; ``prefer`` / ``prefer_bonus``: entries with ``prefer >= 0`` (the
-    page cache's ``slot_of``) compete with their score plus the bonus (:attr:`QuestDecode.reuse_bias`).
-    Raises ValueError unless ``0 <= k <= n_cand``."""
-    hkv, n = scores.shape
-    if not 0 <= k <= n:
-        raise ValueError(f"k must be in [0, {n}] (candidate pages), got {k}")
-    return topk_ids(scores, k, out=out, prefer=prefer, prefer_bonus=prefer_bonus)
-
-
-def select_pages(scores: torch.Tensor, k: int, first_page: int, page_size: int, block_table: torch.Tensor | None,
-                 block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Pool row of the first token of each KV head's ``k`` best candidate pages.
-
-    Args:
-        scores: fp32 ``[Hkv, n_cand]`` (:func:`page_scores` of the candidate pages only).
-        k: pages per KV head, ``0 <= k <= n_cand``.
-        first_page: logical index of candidate 0.
-        page_size, block_size: tokens per page / per pool block (``block_size % page_size == 0``).
-        block_table: int32 ``[n_blocks]`` physical pool block of each logical block of the sequence
-            (on the scores' device), or None when rows are logical token indices (a contiguous cache).
-        out: optional int32 ``[1, Hkv, k]`` written in place (a CUDA graph's static buffer).
-    Returns:
-        int32 ``[1, Hkv, k]`` row indices (the page table of
-        :func:`xoffload.kernels.paged_decode_attn_with_lse`), in no particular order.
-    """
-    hkv, n = scores.shape
-    if not 0 <= k <= n:
-        raise ValueError(f"k must be in [0, {n}] (candidate pages), got {k}")
-    if block_table is not None and block_size % page_size:
-        raise ValueError(f"block_size {block_size} must be a multiple of page_size {page_size}")
-    idx = select_page_ids(scores, k).long()
-    tok = (idx + first_page) * page_size
-    if block_table is None:
-        rows = tok
-    else:
-        rows = block_table.long()[tok // block_size] * block_size + tok % block_size
-    rows = rows.to(torch.int32)[None]
-    if out is None:
-        return rows
-    out.copy_(rows)
-    return out

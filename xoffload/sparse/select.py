@@ -1,4 +1,5 @@
-"""Block selection for XAttention: keep the fewest blocks holding a threshold of each row's mass.
+"""Block selection for XAttention (keep the fewest blocks holding a threshold of each row's mass)
+and Quest's page choice (:func:`select_page_ids`, :func:`select_pages`: the top pages per KV head).
 
 Given block scores ``[B, H, q_blocks, k_blocks]`` (:func:`xoffload.kernels.xattn_estimate`), for
 every (batch item, head, query block) independently:
@@ -23,9 +24,10 @@ from __future__ import annotations
 import torch
 
 from ..kernels.checks import is_int
+from ..kernels.topk import topk_ids
 
 __all__ = ["select_blocks", "kv_head_union", "causal_block_visibility", "forced_blocks", "mask_density",
-           "thresholds"]
+           "thresholds", "select_page_ids", "select_pages"]
 
 
 def _check_lengths(sq, sk, block_size, q_start):
@@ -202,3 +204,53 @@ def mask_density(block_mask, sq, sk, block_size, *, q_start=None, causal=True):
     n_vis = vis.sum().clamp(min=1).float()
     kept = (block_mask & vis).sum(dim=(2, 3)).float()  # [B, H]
     return (kept / n_vis).mean(0)
+
+
+# ------------------------------------------------------------------ Quest: pages
+def select_page_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
+                    prefer: torch.Tensor | None = None, prefer_bonus: float = 0.0) -> torch.Tensor:
+    """Indices ``[Hkv, k]`` (int32, distinct and ascending per row) of each KV head's ``k``
+    best-scoring candidates of ``scores`` ``[Hkv, n_cand]`` (ties: the lowest indices); all of
+    them when ``k == n_cand``. One Triton program per row
+    (:func:`xoffload.kernels.topk.topk_ids`), CUDA-graph safe; ``out``: an optional int32
+    ``[Hkv, k]`` destination; ``prefer`` / ``prefer_bonus``: entries with ``prefer >= 0`` (the
+    page cache's ``slot_of``) compete with their score plus the bonus (:attr:`QuestDecode.reuse_bias`).
+    Raises ValueError unless ``0 <= k <= n_cand``."""
+    hkv, n = scores.shape
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, {n}] (candidate pages), got {k}")
+    return topk_ids(scores, k, out=out, prefer=prefer, prefer_bonus=prefer_bonus)
+
+
+def select_pages(scores: torch.Tensor, k: int, first_page: int, page_size: int, block_table: torch.Tensor | None,
+                 block_size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Pool row of the first token of each KV head's ``k`` best candidate pages.
+
+    Args:
+        scores: fp32 ``[Hkv, n_cand]`` (:func:`page_scores` of the candidate pages only).
+        k: pages per KV head, ``0 <= k <= n_cand``.
+        first_page: logical index of candidate 0.
+        page_size, block_size: tokens per page / per pool block (``block_size % page_size == 0``).
+        block_table: int32 ``[n_blocks]`` physical pool block of each logical block of the sequence
+            (on the scores' device), or None when rows are logical token indices (a contiguous cache).
+        out: optional int32 ``[1, Hkv, k]`` written in place (a CUDA graph's static buffer).
+    Returns:
+        int32 ``[1, Hkv, k]`` row indices (the page table of
+        :func:`xoffload.kernels.paged_decode_attn_with_lse`), in no particular order.
+    """
+    hkv, n = scores.shape
+    if not 0 <= k <= n:
+        raise ValueError(f"k must be in [0, {n}] (candidate pages), got {k}")
+    if block_table is not None and block_size % page_size:
+        raise ValueError(f"block_size {block_size} must be a multiple of page_size {page_size}")
+    idx = select_page_ids(scores, k).long()
+    tok = (idx + first_page) * page_size
+    if block_table is None:
+        rows = tok
+    else:
+        rows = block_table.long()[tok // block_size] * block_size + tok % block_size
+    rows = rows.to(torch.int32)[None]
+    if out is None:
+        return rows
+    out.copy_(rows)
+    return out
