@@ -108,7 +108,8 @@ class QuestDecode(DecodePolicy):
             default 2 GiB (the 8B shape: 546 slots of 32 tokens per KV head and
             layer, 13% of a 128K prompt's pages; 4x the pages a step reads would be 232). It is
             allocated at the first decode step, after prefill's buffers are freed, so it adds to
-            the decode footprint, not to prefill's peak.
+            the decode footprint, not to prefill's peak; it is not fitted to the free memory, so
+            on a GPU with less than that free after prefill set it lower.
         exact_channels: ``r`` key channels per KV head and sparse layer whose values are kept on
             the GPU token by token (``r / D`` of K's bytes on top of the min/max summaries) and scored
             exactly (:func:`xoffload.kernels.channel_score.channel_page_scores`): the channels where
