@@ -35,19 +35,17 @@ __all__ = ["ResidentPrefixBatchKV"]
 
 class _PoolBlocks:
     """The block-pool interface :class:`~xoffload.runtime.PrefixCache` needs, over a RowPool:
-    ``block_size``, ``allocator``, ``_closed``, and ``kv_in_pool`` (the tokens whose KV a sequence
-    has written, set by the store when its prefill ends)."""
+    ``block_size``, ``allocator``, ``_closed``, and ``kv_in_pool``. The store registers a prompt
+    (``PrefixCache.insert`` with the prompt's ids) only once its prefill has written every layer,
+    so the tokens asked for are written, up to what the sequence's blocks hold."""
 
     def __init__(self, pool):
         self.block_size = pool.block
         self.allocator = pool.alloc
         self._closed = False
-        self.written: dict = {}
 
     def kv_in_pool(self, seq: int, n: int, what: str = "kv_in_pool") -> int:
-        if seq not in self.written:
-            raise ValueError(f"{what}: sequence {seq} has written no KV to the pool")
-        return min(int(n), self.written[seq])
+        return min(int(n), len(self.allocator.table(seq)) * self.block_size)
 
 
 class ResidentPrefixBatchKV(ResidentBatchKV):
@@ -111,7 +109,6 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
     def release(self, seq):
         if seq.kv is not None:
             self._reserved -= _blocks(seq.final_len, self.block)
-        self._blocks.written.pop(seq.index, None)
         super().release(seq)
 
     def sink(self, seq):
@@ -124,7 +121,6 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
             self.pool.k[layer].index_copy_(0, rows, k)
             self.pool.v[layer].index_copy_(0, rows, v)
             if layer == L - 1:  # every layer written: later prompts of the call may share it
-                self._blocks.written[seq.index] = T
                 self.cache.insert(seq.index, seq.req.ids)
 
         history = None

@@ -121,6 +121,8 @@ class PagedKV(KVStore):
         slot_bytes = 2 * len(self.sparse) * hkv * (policy.page_size if policy is not None else 0) * d * el
         C = policy.cache_slots(p, slot_bytes) if (p is not None and engine is not None and self.sparse) else 0
         self.cache_slots = C
+        # QuestDecode.reuse_bias: a cached page's score bonus, ln(beta) in logit units (0: off)
+        self._reuse_bonus = math.log(policy.reuse_bias) / scale if C else 0.0
         self._tk = [torch.empty(n + max_new, hkv, d, dtype=dtype, device=self.device) for n in self._tail_prompt]
         self._tv = [torch.empty_like(t) for t in self._tk]
         # sparse layers with the page cache: [tail | C slots] in one store (one attention call),
@@ -420,9 +422,8 @@ class PagedKV(KVStore):
         f, n = p.first_page, p.num_candidates
         s = self.summaries.scores(layer, q, f, n, self.policy, self.scale)
         st = self._cstate[layer]
-        bias = self.policy.reuse_bias
-        ids = select_page_ids(s, self._k, prefer=st.slot_of if bias != 1.0 else None,
-                              prefer_bonus=math.log(bias) / self.scale)
+        ids = select_page_ids(s, self._k, prefer=st.slot_of if self._reuse_bonus else None,
+                              prefer_bonus=self._reuse_bonus)
         page_cache_lookup(ids, st, table, src, first_page=f, page_size=self.page,
                           base=self._cbase, block_table=self._bt, block_size=self._block, hits=hits)
         kr, vr = self._store(layer)

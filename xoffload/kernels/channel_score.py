@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import reference
 from .checks import check_out, check_tensor, next_pow2, use_triton
-from .quest_score import check_operands, check_summaries
+from .quest_score import check_batch_index, check_operands, check_summaries
 
 __all__ = ["channel_page_scores", "channel_page_scores_batched", "check_channels"]
 
@@ -248,12 +248,7 @@ def channel_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch
     # the per-row shape checks of the one-row scorer (channels [Hkv, r], klab [Hkv, NP * P, r], alpha)
     r, P, a = check_channels(channels[0] if R else channels.new_zeros(hkv, max(1, channels.shape[2])), klab, alpha,
                              hkv, npg, d, q.dtype, check=False)
-    for name, t, dt in (("index", index, (torch.int32, torch.int64)), ("n_valid", n_valid, (torch.int32,))):
-        want = (R, None) if name == "index" else (R,)
-        if not isinstance(t, torch.Tensor) or t.dtype not in dt or t.dim() != len(want) or t.shape[0] != R:
-            raise ValueError(f"{name} must be an {'/'.join(str(x).replace('torch.', '') for x in dt)} "
-                             f"[{', '.join('R=' + str(R) if w == R else 'N' for w in want)}] tensor, got "
-                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    check_batch_index(index, n_valid, R)
     check_operands(q, kmin, kmax, d, (("channels", channels), ("klab", klab), ("index", index),
                                        ("n_valid", n_valid)))
     n = index.shape[1]

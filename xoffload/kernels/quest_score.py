@@ -70,6 +70,20 @@ def check_summaries(q, kmin, kmax) -> tuple:
     return hq, hkv, n, d
 
 
+def _described(t) -> str:
+    return f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+
+
+def check_batch_index(index, n_valid, R: int) -> None:
+    """The candidate index of a batched scorer: ``index`` int32/int64 ``[R, N]`` and ``n_valid``
+    int32 ``[R]``. Raises ValueError naming the one that does not fit (shape and dtype)."""
+    if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int32, torch.int64) or index.dim() != 2 \
+            or index.shape[0] != R:
+        raise ValueError(f"index must be an int32/int64 [R={R}, N] tensor, got {_described(index)}")
+    if not isinstance(n_valid, torch.Tensor) or n_valid.dtype != torch.int32 or tuple(n_valid.shape) != (R,):
+        raise ValueError(f"n_valid must be an int32 [R={R}] tensor, got {_described(n_valid)}")
+
+
 def check_operands(q, kmin, kmax, d, others=()) -> None:
     """The checks every page scorer shares: ``head_dim <= 256``, one dtype for q and the summaries,
     one device for them and ``others`` (``(name, tensor)`` pairs), contiguous last dims, and the
@@ -185,15 +199,7 @@ def quest_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.T
     hkv = kmin.shape[0]
     if len({q.dtype, kmin.dtype, kmax.dtype}) != 1:
         raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
-    if not isinstance(index, torch.Tensor) or index.dtype not in (torch.int32, torch.int64) or index.dim() != 2 \
-            or index.shape[0] != R:
-        raise ValueError(f"index must be an int32/int64 [R={R}, N] tensor, got "
-                         f"{tuple(index.shape) if isinstance(index, torch.Tensor) else type(index).__name__}"
-                         f"{' ' + str(index.dtype) if isinstance(index, torch.Tensor) else ''}")
-    if not isinstance(n_valid, torch.Tensor) or n_valid.dtype != torch.int32 or tuple(n_valid.shape) != (R,):
-        raise ValueError(f"n_valid must be an int32 [R={R}] tensor, got "
-                         f"{tuple(n_valid.shape) if isinstance(n_valid, torch.Tensor) else type(n_valid).__name__}"
-                         f"{' ' + str(n_valid.dtype) if isinstance(n_valid, torch.Tensor) else ''}")
+    check_batch_index(index, n_valid, R)
     check_operands(q, kmin, kmax, d, (("index", index), ("n_valid", n_valid)))
     n = index.shape[1]
     if out is None:

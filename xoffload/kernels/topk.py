@@ -81,7 +81,7 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
         the lowest indices; NaN above every number, -0.0 below +0.0), in ascending order.
     Raises:
         TypeError / ValueError: ``scores`` not 2-D floating point, ``k`` outside ``[0, N]``, a bad
-        ``out``.
+        ``out`` or ``prefer``, a non-finite ``prefer_bonus``.
 
     Runs on the current stream without host synchronisation (CUDA-graph safe).
     """

@@ -27,6 +27,7 @@ import torch
 
 from ..kernels.checks import check_int
 from ..kernels.channel_score import channel_page_scores, check_channels
+from ..kernels.page_cache import MAX_SLOTS
 from ..kernels.quest_score import check_summaries, quest_page_scores
 from ..kernels.reference import channel_page_scores_ref
 from .policy import DecodePolicy
@@ -216,8 +217,6 @@ class QuestDecode(DecodePolicy):
         rule alone); at least ``pages_per_step``, at most the candidates and
         :data:`~xoffload.kernels.page_cache.MAX_SLOTS`; 0 when a step reads more pages than
         ``MAX_SLOTS`` (the cache cannot hold one step's pages: they are read in place)."""
-        from ..kernels.page_cache import MAX_SLOTS
-
         k, n = plan.pages_per_step, plan.num_candidates
         if k == 0 or self.cache_pages == 0 or k > MAX_SLOTS:
             return 0
