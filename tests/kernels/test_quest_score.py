@@ -164,6 +164,9 @@ def test_channel_scores_without_channels_and_bad_inputs(device):
     with pytest.raises(TypeError, match="klab must have"):
         channel_page_scores(q, kmin, kmax, ch, klab.half())
     assert channel_page_scores(q, kmin[:, :0], kmax[:, :0], ch, klab[:, :0]).shape == (2, 0)
+    # the kernel writes a row's pages with stride 1: a strided out is refused, not written wrong
+    with pytest.raises(ValueError, match="contiguous last dim"):
+        channel_page_scores(q, kmin, kmax, ch, klab, out=torch.empty(2, 18, device=device)[:, ::2])
 
 
 @pytest.mark.cuda

@@ -29,8 +29,8 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .checks import check_out, check_tensor, next_pow2, use_triton
-from .quest_score import check_batch_index, check_operands, check_summaries
+from .checks import check_tensor, next_pow2, use_triton
+from .quest_score import check_batch_index, check_operands, check_summaries, scores_out
 
 __all__ = ["channel_page_scores", "channel_page_scores_batched", "check_channels"]
 
@@ -197,10 +197,7 @@ def channel_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor,
         raise TypeError(f"q, kmin, kmax must share a dtype, got {q.dtype}, {kmin.dtype}, {kmax.dtype}")
     r, P, a = check_channels(channels, klab, alpha, hkv, n, d, q.dtype, check=check)
     check_operands(q, kmin, kmax, d, (("channels", channels), ("klab", klab)) if r else ())
-    if out is None:
-        out = torch.empty(hkv, n, dtype=torch.float32, device=q.device)
-    else:
-        check_out("out", out, (hkv, n), torch.float32, q.device)
+    out = scores_out(out, (hkv, n), q.device)
     if n == 0:
         return out
     if not use_triton(q):
@@ -252,10 +249,7 @@ def channel_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch
     check_operands(q, kmin, kmax, d, (("channels", channels), ("klab", klab), ("index", index),
                                        ("n_valid", n_valid)))
     n = index.shape[1]
-    if out is None:
-        out = torch.empty(R, hkv, n, dtype=torch.float32, device=q.device)
-    else:
-        check_out("out", out, (R, hkv, n), torch.float32, q.device)
+    out = scores_out(out, (R, hkv, n), q.device)
     if n == 0 or R == 0:
         return out
     if not use_triton(q):

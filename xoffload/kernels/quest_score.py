@@ -84,6 +84,18 @@ def check_batch_index(index, n_valid, R: int) -> None:
         raise ValueError(f"n_valid must be an int32 [R={R}] tensor, got {_described(n_valid)}")
 
 
+def scores_out(out, shape: tuple, device) -> torch.Tensor:
+    """The fp32 scores ``out`` of a page scorer: a new ``[*shape]`` tensor, or the caller's, checked
+    (shape, dtype, device, a contiguous last dim: the kernels write each row's pages with stride
+    1). Raises TypeError / ValueError naming what does not fit."""
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    check_out("out", out, shape, torch.float32, device)
+    if out.stride(-1) != 1:
+        raise ValueError(f"out must have a contiguous last dim, got strides {tuple(out.stride())}")
+    return out
+
+
 def check_operands(q, kmin, kmax, d, others=()) -> None:
     """The checks every page scorer shares: ``head_dim <= 256``, one dtype for q and the summaries,
     one device for them and ``others`` (``(name, tensor)`` pairs), contiguous last dims, and the
@@ -122,12 +134,7 @@ def quest_page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *
     """
     hq, hkv, n, d = check_summaries(q, kmin, kmax)
     check_operands(q, kmin, kmax, d)
-    if out is None:
-        out = torch.empty(hkv, n, dtype=torch.float32, device=q.device)
-    else:
-        check_out("out", out, (hkv, n), torch.float32, q.device)
-        if out.stride(-1) != 1:
-            raise ValueError(f"out must have a contiguous last dim, got strides {tuple(out.stride())}")
+    out = scores_out(out, (hkv, n), q.device)
     if n == 0:
         return out
     if not use_triton(q):
@@ -202,10 +209,7 @@ def quest_page_scores_batched(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.T
     check_batch_index(index, n_valid, R)
     check_operands(q, kmin, kmax, d, (("index", index), ("n_valid", n_valid)))
     n = index.shape[1]
-    if out is None:
-        out = torch.empty(R, hkv, n, dtype=torch.float32, device=q.device)
-    else:
-        check_out("out", out, (R, hkv, n), torch.float32, q.device)
+    out = scores_out(out, (R, hkv, n), q.device)
     if n == 0 or R == 0:
         return out
     if not use_triton(q):
