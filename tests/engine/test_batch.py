@@ -193,7 +193,8 @@ def test_batch_options_are_checked():
 # ------------------------------------------------------------------- teacher forcing (CPU and GPU)
 def _batch_logits(m, prompts, toks, n_steps, mode, **kw):
     """Per sequence, the logits ``[n_steps, V]`` of decode steps fed ``toks[b][i]`` at step i, all
-    sequences in one batch (the batched store of an LLM(mode, max_num_seqs=len(prompts)))."""
+    sequences in one batch (the batched store of an LLM(mode, max_num_seqs=len(prompts), **kw));
+    each prefill starts where the store's ``prefill_start`` says (a reused prefix)."""
     from xoffload.engine.kv_batch import batch_store_class
     from xoffload.engine.request import Request
     from xoffload.engine.scheduler import Sequence
@@ -209,7 +210,8 @@ def _batch_logits(m, prompts, toks, n_steps, mode, **kw):
     with torch.no_grad(), cpu_backend("reference"):
         for s in seqs:
             st.admit(s)
-            m.prefill(torch.tensor(s.req.ids, device=m.device), st.sink(s))
+            start = st.prefill_start(s)  # a prefix the store already holds (prefix caching), else 0
+            m.prefill(torch.tensor(s.req.ids[start:], device=m.device), st.sink(s), start=start)
             s.n_out = 1
         rows = st.set_batch(seqs)
         m.rope_tables(st.max_len + 1)
