@@ -1,7 +1,9 @@
 """Tests of the GPU page cache (page_cache_lookup / page_cache_fill) against its PyTorch reference,
 and of its invariants over many steps: every selected page's cache rows equal the pool's bit for
 bit, the state stays consistent (slot_of and tag are inverse maps), a page selected every step is
-never evicted, and a repeated selection is all hits.
+never evicted, and a repeated selection is all hits; the batched lookup (one launch for the rows of
+a decode batch, each sequence with its own state rows, slots and base, rows reordered between
+steps) evolves every sequence's cache exactly as the one-sequence lookup does.
 
 CPU: the Triton code under the interpreter (and the reference under cpu_backend("reference")).
 GPU (``-m cuda``): the pool in pinned host memory read over UVA, inside a CUDA graph.
@@ -11,7 +13,7 @@ import torch
 
 from helpers import HAS_CUDA
 from xoffload.kernels import cpu_backend
-from xoffload.kernels.page_cache import PageCacheState, page_cache_fill, page_cache_lookup
+from xoffload.kernels.page_cache import PageCacheState, page_cache_fill, page_cache_lookup, page_cache_lookup_batched
 
 P = 16  # page size
 
@@ -155,6 +157,101 @@ def test_misses_fill_exactly_k_slots_when_cache_equals_k():
         table, _ = c.step(pages, pool_k, pool_v)
         _check_invariants(c, pages, table, pool_k, pool_v)
         assert len(set(table[0].tolist())) == k
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_batched_lookup_equals_one_sequence_at_a_time(backend):
+    """Three sequences (own slot counts C, candidate counts, pages per step and block tables) and a
+    padding row in one batched launch per step, the rows in a different order each step: tables,
+    copies, replacement state and hit counters equal the one-sequence lookup of each, and the
+    cache rows the fill wrote equal the pool's."""
+    import contextlib
+
+    hkv, d, block, steps = 2, 8, 32, 6
+    seqs = [dict(C=9, n=30, k=5, first=1), dict(C=6, n=14, k=6, first=0), dict(C=12, n=40, k=3, first=2)]
+    S, cmax, kw = len(seqs) + 1, max(x["C"] for x in seqs), max(x["k"] for x in seqs)
+    nid = max(x["n"] for x in seqs)
+    g = torch.Generator().manual_seed(11)
+    n_blocks = 4 * sum(-(-(x["n"] + x["first"]) * P // block) for x in seqs)
+    pool_k, pool_v = _pool(n_blocks * block, hkv, d, torch.float32)
+    perm = torch.randperm(n_blocks, generator=g)
+    used = 0
+    for i, x in enumerate(seqs):
+        nb = -(-(x["n"] + x["first"]) * P // block)
+        x["bt"] = perm[used:used + nb].to(torch.int32)
+        used += nb
+        tok = (torch.arange(x["n"]) + x["first"]) * P
+        x["cand"] = (x["bt"].long()[tok // block] * block + tok % block).to(torch.int32)
+        x["base"] = i * cmax * P
+        x["alone"] = _Cache(hkv, d, x["C"], x["n"], torch.float32, "cpu", base=x["base"])
+        x["sels"] = [sel.sort(-1).values for sel in _selections(steps, hkv, x["k"], x["n"], seed=20 + i)]
+    st = PageCacheState(S * hkv, cmax, nid, "cpu")
+    ck = torch.zeros(S * cmax * P, hkv, d)
+    cv = torch.zeros_like(ck)
+    hits = torch.zeros(S, 2, dtype=torch.int64)
+    ctx = (lambda: cpu_backend("reference")) if backend == "reference" else contextlib.nullcontext
+    for t in range(steps):
+        order = [(t + j) % 3 for j in range(3)]  # a new row order every step
+        rows = [seqs[i] for i in order] + [None]  # + one padding row
+        n = len(rows)
+        pages = torch.full((n, hkv, kw), 10 ** 6, dtype=torch.int64)  # junk past each row's count
+        cand = torch.zeros(n, nid, dtype=torch.int32)
+        meta = torch.zeros(4, n, dtype=torch.int32)  # slot, k, C, base
+        for r, (i, x) in enumerate(zip(order + [None], rows)):
+            if x is None:
+                meta[:, r] = torch.tensor([S - 1, 0, 1, 0])
+                continue
+            pages[r, :, :x["k"]] = x["sels"][t]
+            cand[r, :x["n"]] = x["cand"]
+            meta[:, r] = torch.tensor([i, x["k"], x["C"], x["base"]])
+        table = torch.full((n, hkv, kw), -7, dtype=torch.int32)
+        src = torch.empty(n, hkv, kw, dtype=torch.int32)
+        with ctx():
+            page_cache_lookup_batched(pages, st, meta[0], meta[1], meta[2], meta[3], cand, table, src,
+                                      page_size=P, hits=hits)
+            page_cache_fill(pool_k, pool_v, ck, cv, src, table, page_size=P)
+        for r, (i, x) in enumerate(zip(order, rows)):
+            with cpu_backend("reference"):
+                t1, s1 = x["alone"].step(x["sels"][t], pool_k, pool_v, first_page=x["first"], bt=x["bt"], block=block)
+            k = x["k"]
+            assert torch.equal(table[r, :, :k], t1) and torch.equal(src[r, :, :k], s1), (t, i)
+            assert bool((src[r, :, k:] == -1).all()) and bool((table[r, :, k:] == -7).all())
+            a = x["alone"].st
+            for h in range(hkv):
+                sr = i * hkv + h
+                assert torch.equal(st.tag[sr, :x["C"]], a.tag[h]) and bool((st.tag[sr, x["C"]:] == -1).all())
+                assert torch.equal(st.slot_of[sr, :x["n"]], a.slot_of[h]) and int(st.clock[sr]) == int(a.clock[h])
+                for j in range(k):  # the rows the fill wrote are the pool's
+                    rr, pg = int(table[r, h, j]), int(x["sels"][t][h, j])
+                    prow = int(x["cand"][pg])
+                    assert torch.equal(ck[rr:rr + P, h], pool_k[prow:prow + P, h])
+                    assert torch.equal(cv[rr:rr + P, h], pool_v[prow:prow + P, h])
+        assert bool((src[n - 1] == -1).all())  # the padding row copies nothing
+    for i, x in enumerate(seqs):
+        assert torch.equal(hits[i], x["alone"].hits), i
+    assert int(hits[:3, 0].sum()) > 0 and int(hits[S - 1].sum()) == 0
+
+
+def test_batched_lookup_bad_inputs():
+    st = PageCacheState(4, 6, 10, "cpu")
+    one = torch.zeros(2, dtype=torch.int32)
+    cand = torch.zeros(2, 10, dtype=torch.int32)
+    t = torch.empty(2, 2, 5, dtype=torch.int32)
+    ok = dict(page_size=16)
+    pages = torch.zeros(2, 2, 5, dtype=torch.int64)
+    with pytest.raises(ValueError, match="not a multiple of the 3 KV heads"):
+        page_cache_lookup_batched(torch.zeros(2, 3, 5, dtype=torch.int64), st, one, one, one, one, cand,
+                                  torch.empty(2, 3, 5, dtype=torch.int32), torch.empty(2, 3, 5, dtype=torch.int32), **ok)
+    with pytest.raises(ValueError, match="7 pages per KV head do not fit a cache of 6 slots"):
+        page_cache_lookup_batched(torch.zeros(2, 2, 7, dtype=torch.int64), st, one, one, one, one, cand, t, t, **ok)
+    with pytest.raises(ValueError, match=r"row_k must be \[2\]"):
+        page_cache_lookup_batched(pages, st, one, torch.zeros(3, dtype=torch.int32), one, one, cand, t, t.clone(), **ok)
+    with pytest.raises(TypeError, match="row_base"):
+        page_cache_lookup_batched(pages, st, one, one, one, one.long(), cand, t, t.clone(), **ok)
+    with pytest.raises(ValueError, match=r"src must be \[2, 2, 5\]"):
+        page_cache_lookup_batched(pages, st, one, one, one, one, cand, t, torch.empty(2, 2, 4, dtype=torch.int32), **ok)
+    with pytest.raises(ValueError, match="hits must have 2 dims"):
+        page_cache_lookup_batched(pages, st, one, one, one, one, cand, t, t.clone(), hits=torch.zeros(2, dtype=torch.int64), **ok)
 
 
 def test_bad_inputs():

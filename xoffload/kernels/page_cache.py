@@ -21,7 +21,14 @@ the state, and writes the cache page table (for :func:`xoffload.kernels.paged_de
 over the cache) and the pool row to copy for each miss. :func:`page_cache_fill` then copies the
 missed pages into their slots, reading pinned host memory directly over PCIe (UVA).
 
+:func:`page_cache_lookup_batched` does the lookup for every row of a decode batch in one launch
+(each sequence with its own state rows, slots and base in one shared state); the fill takes the
+batch's ``[n, Hkv, K]`` lists as they are.
+
 On CPU tensors both run PyTorch references unless Triton's interpreter is on.
+
+(Over 450 lines on purpose: the one-request and batched lookups share one kernel and one
+per-head reference, so that a sequence's cache evolves identically in both.)
 """
 from __future__ import annotations
 
@@ -31,7 +38,7 @@ import triton.language as tl
 
 from .checks import HostPtr, check_int, check_pow2, check_tensor, device_can_read_host, next_pow2, use_triton
 
-__all__ = ["MAX_SLOTS", "PageCacheState", "page_cache_fill", "page_cache_lookup"]
+__all__ = ["MAX_SLOTS", "PageCacheState", "page_cache_fill", "page_cache_lookup", "page_cache_lookup_batched"]
 
 
 class PageCacheState:
@@ -85,88 +92,117 @@ MAX_SLOTS = 16384
 # ----------------------------------------------------------------------------------------------
 # per-request integers are not specialised: no new compiled variant per prompt length (and K == 1
 # stays a tensor, not a constexpr)
-@triton.jit(do_not_specialize=["K", "C", "NID", "first_page", "block_size", "base"])
+@triton.jit(do_not_specialize=["K", "C", "NID", "first_page", "block_size", "base", "CS", "KW"])
 def _lookup_kernel(Pages, BT, Tag, SlotOf, Clock, Mark, Step, Free, Table, Src, Hits,
-                   K, C, NID, first_page, block_size, base,
-                   s_ph, s_th,
-                   PAGE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
-                   HAS_BT: tl.constexpr, HAS_HITS: tl.constexpr):
-    """One program per KV head ``h``: hits, CLOCK victims for the misses, state update, outputs.
-    O(K + C) work: the hits stamp their slots in ``Mark`` with this lookup's step, the slots no
-    hit holds are listed in replacement order in ``Free``, and the r-th miss takes ``Free[r]``."""
-    h = tl.program_id(0)
+                   RowSlot, RowK, RowC, RowBase, CandRow,
+                   K, C, NID, first_page, block_size, base, CS, KW,
+                   s_ph, s_th, s_cr,
+                   HKV: tl.constexpr, PAGE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_C: tl.constexpr,
+                   HAS_BT: tl.constexpr, HAS_HITS: tl.constexpr, BATCHED: tl.constexpr):
+    """One program per KV head ``h`` (``BATCHED``: per batch row ``r`` and KV head ``h``, the row's
+    count, slots, base and state rows read from the ``Row*`` vectors): hits, CLOCK victims for the
+    misses, state update, outputs. O(K + C) work: the hits stamp their slots in ``Mark`` with this
+    lookup's step, the slots no hit holds are listed in replacement order in ``Free``, and the r-th
+    miss takes ``Free[r]``. ``CS`` / ``NID``: the state's row strides; ``C``: the slots in use."""
+    if BATCHED:
+        r = tl.program_id(0)
+        h = tl.program_id(1)
+        seq = tl.load(RowSlot + r)
+        K = tl.load(RowK + r)
+        C = tl.load(RowC + r)
+        base = tl.load(RowBase + r)
+        st = seq * HKV + h  # the state row of (sequence slot, head)
+        o = r * HKV + h  # the output row
+    else:
+        h = tl.program_id(0)
+        st = h
+        o = h
     kk = tl.arange(0, BLOCK_K)
     mk = kk < K
     cc = tl.arange(0, BLOCK_C)
     mc = cc < C
-    pg = tl.load(Pages + h * s_ph + kk, mask=mk, other=0).to(tl.int32)
+    pg = tl.load(Pages + o * s_ph + kk, mask=mk, other=0).to(tl.int32)
     pg = tl.minimum(tl.maximum(pg, 0), NID - 1)
-    sl = tl.load(SlotOf + h * NID + pg, mask=mk, other=-1)
+    sl = tl.load(SlotOf + st * NID + pg, mask=mk, other=-1)
     hit = mk & (sl >= 0)
     miss = mk & (sl < 0)
-    stamp = tl.load(Step + h) + 1
-    tl.store(Step + h, stamp)
-    tl.store(Mark + h * C + sl, tl.full([BLOCK_K], 0, tl.int32) + stamp, mask=hit)
-    hand = tl.load(Clock + h)
+    stamp = tl.load(Step + st) + 1
+    tl.store(Step + st, stamp)
+    tl.store(Mark + st * CS + sl, tl.full([BLOCK_K], 0, tl.int32) + stamp, mask=hit)
+    hand = tl.load(Clock + st)
     tl.debug_barrier()
     rc = (cc + hand) % C  # slots in replacement order, starting at the hand
-    held = tl.load(Mark + h * C + rc, mask=mc, other=0) == stamp
+    held = tl.load(Mark + st * CS + rc, mask=mc, other=0) == stamp
     elig = mc & (held == 0)
     csum = tl.cumsum(elig.to(tl.int32), axis=0)  # eligible slots up to and including each position
     nmiss = tl.sum(miss.to(tl.int32), axis=0)
-    tl.store(Free + h * C + csum - 1, rc, mask=elig & (csum <= nmiss))
+    tl.store(Free + st * CS + csum - 1, rc, mask=elig & (csum <= nmiss))
     last = tl.sum(tl.where(elig & (csum == nmiss), cc, 0), axis=0)
     rank = tl.cumsum(miss.to(tl.int32), axis=0)  # 1-based rank of each miss
     tl.debug_barrier()
-    vic = tl.load(Free + h * C + rank - 1, mask=miss, other=0)
-    old = tl.load(Tag + h * C + vic, mask=miss, other=-1)
+    vic = tl.load(Free + st * CS + rank - 1, mask=miss, other=0)
+    old = tl.load(Tag + st * CS + vic, mask=miss, other=-1)
     tl.debug_barrier()
-    tl.store(SlotOf + h * NID + old, tl.full([BLOCK_K], -1, tl.int32), mask=miss & (old >= 0))
+    tl.store(SlotOf + st * NID + old, tl.full([BLOCK_K], -1, tl.int32), mask=miss & (old >= 0))
     tl.debug_barrier()
-    tl.store(Tag + h * C + vic, pg, mask=miss)
-    tl.store(SlotOf + h * NID + pg, vic, mask=miss)
-    tl.store(Clock + h, tl.where(nmiss > 0, (hand + last + 1) % C, hand))
+    tl.store(Tag + st * CS + vic, pg, mask=miss)
+    tl.store(SlotOf + st * NID + pg, vic, mask=miss)
+    tl.store(Clock + st, tl.where(nmiss > 0, (hand + last + 1) % C, hand))
     slot = tl.where(hit, sl, vic)
-    tl.store(Table + h * s_th + kk, base + slot * PAGE, mask=mk)
-    tok = (pg + first_page) * PAGE
-    if HAS_BT:
-        row = tl.load(BT + tok // block_size, mask=mk, other=0) * block_size + tok % block_size
+    tl.store(Table + o * s_th + kk, base + slot * PAGE, mask=mk)
+    if BATCHED:  # the row's candidate -> pool row map
+        row = tl.load(CandRow + r * s_cr + pg, mask=mk, other=0)
     else:
-        row = tok
-    tl.store(Src + h * K + kk, tl.where(hit, -1, row), mask=mk)
+        tok = (pg + first_page) * PAGE
+        if HAS_BT:
+            row = tl.load(BT + tok // block_size, mask=mk, other=0) * block_size + tok % block_size
+        else:
+            row = tok
+    # every entry up to KW: -1 for a hit and (batched) past the row's count, so the fill skips them
+    tl.store(Src + o * KW + kk, tl.where(hit | (kk >= K), -1, row), mask=kk < KW)
     if HAS_HITS:
-        tl.atomic_add(Hits, tl.sum(hit.to(tl.int64), axis=0))
-        tl.atomic_add(Hits + 1, K.to(tl.int64))
+        if BATCHED:
+            hp = Hits + seq * 2  # per sequence slot: (hits, lookups)
+        else:
+            hp = Hits
+        tl.atomic_add(hp, tl.sum(hit.to(tl.int64), axis=0))
+        tl.atomic_add(hp + 1, K.to(tl.int64))
+
+
+def _lookup_head(st, i: int, pages: torch.Tensor, C: int):
+    """Reference of one KV head's lookup on state row ``i`` using its first ``C`` slots (the
+    kernel's replacement rule); updates the state, returns (slot per page, hit mask, clamped ids)."""
+    nid = st.slot_of.shape[1]
+    pg = pages.long().clamp(0, nid - 1)
+    sl = st.slot_of[i, pg].long()
+    hit = sl >= 0
+    hand = int(st.clock[i])
+    held = set(sl[hit].tolist())
+    order = [(hand + j) % C for j in range(C)]
+    free = [s for s in order if s not in held]
+    vic = torch.zeros(pg.numel(), dtype=torch.long)
+    j_miss = (~hit).nonzero().flatten().tolist()
+    for r, j in enumerate(j_miss):
+        s = free[r]
+        vic[j] = s
+        old = int(st.tag[i, s])
+        if old >= 0:
+            st.slot_of[i, old] = -1
+    for j in j_miss:
+        st.tag[i, vic[j]] = int(pg[j])
+        st.slot_of[i, pg[j]] = int(vic[j])
+    if j_miss:
+        st.clock[i] = (order.index(free[len(j_miss) - 1]) + hand + 1) % C
+    return torch.where(hit, sl, vic), hit, pg
 
 
 def _lookup_ref(pages, bt, st, table, src, hits, first_page, page_size, block_size, base):
     """PyTorch reference of the lookup kernel (same replacement rule)."""
     hkv, k = pages.shape
-    C, nid = st.num_slots, st.slot_of.shape[1]
     n_hits = 0
     for h in range(hkv):
-        pg = pages[h].long().clamp(0, nid - 1)
-        sl = st.slot_of[h, pg].long()
-        hit = sl >= 0
+        slot, hit, pg = _lookup_head(st, h, pages[h], st.num_slots)
         n_hits += int(hit.sum())
-        hand = int(st.clock[h])
-        held = set(sl[hit].tolist())
-        order = [(hand + i) % C for i in range(C)]
-        free = [s for s in order if s not in held]
-        vic = torch.zeros(k, dtype=torch.long)
-        j_miss = (~hit).nonzero().flatten().tolist()
-        for r, j in enumerate(j_miss):
-            s = free[r]
-            vic[j] = s
-            old = int(st.tag[h, s])
-            if old >= 0:
-                st.slot_of[h, old] = -1
-        for j in j_miss:
-            st.tag[h, vic[j]] = int(pg[j])
-            st.slot_of[h, pg[j]] = int(vic[j])
-        if j_miss:
-            st.clock[h] = (order.index(free[len(j_miss) - 1]) + hand + 1) % C
-        slot = torch.where(hit, sl, vic)
         table[h].copy_((base + slot * page_size).to(table.dtype))
         tok = (pg + first_page) * page_size
         row = tok if bt is None else bt.long()[tok // block_size] * block_size + tok % block_size
@@ -174,6 +210,24 @@ def _lookup_ref(pages, bt, st, table, src, hits, first_page, page_size, block_si
     if hits is not None:
         hits[0] += n_hits
         hits[1] += hkv * k
+
+
+def _lookup_batched_ref(pages, st, row_slot, row_k, row_c, row_base, cand_row, table, src, hits, page_size):
+    """PyTorch reference of the batched lookup (:func:`_lookup_head` per row and KV head)."""
+    n, hkv, kw = pages.shape
+    src.fill_(-1)
+    for r in range(n):
+        s, k, C, base = int(row_slot[r]), int(row_k[r]), int(row_c[r]), int(row_base[r])
+        if k == 0:
+            continue
+        for h in range(hkv):
+            slot, hit, pg = _lookup_head(st, s * hkv + h, pages[r, h, :k], C)
+            table[r, h, :k] = (base + slot * page_size).to(table.dtype)
+            row = cand_row[r].long()[pg]
+            src[r, h, :k] = torch.where(hit, torch.full_like(row, -1), row).to(src.dtype)
+            if hits is not None:
+                hits[s, 0] += int(hit.sum())
+                hits[s, 1] += k
 
 
 def page_cache_lookup(pages: torch.Tensor, state: PageCacheState, table: torch.Tensor, src: torch.Tensor, *,
@@ -247,9 +301,95 @@ def page_cache_lookup(pages: torch.Tensor, state: PageCacheState, table: torch.T
     _lookup_kernel[(hkv,)](
         pages, block_table if block_table is not None else src, state.tag, state.slot_of, state.clock,
         state.mark, state.step, state.free, table, src, hits if hits is not None else src,
-        k, C, nid, first_page, max(block_size, 1), base, pages.stride(0), table.stride(0),
-        PAGE=page_size, BLOCK_K=max(16, next_pow2(k)), BLOCK_C=block_c,
-        HAS_BT=block_table is not None, HAS_HITS=hits is not None, num_warps=4 if block_c <= 2048 else 8,
+        src, src, src, src, src,
+        k, C, nid, first_page, max(block_size, 1), base, C, k, pages.stride(0), table.stride(0), 0,
+        HKV=hkv, PAGE=page_size, BLOCK_K=max(16, next_pow2(k)), BLOCK_C=block_c,
+        HAS_BT=block_table is not None, HAS_HITS=hits is not None, BATCHED=False,
+        num_warps=4 if block_c <= 2048 else 8,
+    )
+
+
+def page_cache_lookup_batched(pages: torch.Tensor, state: PageCacheState, row_slot: torch.Tensor,
+                              row_k: torch.Tensor, row_c: torch.Tensor, row_base: torch.Tensor,
+                              cand_row: torch.Tensor, table: torch.Tensor, src: torch.Tensor, *, page_size: int,
+                              hits: torch.Tensor | None = None) -> None:
+    """:func:`page_cache_lookup` for every row of a decode batch in one launch: each row is a
+    sequence with its own cache (state rows, slots, base) in one layer's shared state and row store.
+
+    Sequence slot ``s`` owns state rows ``s * Hkv .. s * Hkv + Hkv - 1`` of ``state`` (a
+    :class:`PageCacheState` of ``S * Hkv`` rows and ``C_max`` slots); row ``r`` looks up its first
+    ``row_k[r]`` pages in the first ``row_c[r]`` slots of slot ``row_slot[r]``'s rows, with the
+    same replacement rule as the one-request lookup (so a sequence's cache evolves as it would
+    alone with ``C = row_c[r]``).
+
+    Args:
+        pages: int32/int64 ``[n, Hkv, Kw]`` (last dim contiguous): row r's selected candidate ids
+            per KV head in its first ``row_k[r]`` entries, distinct (ascending, to match the
+            one-request lookup's slot order); the rest are ignored.
+        state: the layer's shared state, ``S * Hkv`` rows.
+        row_slot: int32 ``[n]`` sequence slot of each row (rows of one step: distinct slots, but
+            rows with ``row_k == 0`` — padding — may share one).
+        row_k: int32 ``[n]`` pages per KV head of each row (``<= Kw``; 0: the row looks nothing up).
+        row_c: int32 ``[n]`` slots in use per KV head, ``row_k[r] <= row_c[r] <= C_max``.
+        row_base: int32 ``[n]`` cache row of slot 0 of each row's sequence.
+        cand_row: int32 ``[n, Nw]`` (last dim contiguous) pool row of the first token of each
+            candidate page (what a miss copies from).
+        table: int32 ``[n, Hkv, Kw]`` (last dim contiguous) written with ``row_base + slot *
+            page_size`` for the first ``row_k[r]`` entries (the rest are left as they were).
+        src: int32 ``[n, Hkv, Kw]`` contiguous, written with the pool row of each miss and -1 for
+            a hit and past ``row_k[r]`` (what :func:`page_cache_fill` copies).
+        page_size: tokens per page (power of two >= 16).
+        hits: optional int64 ``[S, 2]``: per sequence slot, ``+= (hits, lookups)``.
+
+    The per-row counts are not checked on the device (a host check would synchronise); out-of-range
+    ids are clamped as in :func:`page_cache_lookup`. Runs on the current stream, CUDA-graph safe.
+    Raises:
+        TypeError / ValueError: wrong dtypes, shapes or devices, ``Kw > C_max``, state rows that
+            are not a multiple of ``Hkv``.
+    """
+    check_tensor("pages", pages, 3, dtypes=(torch.int32, torch.int64))
+    n, hkv, kw = pages.shape
+    rows, cmax = state.tag.shape
+    if rows % hkv:
+        raise ValueError(f"the cache state has {rows} rows, not a multiple of the {hkv} KV heads of pages")
+    if kw > cmax:
+        raise ValueError(f"{kw} pages per KV head do not fit a cache of {cmax} slots (need num_slots >= Kw)")
+    for name, t in (("row_slot", row_slot), ("row_k", row_k), ("row_c", row_c), ("row_base", row_base)):
+        check_tensor(name, t, 1, dtypes=(torch.int32,))
+        if t.shape[0] != n:
+            raise ValueError(f"{name} must be [{n}] (one entry per row), got {tuple(t.shape)}")
+    check_tensor("cand_row", cand_row, 2, dtypes=(torch.int32,))
+    if cand_row.shape[0] != n or cand_row.stride(1) != 1:
+        raise ValueError(f"cand_row must be [{n}, Nw] with a contiguous last dim, got {tuple(cand_row.shape)}")
+    for name, t in (("table", table), ("src", src)):
+        check_tensor(name, t, 3, dtypes=(torch.int32,))
+        if tuple(t.shape) != (n, hkv, kw):
+            raise ValueError(f"{name} must be [{n}, {hkv}, {kw}], got {tuple(t.shape)}")
+    if table.stride(2) != 1 or table.stride(0) != hkv * table.stride(1) or not src.is_contiguous():
+        raise ValueError("table must be [n, Hkv, Kw] with a contiguous last dim and rows of Hkv * its head stride; "
+                         "src must be contiguous")
+    for name, t in (("state", state.tag), ("row_slot", row_slot), ("cand_row", cand_row), ("table", table)):
+        if t.device != pages.device:
+            raise ValueError(f"{name} is on {t.device}, pages on {pages.device}")
+    page_size = check_pow2("page_size", page_size, 16)
+    if hits is not None:
+        check_tensor("hits", hits, 2, dtypes=(torch.int64,))
+        if tuple(hits.shape) != (rows // hkv, 2):
+            raise ValueError(f"hits must be int64 [{rows // hkv}, 2] (per sequence slot), got {tuple(hits.shape)}")
+    if n == 0 or kw == 0:
+        return
+    if pages.stride(2) != 1 or pages.stride(0) != hkv * pages.stride(1):
+        pages = pages.contiguous()
+    if not use_triton(pages):
+        _lookup_batched_ref(pages, state, row_slot, row_k, row_c, row_base, cand_row, table, src, hits, page_size)
+        return
+    block_c = max(16, next_pow2(cmax))
+    _lookup_kernel[(n, hkv)](
+        pages, src, state.tag, state.slot_of, state.clock, state.mark, state.step, state.free, table, src,
+        hits if hits is not None else src, row_slot, row_k, row_c, row_base, cand_row,
+        kw, cmax, state.slot_of.shape[1], 0, 1, 0, cmax, kw, pages.stride(1), table.stride(1), cand_row.stride(0),
+        HKV=hkv, PAGE=page_size, BLOCK_K=max(16, next_pow2(kw)), BLOCK_C=block_c,
+        HAS_BT=False, HAS_HITS=hits is not None, BATCHED=True, num_warps=4 if block_c <= 2048 else 8,
     )
 
 
@@ -259,14 +399,16 @@ def page_cache_lookup(pages: torch.Tensor, state: PageCacheState, table: torch.T
 @triton.jit(do_not_specialize=["K"])
 def _fill_kernel(SK, SV, DK, DV, Src, Table, K, D,
                  s_sr, s_sh, s_dr, s_dh, s_th,
-                 BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Program (h, j, chunk): rows ``chunk*BLOCK_R ..`` of missed page j of KV head h."""
-    h = tl.program_id(0)
+                 HKV: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program (i, j, chunk): rows ``chunk*BLOCK_R ..`` of missed page j of list row i (KV head
+    ``i % HKV``; a batch's rows are ``[row, head]`` flattened)."""
+    i = tl.program_id(0)
     j = tl.program_id(1)
     c = tl.program_id(2)
-    s = tl.load(Src + h * K + j)
+    h = i % HKV
+    s = tl.load(Src + i * K + j)
     if s >= 0:
-        d = tl.load(Table + h * s_th + j).to(tl.int64)
+        d = tl.load(Table + i * s_th + j).to(tl.int64)
         r = c * BLOCK_R + tl.arange(0, BLOCK_R)
         od = tl.arange(0, BLOCK_D)
         m = od[None, :] < D
@@ -284,8 +426,10 @@ def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tenso
         src_k, src_v: row stores ``[R, Hkv, D]`` of one layer (the pool: pinned host memory read
             over PCIe by the GPU kernel, or device memory); last dim contiguous.
         dst_k, dst_v: the cache row stores ``[R_c, Hkv, D]`` on the GPU (same dtype, Hkv, D).
-        src: int32 ``[Hkv, K]``: pool row of each page to copy, -1 to skip (a hit).
-        table: int32 ``[Hkv, K]`` (last dim contiguous): cache row of each page.
+        src: int32 ``[Hkv, K]``: pool row of each page to copy, -1 to skip (a hit); or ``[n, Hkv,
+            K]`` for a batch (:func:`page_cache_lookup_batched`), contiguous.
+        table: int32 ``[Hkv, K]`` / ``[n, Hkv, K]`` (last dim contiguous, rows of ``Hkv`` times
+            its head stride): cache row of each page.
         page_size: tokens per page.
 
     Rows are not range-checked on the device (the lookup wrote them). Runs on the current stream.
@@ -301,11 +445,21 @@ def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tenso
                          f"dst {tuple(dst_k.shape)}/{tuple(dst_v.shape)}")
     if len({src_k.dtype, src_v.dtype, dst_k.dtype, dst_v.dtype}) != 1:
         raise TypeError(f"row stores must share one dtype, got {src_k.dtype}, {src_v.dtype}, {dst_k.dtype}, {dst_v.dtype}")
+    if src.dim() == 3 and table.dim() == 3:  # a batch: [n, Hkv, K] -> [n * Hkv, K]
+        if tuple(table.shape) != tuple(src.shape) or table.stride(0) != table.shape[1] * table.stride(1) \
+                or not src.is_contiguous():
+            raise ValueError(f"batched src {tuple(src.shape)} (contiguous) and table {tuple(table.shape)} (rows of Hkv "
+                             f"times its head stride) must match")
+        if src.shape[1] != dst_k.shape[1]:
+            raise ValueError(f"src {tuple(src.shape)} and table {tuple(table.shape)} must be [n, Hkv={dst_k.shape[1]}, K]")
+        src, table = src.flatten(0, 1), table.flatten(0, 1)
     check_tensor("src", src, 2, dtypes=(torch.int32,))
     check_tensor("table", table, 2, dtypes=(torch.int32,))
-    hkv, k = src.shape
-    if tuple(table.shape) != (hkv, k) or hkv != dst_k.shape[1]:
-        raise ValueError(f"src {tuple(src.shape)} and table {tuple(table.shape)} must be [Hkv={dst_k.shape[1]}, K]")
+    hkv = dst_k.shape[1]
+    nr, k = src.shape
+    if tuple(table.shape) != (nr, k) or nr % hkv:
+        raise ValueError(f"src {tuple(src.shape)} and table {tuple(table.shape)} must be [Hkv={hkv}, K] "
+                         f"(or [n, Hkv, K])")
     page_size = check_pow2("page_size", page_size, 16)
     host = dst_k.is_cuda and not src_k.is_cuda
     if host:
@@ -321,7 +475,7 @@ def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tenso
         r = torch.arange(page_size, device=dst_k.device)
         rows_s = (src.to(dst_k.device).long()[..., None] + r)[miss]  # [misses, P]
         rows_d = (table.to(dst_k.device).long()[..., None] + r)[miss]
-        heads = torch.arange(hkv, device=dst_k.device)[:, None, None].expand(hkv, k, page_size)[miss]
+        heads = (torch.arange(nr, device=dst_k.device) % hkv)[:, None, None].expand(nr, k, page_size)[miss]
         dst_k[rows_d, heads] = src_k[rows_s.to(src_k.device), heads.to(src_k.device)].to(dst_k.device)
         dst_v[rows_d, heads] = src_v[rows_s.to(src_v.device), heads.to(src_v.device)].to(dst_v.device)
         return
@@ -329,7 +483,7 @@ def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tenso
     block_r = min(next_pow2(page_size), max(1, 8192 // next_pow2(d)))
     sk = HostPtr(src_k) if host else src_k
     sv = HostPtr(src_v) if host else src_v
-    grid = (hkv, k, triton.cdiv(page_size, block_r))
+    grid = (nr, k, triton.cdiv(page_size, block_r))
     _fill_kernel[grid](sk, sv, dst_k, dst_v, src, table, k, d,
                        src_k.stride(0), src_k.stride(1), dst_k.stride(0), dst_k.stride(1), table.stride(0),
-                       BLOCK_R=block_r, BLOCK_D=next_pow2(d), num_warps=4)
+                       HKV=hkv, BLOCK_R=block_r, BLOCK_D=next_pow2(d), num_warps=4)
