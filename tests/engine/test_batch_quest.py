@@ -38,7 +38,7 @@ def _batched(m, max_model_len, pol=POL, **kw):
 def test_store_choice():
     m = tiny_random()
     for pol, cls in ((POL, OffloadQuestBatchKV), (QuestDecode(cache_pages=0), OffloadQuestBatchKV),
-                     (QuestDecode(cache_pages=8), SerialBatchKV), (QuestDecode(prefetch=True), SerialBatchKV),
+                     (QuestDecode(cache_pages=8), OffloadQuestBatchKV), (QuestDecode(prefetch=True), SerialBatchKV),
                      (QuestDecode(cache_pages=0, exact_channels=4), OffloadQuestBatchKV),
                      (QuestDecode(exact_channels=4, bound_scale=0.25), OffloadQuestBatchKV), ("quest-ch", OffloadQuestBatchKV),
                      (QuestDecode(cache_pages=0, bound_scale=0.5), SerialBatchKV)):
@@ -72,11 +72,13 @@ def test_lengths_around_pages_and_blocks_equal_alone(dense_on_gpu):
     st = llm.batch_stats
     assert st["max_running"] == len(lens) and {x["rows"] for x in st["decode_steps"]} == {16}
     tok_layer = m.cfg.kv_bytes_per_token(m.dtype) // m.cfg.num_layers
-    L = m.cfg.num_layers
-    for n, o in zip(lens, outs):
+    for n, o, r in zip(lens, outs, ref):  # the sparse layers' misses (each row's cache evolves as alone)
         p = POL.plan(n)
-        want = ((L - 1) * p.pages_per_step + (0 if dense_on_gpu else p.num_candidates)) * 16 * tok_layer
-        assert o.timings["h2d_bytes_per_token"] == want, n
+        dense = 0 if dense_on_gpu else p.num_candidates * 16 * tok_layer
+        assert o.timings["h2d_bytes_per_token"] == r.timings["h2d_bytes_per_token"] + dense, n
+        if p.pages_per_step:
+            assert o.timings["cache_hit_rate"] == r.timings["cache_hit_rate"], n
+    assert any(o.timings.get("cache_hit_rate", 0) > 0 for o in outs)
     assert any(POL.plan(n).pages_per_step < POL.plan(n).num_candidates for n in lens)  # some rows select
     assert llm.engine.sequences() == [] and llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
 
@@ -161,6 +163,56 @@ def test_join_mid_batch_and_finish_after_one_token(dense_on_gpu):
     seqs = [x["seqs"] for x in llm.batch_stats["decode_steps"]]
     assert seqs[0] == 1 and seqs[1] == 2 and seqs[-1] == 1 and sum(seqs) == 13 + 0 + 3 + 5
     assert llm.engine.sequences() == []
+
+
+def test_page_cache_with_reuse_bias_equals_alone():
+    """Per-sequence page caches in the batch (a small cache, 12 steps): with a reuse bias every
+    sequence gives its tokens and its cache hit rate alone, and the bias is live in the batch
+    (hit rates above the unbiased run's); the row's cache slot is released and reused by the
+    sequences that join later (max_num_seqs=2)."""
+    m = tiny_random()
+    prompts = _prompts([120, 200, 263, 150], seed=31)
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    runs = {}
+    for bias in (1.0, 16.0):
+        pol = dataclasses.replace(POL, cache_pages=4, reuse_bias=bias)
+        ref = _alone(m, prompts, sp, 300, pol=pol)
+        llm = _batched(m, 300, pol=pol, max_num_seqs=2)
+        outs = llm.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], bias
+        assert [o.timings["cache_hit_rate"] for o in outs] == [r.timings["cache_hit_rate"] for r in ref], bias
+        assert [o.timings["h2d_bytes_per_token"] for o in outs] == [r.timings["h2d_bytes_per_token"] for r in ref]
+        assert llm.batch_stats["store"]["cache_slots"] == 4
+        runs[bias] = [o.timings["cache_hit_rate"] for o in outs]
+    assert all(b >= a for a, b in zip(runs[1.0], runs[16.0])) and sum(runs[16.0]) > sum(runs[1.0])
+
+
+def test_page_cache_cut_to_memory_and_none_when_a_step_does_not_fit(monkeypatch):
+    """Under a GPU memory limit the per-sequence caches get the slots that fit (the cache is
+    transparent without a reuse bias: tokens still equal alone); fewer than a step's pages: no
+    cache, every selected page read in place."""
+    from xoffload.engine import kv_batch
+    from xoffload.engine.kv_batch_cache import BatchPageCache
+
+    m = tiny_random()
+    prompts = _prompts([120, 200, 263], seed=32)
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    ref = _alone(m, prompts, sp, 300)
+    llm = _batched(m, 300, max_num_seqs=3)
+    llm.generate(prompts, sp)
+    info = llm.batch_stats["store"]
+    k = info["pages_per_step"]
+    assert info["cache_slots"] > k + 1  # uncut: as alone
+    base = info["tail_bytes"] + info["summary_bytes"] + info["dense_pool_bytes"]
+    sb = BatchPageCache.slot_bytes(m.cfg.num_layers - 1, m.cfg.num_kv_heads, m.cfg.head_dim, 16, m.dtype)
+    for slots, want in ((k + 1, k + 1), (k - 1, 0)):
+        monkeypatch.setattr(kv_batch, "_pool_memory_limit", lambda *a, s=slots: base + 3 * s * sb + 8)
+        llm = _batched(m, 300, max_num_seqs=3)
+        outs = llm.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], slots
+        st = llm.batch_stats["store"]
+        assert st["cache_slots"] == want and not st["memory_limited"], slots
+        assert ("cache_hit_rate" in outs[-1].timings) == bool(want)
 
 
 @pytest.mark.parametrize("budget", [None, 4096])

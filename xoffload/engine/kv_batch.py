@@ -34,12 +34,13 @@ Stores:
   (a page table of pool blocks per row); generated tokens in a paged GPU tail pool (a second
   launch); the two merged by LSE.
 - :class:`OffloadQuestBatchKV` (``offload`` + :class:`~xoffload.sparse.QuestDecode`, direct
-  decode, no page cache or prefetch asked for): prompts in the pinned pool, every admitted
-  sequence's page summaries in one shared GPU summary pool, sink + recent + generated tokens in the
-  paged GPU tail pool, the dense layers on the GPU when they fit (else read in place); per layer
-  one batched score launch, one topk and one paged launch for the whole batch.
-- :class:`SerialBatchKV`: every other store (Quest resident, Quest with a page cache or prefetch,
-  the ring, stores registered later):
+  decode, no prefetch asked for): prompts in the pinned pool, every admitted sequence's page
+  summaries in one shared GPU summary pool, sink + recent + generated tokens in the paged GPU tail
+  pool, the dense layers on the GPU when they fit (else read in place), a GPU page cache per
+  sequence (:mod:`~xoffload.engine.kv_batch_cache`) when it fits; per layer one batched score
+  launch, one topk, one cache lookup + fill and one paged launch for the whole batch.
+- :class:`SerialBatchKV`: every other store (Quest resident, Quest with prefetch, the ring, stores
+  registered later):
   one per-request store per sequence, the batch's model step shared (one read of the weights for
   all rows) but attention one sequence at a time, eager.
 
@@ -52,6 +53,7 @@ import torch
 from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
 from ..runtime.allocator import BlockAllocator
 from ..sparse.quest import choose_channels
+from .kv_batch_cache import BatchPageCache, reuse_bonus
 from .kv_store import PrefillStaging, ResidentKV
 
 __all__ = ["BatchKV", "ResidentBatchKV", "OffloadBatchKV", "OffloadQuestBatchKV", "SerialBatchKV", "RowPool",
@@ -643,19 +645,26 @@ class OffloadQuestBatchKV(BatchKV):
     which under a 24 GiB cap competes with the summaries (~128 MiB per sequence) that admission
     needs. Summaries come first (they decide how many sequences run); the dense pool is all or
     nothing (one launch per dense layer reads one store). :attr:`DENSE_ON_GPU` overrides the
-    choice (tests, benchmarks). There is no page
-    cache (the per-request one is 4x the pages a step reads, ~1 GB per sequence at 32K): every
-    selected page crosses PCIe every step. A policy with ``prefetch=True`` or an explicit
-    ``cache_pages > 0`` keeps the per-request stores (:class:`SerialBatchKV`, see
+    choice (tests, benchmarks).
+
+    The page caches (:class:`~xoffload.engine.kv_batch_cache.BatchPageCache`): each running
+    sequence holds one of ``max_num_seqs`` cache slots with the slots its plan gets alone
+    (:meth:`QuestDecode.cache_slots`: ``cache_pages``, or ``cache_bytes`` worth, 2 GiB by default),
+    cut to the GPU memory left after the tails, the summaries and the dense pool; when fewer than
+    a step's pages fit (or ``cache_pages=0``) there is none and every selected page is read in
+    place over PCIe every step. Uncut, a sequence's cache evolves as in its one-request run, so
+    with a ``reuse_bias`` it selects the same pages; cut, the bias sees a smaller cache. A policy
+    with ``prefetch=True`` keeps the per-request stores (:class:`SerialBatchKV`, see
     :func:`batch_store_class`).
 
     Decode, per layer, for all rows at once (every shape fixed for the call, so one CUDA graph per
     batch-size bucket): the new K/V written to each row's tail, one paged launch over the tails;
     for a sparse layer one :func:`~xoffload.kernels.quest_score.quest_page_scores_batched` launch
     (row r's query against its own candidate pages, ``-inf`` past its count), one ``topk`` over
-    ``[rows, Hkv, N]`` (sorted, so row r's first ``k_r`` entries are its own top ``k_r``), one
-    gather turning candidate indices into pool rows (``[rows, Hkv, K]`` page table) and one
-    :func:`~xoffload.kernels.paged_decode_attn_with_lse` launch over the pinned pool with
+    ``[rows, Hkv, N]`` (sorted, so row r's first ``k_r`` entries are its own top ``k_r``), then
+    with the page caches one batched lookup + fill and one paged launch over the caches, without
+    them one gather turning candidate indices into pool rows (``[rows, Hkv, K]`` page table) and
+    one :func:`~xoffload.kernels.paged_decode_attn_with_lse` launch over the pinned pool, with
     ``k_r * page_size`` tokens per row; for a dense layer one paged launch over every candidate
     page of each row (the tokens between sink and recent tail); the two parts merged by LSE.
     ``N`` / ``K`` are the largest candidate / per-step page counts of the call's requests; each
@@ -665,8 +674,9 @@ class OffloadQuestBatchKV(BatchKV):
 
     GPU memory: the tail pool (what the ``max_num_seqs`` largest requests need) and the summary
     pool (the same, or on CUDA what fits in the free memory after a prefill's headroom: fewer
-    sequences are admitted at a time then); nothing scales with the prompt length but the
-    summaries (``2 / page_size`` of K's bytes of the sparse layers).
+    sequences are admitted at a time then), the dense pool when it fits, then the page caches
+    (``max_num_seqs`` x slots x one page of every sparse layer); nothing scales with the prompt
+    length but the summaries (``2 / page_size`` of K's bytes of the sparse layers) and the dense pool.
     """
 
     capturable = True
@@ -725,6 +735,20 @@ class OffloadQuestBatchKV(BatchKV):
         if self.dense_on_gpu:
             dcfg = SimpleNamespace(num_layers=len(self.dense), num_kv_heads=hkv, head_dim=d)
             self.dpool = RowPool(dcfg, ndb, self.block, self.dtype, self.device)
+        # per-sequence page caches (kv_batch_cache): what the policy gives each plan alone, cut to
+        # the memory left after the tails, summaries and dense pool; none when a step's pages do not fit
+        self.pcache = None
+        self._want_c = [pol.cache_slots(p, BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype))
+                        if self.sparse else 0 for p in plans]
+        cmax = max(self._want_c + [0])
+        if cmax:
+            sb = BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype)
+            free = None if limit is None else limit - self.tail.nbytes - nsb * per_sb - \
+                (self.dpool.nbytes if self.dpool is not None else 0)
+            c = BatchPageCache.slots_that_fit(cmax, self.max_num_seqs, sb, free)
+            if c >= self.K:
+                self.pcache = BatchPageCache(len(self.sparse), hkv, d, self.max_num_seqs, c, max(self.N, 1), self.K, R,
+                                            P, reuse_bonus(pol, self.scale), self.dtype, self.device)
         self.sum_alloc = BlockAllocator(nsb, SUMMARY_BLOCK)
         self.summ_scratch = nsb * SUMMARY_BLOCK  # the scratch page (padding entries of the index)
         self.summ = PageSummaries(max(1, len(self.sparse)), hkv, d, self.summ_scratch + 1, P, self.dtype,
@@ -762,7 +786,9 @@ class OffloadQuestBatchKV(BatchKV):
                 "memory_limited": self.memory_limited, "summary_pages": self.sum_alloc.num_blocks * SUMMARY_BLOCK,
                 "summary_bytes": self.summ.nbytes, "tail_bytes": self.tail.nbytes,
                 "dense_pool_bytes": self.dpool.nbytes if self.dpool is not None else 0,
-                "candidate_pages": self.N, "pages_per_step": self.K}
+                "candidate_pages": self.N, "pages_per_step": self.K,
+                "cache_slots": self.pcache.C if self.pcache is not None else 0,
+                "cache_bytes": self.pcache.nbytes if self.pcache is not None else 0}
 
     @staticmethod
     def _new(seq) -> int:
@@ -815,6 +841,7 @@ class OffloadQuestBatchKV(BatchKV):
             self.sum_alloc.add(sid)
             self.sum_alloc.allocate(sid, ns)
             dtab = self.dpool.reserve(sid, seq.prompt_len) if self.dpool is not None else ()
+            cslot = self.pcache.acquire() if self.pcache is not None else None
         except Exception:
             self.tail.free(sid)
             if self.dpool is not None:
@@ -826,7 +853,7 @@ class OffloadQuestBatchKV(BatchKV):
         self._admitted[sid] = seq
         self._reserved += nb
         seq.kv = {"sid": sid, "plan": p, "tail": tail, "stab": self.sum_alloc.table(sid), "dtab": dtab,
-                  "events": [], "joined": False}
+                  "events": [], "joined": False, "cslot": cslot}
 
     def release(self, seq):
         kv = seq.kv
@@ -840,13 +867,44 @@ class OffloadQuestBatchKV(BatchKV):
             self.sum_alloc.free(sid)
         if self.dpool is not None:
             self.dpool.free(sid)
+        if self.pcache is not None and kv.get("cslot") is not None:
+            self.pcache.release(kv["cslot"])
         self.eng.free(sid)
         seq.kv = None
 
+    def _cache_counts(self, seq):
+        """(hits, lookups) of ``seq``'s page cache, or None without one / before its first step."""
+        kv = seq.kv
+        if kv is None or self.pcache is None or kv.get("cslot") is None:
+            return None
+        hits, looks = self.pcache.counts(kv["cslot"])
+        return (hits, looks) if looks else None
+
     def h2d_bytes_per_step(self, seq) -> int:
         p = seq.kv["plan"] if seq.kv is not None else self.policy.plan(seq.prompt_len)
-        pages = len(self.sparse) * p.pages_per_step + (0 if self.dense_on_gpu else len(self.dense) * p.num_candidates)
-        return pages * self.page * self._tok_layer_bytes
+        dense = 0 if self.dense_on_gpu else len(self.dense) * p.num_candidates * self.page * self._tok_layer_bytes
+        hl = self._cache_counts(seq)
+        if hl is None:
+            return len(self.sparse) * p.pages_per_step * self.page * self._tok_layer_bytes + dense
+        hits, looks = hl  # lookups per step: sparse layers x KV heads x k_r (as the one-request store counts)
+        hkv = self.cfg.num_kv_heads
+        steps = looks // max(1, len(self.sparse) * hkv * p.pages_per_step)
+        page_bytes = self.page * self._tok_layer_bytes // hkv  # K and V of one page of one KV head
+        return int((looks - hits) * page_bytes / steps) + dense
+
+    def decode_stats(self, seq) -> dict:
+        """With the page cache: ``cache_hit_rate``, ``cache_slots`` (this sequence's), ``cache_bytes``
+        (the call's caches)."""
+        hl = self._cache_counts(seq)
+        if hl is None:
+            return {}
+        c = min(self._want_c_of(seq), self.pcache.C)
+        return {"cache_hit_rate": hl[0] / hl[1], "cache_slots": c, "cache_bytes": self.pcache.nbytes}
+
+    def _want_c_of(self, seq) -> int:
+        p = seq.kv["plan"]
+        return self.policy.cache_slots(p, BatchPageCache.slot_bytes(len(self.sparse), self.cfg.num_kv_heads,
+                                                                      self.cfg.head_dim, self.page, self.dtype))
 
     def _summary_rows(self, stab, n: int) -> torch.Tensor:
         """int64 ``[n]`` (host): summary page of each of a sequence's ``n`` candidates."""
@@ -947,6 +1005,9 @@ class OffloadQuestBatchKV(BatchKV):
             pairs.append((self.dcand_row, dcand))
         for dst, src in pairs:
             _to_device(dst[:rows], src)
+        if self.pcache is not None:
+            self.pcache.set_rows([(s.kv["cslot"], p.pages_per_step if self._summary_pages(p) else 0,
+                                  min(self._want_c_of(s), self.pcache.C)) for s, p in zip(seqs, plans)], rows)
         if self.chan is not None:  # device to device, one copy per sequence (outside the graph)
             self.chan[:rows].zero_()
             for i, s in enumerate(seqs):
@@ -977,6 +1038,10 @@ class OffloadQuestBatchKV(BatchKV):
             else:
                 sc = quest_page_scores_batched(q.to(self.dtype), self.summ.kmin[si], self.summ.kmax[si],
                                                self.sidx[:n], self.nvalid[:n], out=self.scores[:n])
+            if self.pcache is not None:  # select (with the reuse bonus), look up, copy the misses
+                kr, vr, table = self.pcache.fetch(si, sc, self.cand_row[:n], kr, vr, n)
+                return paged_decode_attn_with_lse(q4, kr, vr, table, self.klens[:n], page_size=self.page,
+                                                  softmax_scale=self.scale, check=False)
             sel = sc.topk(self.K, dim=-1, sorted=True).indices  # [n, Hkv, K]: row r's top k_r first
             tab = self.cand_row[:n].gather(1, sel.flatten(1)).view(n, -1, self.K)
             self.table[:n].copy_(tab)
@@ -996,7 +1061,9 @@ class OffloadQuestBatchKV(BatchKV):
     def close(self):
         for seq in list(self._admitted.values()):
             self.release(seq)
-        self.tail = self.region = self.summ = None
+        if self.pcache is not None:
+            self.pcache.close()
+        self.tail = self.region = self.summ = self.pcache = None
         self._stage.clear()
         self.cand_row = self.dcand_row = self.sidx = self.table = self.scores = self.dpool = None
         super().close()
@@ -1101,12 +1168,10 @@ def batch_store_class(store_cls, config):
     ``store_cls`` under ``config``: :class:`ResidentBatchKV` for :class:`ResidentKV` (with
     ``prefix_caching``: :class:`~xoffload.engine.kv_batch_prefix.ResidentPrefixBatchKV`),
     :class:`OffloadBatchKV` for offload's direct store without a decode policy,
-    :class:`OffloadQuestBatchKV` for it with a :class:`~xoffload.sparse.QuestDecode` policy that
-    asks for no page cache or prefetch (``cache_pages`` None — the per-request default cache is not
-    built in a batch — or 0, ``prefetch=False``), else :class:`SerialBatchKV` around ``store_cls``
-    (an explicit ``cache_pages > 0`` or ``prefetch=True`` keeps the per-request stores and their
-    caches; so does ``bound_scale < 1`` without exact channels, which the batched score kernels do
-    not take)."""
+    :class:`OffloadQuestBatchKV` for it with a :class:`~xoffload.sparse.QuestDecode` policy
+    without ``prefetch`` (its page caches per sequence), else :class:`SerialBatchKV` around
+    ``store_cls`` (``prefetch=True`` keeps the per-request stores; so does ``bound_scale < 1``
+    without exact channels, which the batched score kernels do not take)."""
     from ..sparse.quest import QuestDecode
     from .kv_paged import OffloadPagedKV
 
@@ -1119,7 +1184,7 @@ def batch_store_class(store_cls, config):
     if store_cls is OffloadPagedKV and config.decode_policy is None:
         return OffloadBatchKV, {}
     pol = config.decode_policy
-    if store_cls is OffloadPagedKV and isinstance(pol, QuestDecode) and not pol.prefetch and not pol.cache_pages \
+    if store_cls is OffloadPagedKV and isinstance(pol, QuestDecode) and not pol.prefetch \
             and (pol.exact_channels or pol.bound_scale == 1.0):
         return OffloadQuestBatchKV, {}
     return SerialBatchKV, {"store_cls": store_cls}

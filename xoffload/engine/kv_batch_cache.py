@@ -1,0 +1,166 @@
+"""Per-sequence GPU page caches for the batched Quest store (:class:`~xoffload.engine.kv_batch.
+OffloadQuestBatchKV`): the pages a sequence's sparse layers fetched stay on the GPU, so a page chosen
+again costs no PCIe bytes (ShadowKV, Sun et al. 2024: most chosen chunks repeat between steps).
+
+Each sequence of a batched ``generate`` call holds one of ``S = max_num_seqs`` cache slots for as
+long as it runs. Per sparse layer, slot ``s`` owns rows ``s * Hkv .. s * Hkv + Hkv - 1`` of one shared
+:class:`~xoffload.kernels.page_cache.PageCacheState` and ``C_max`` pages of one shared row store
+``[S * C_max * page_size, Hkv, D]``. Per step and layer, for all rows at once: the Quest scores
+(plus the policy's reuse bonus on the pages already cached), ``topk``, the row's first ``k_r``
+pages in ascending id order (as the one-request store looks them up), one
+:func:`~xoffload.kernels.page_cache.page_cache_lookup_batched` launch and one
+:func:`~xoffload.kernels.page_cache.page_cache_fill` launch reading the misses over PCIe. Row ``r``
+uses the first ``c_r`` slots of its cache, where ``c_r`` is what
+:meth:`~xoffload.sparse.QuestDecode.cache_slots` gives its plan alone, cut to what fits in the GPU
+memory left for the call (:meth:`BatchPageCache.slots_that_fit`): uncut, a sequence's cache
+evolves exactly as in its one-request run, so with a ``reuse_bias`` it selects the same pages.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..kernels.page_cache import MAX_SLOTS, PageCacheState, page_cache_fill, page_cache_lookup_batched
+
+__all__ = ["BatchPageCache"]
+
+
+class BatchPageCache:
+    """The page caches of a batched call's sequences (module docstring).
+
+    Args:
+        num_sparse: sparse layers (one state and row store each).
+        num_kv_heads, head_dim: ``Hkv``, ``D``.
+        num_seqs: ``S``, sequences that may hold a cache at once (``max_num_seqs``).
+        slots: ``C_max``, slots per sequence, KV head and layer (``>= pages_per_step``).
+        num_ids: ``Nw``, the call's largest candidate-page count (the width of the scores).
+        pages_per_step: ``Kw``, the call's largest pages per step.
+        rows: the largest padded batch (row vectors' length).
+        page_size: tokens per page.
+        reuse_bonus: score bonus of a cached page in the scores' units (``ln(reuse_bias) /
+            softmax scale``; 0: none).
+        dtype, device: of the row stores.
+
+    Raises ValueError for ``slots < pages_per_step`` or more than
+    :data:`~xoffload.kernels.page_cache.MAX_SLOTS`.
+    """
+
+    def __init__(self, num_sparse: int, num_kv_heads: int, head_dim: int, num_seqs: int, slots: int, num_ids: int,
+                 pages_per_step: int, rows: int, page_size: int, reuse_bonus: float, dtype, device):
+        if not pages_per_step <= slots <= MAX_SLOTS:
+            raise ValueError(f"a batch page cache needs pages_per_step ({pages_per_step}) <= slots ({slots}) <= "
+                             f"{MAX_SLOTS}")
+        S, hkv, P = int(num_seqs), int(num_kv_heads), int(page_size)
+        self.S, self.hkv, self.C, self.P, self.K = S, hkv, int(slots), P, int(pages_per_step)
+        self.bonus = float(reuse_bonus)
+        # slot S: the padding rows' scratch state (they look nothing up)
+        self.state = [PageCacheState((S + 1) * hkv, self.C, max(int(num_ids), 1), device) for _ in range(num_sparse)]
+        self.k = torch.zeros(num_sparse, S * self.C * P, hkv, head_dim, dtype=dtype, device=device)
+        self.v = torch.zeros_like(self.k)
+        self.hits = torch.zeros(S + 1, 2, dtype=torch.int64, device=device)  # per slot: (hits, lookups)
+        self.row_slot = torch.full((rows,), S, dtype=torch.int32, device=device)
+        self.row_k = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.row_c = torch.ones(rows, dtype=torch.int32, device=device)
+        self.row_base = torch.zeros(rows, dtype=torch.int32, device=device)
+        self.kmask = torch.zeros(rows, 1, max(self.K, 1), dtype=torch.bool, device=device)  # j < k_r
+        self.table = torch.zeros(rows, hkv, max(self.K, 1), dtype=torch.int32, device=device)
+        self.src = torch.full((rows, hkv, max(self.K, 1)), -1, dtype=torch.int32, device=device)
+        self._free = list(range(S))
+        self._big = max(int(num_ids), 1)  # sorts past every candidate id
+
+    @staticmethod
+    def slot_bytes(num_sparse: int, num_kv_heads: int, head_dim: int, page_size: int, dtype) -> int:
+        """GPU bytes of one slot per sequence: K and V of one page, every sparse layer and KV head."""
+        el = torch.empty((), dtype=dtype).element_size()
+        return 2 * num_sparse * num_kv_heads * page_size * head_dim * el
+
+    @staticmethod
+    def slots_that_fit(want: int, num_seqs: int, slot_bytes: int, free_bytes: int | None) -> int:
+        """``want`` slots per sequence, or fewer so that ``num_seqs`` caches fit in ``free_bytes``
+        (None: no limit)."""
+        if free_bytes is None or slot_bytes <= 0:
+            return want
+        return max(0, min(want, free_bytes // (num_seqs * slot_bytes)))
+
+    @property
+    def nbytes(self) -> int:
+        """GPU bytes of the row stores (K and V)."""
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def acquire(self) -> int:
+        """A free cache slot for a sequence joining the call, emptied (in place: the captured
+        graphs' tensors stay valid). Raises RuntimeError when all ``S`` are held (the scheduler
+        admits at most ``max_num_seqs``)."""
+        if not self._free:
+            raise RuntimeError(f"all {self.S} batch page-cache slots are held")
+        s = self._free.pop(0)
+        rows = slice(s * self.hkv, (s + 1) * self.hkv)
+        for st in self.state:
+            st.tag[rows] = -1
+            st.slot_of[rows] = -1
+            st.clock[rows] = 0
+            st.mark[rows] = 0
+            st.step[rows] = 0
+        self.hits[s] = 0
+        return s
+
+    def release(self, slot: int) -> None:
+        """Give back a sequence's slot (idempotent)."""
+        if 0 <= slot < self.S and slot not in self._free:
+            self._free.append(slot)
+            self._free.sort()
+
+    def set_rows(self, entries: list, rows: int) -> None:
+        """The batch's rows (host work when the batch changes): ``entries[r] = (slot, k_r, c_r)``
+        for the running sequences (``c_r >= k_r``; ``k_r = 0``: the row looks nothing up);
+        padding rows up to ``rows`` use the scratch slot."""
+        from .kv_batch import _to_device
+
+        S, C, P = self.S, self.C, self.P
+        vec = torch.zeros(4, rows, dtype=torch.int32)
+        vec[0].fill_(S)
+        vec[2].fill_(1)
+        for r, (slot, k, c) in enumerate(entries):
+            if k and not k <= c <= C:
+                raise ValueError(f"row {r}: pages per step {k} must be <= its slots {c} <= {C}")
+            vec[:, r] = torch.tensor([slot, k, max(c, 1), slot * C * P], dtype=torch.int32)
+        for dst, src in zip((self.row_slot, self.row_k, self.row_c, self.row_base), vec):
+            _to_device(dst[:rows], src)
+        mask = torch.arange(self.kmask.shape[2])[None, None, :] < vec[1][:, None, None]
+        _to_device(self.kmask[:rows], mask)
+
+    def fetch(self, si: int, scores: torch.Tensor, cand_row: torch.Tensor, pool_k: torch.Tensor,
+              pool_v: torch.Tensor, n: int):
+        """Select, look up and fill sparse layer ``si``'s pages for the first ``n`` rows.
+
+        ``scores``: fp32 ``[n, Hkv, Nw]`` (``-inf`` past a row's candidates; modified in place when
+        there is a reuse bonus); ``cand_row``: int32 ``[n, Nw]`` pool row of each candidate page;
+        ``pool_k`` / ``pool_v``: the layer's pool row stores. Returns ``(k rows, v rows, table
+        [n, Hkv, Kw])`` for :func:`~xoffload.kernels.paged_decode_attn_with_lse` (row r reads its
+        first ``k_r`` pages)."""
+        st = self.state[si]
+        if self.bonus:  # a cached page competes with its score + ln(reuse_bias) / scale
+            held = st.slot_of.view(self.S + 1, self.hkv, -1)[self.row_slot[:n].long(), :, :scores.shape[2]]
+            scores.add_((held >= 0).to(scores.dtype) * self.bonus)
+        sel = scores.topk(self.K, dim=-1, sorted=True).indices  # row r's top k_r first
+        sel = torch.where(self.kmask[:n], sel, self._big).sort(dim=-1).values  # its k_r ids, ascending
+        page_cache_lookup_batched(sel, st, self.row_slot[:n], self.row_k[:n], self.row_c[:n], self.row_base[:n],
+                                  cand_row, self.table[:n], self.src[:n], page_size=self.P, hits=self.hits)
+        page_cache_fill(pool_k, pool_v, self.k[si], self.v[si], self.src[:n], self.table[:n], page_size=self.P)
+        return self.k[si], self.v[si], self.table[:n]
+
+    def counts(self, slot: int) -> tuple:
+        """``(hits, lookups)`` of the sequence in ``slot`` so far (reads the device counters)."""
+        h, n = (int(x) for x in self.hits[slot].tolist())
+        return h, n
+
+    def close(self) -> None:
+        self.state = []
+        self.k = self.v = None
+
+
+def reuse_bonus(policy, scale: float) -> float:
+    """The score bonus of a cached page for ``policy`` (``ln(reuse_bias) / scale``; 0 without one)."""
+    b = float(getattr(policy, "reuse_bias", 1.0))
+    return math.log(b) / scale if b != 1.0 else 0.0
