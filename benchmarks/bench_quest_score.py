@@ -12,8 +12,10 @@ functions run on the GPU: the nine-op form the kernels replace). Shapes: the Lla
 shape (32 query / 8 KV heads, D 128, pages of 32 tokens) at 32K and 128K, and SmolLM2's (9 / 3
 heads, D 64) at 8K; r = 8 and 16, alpha 1 (the bound: two dots) and 0.25 (four).
 
-Run: ``python benchmarks/bench_quest_score.py [--quick] [--out PATH]`` (table + JSON into
+Run: ``python benchmarks/bench_quest_score.py [--quick] [--sweep] [--out PATH]`` (table + JSON into
 ``benchmarks/results/quest_score.json``), or ``pytest benchmarks/bench_quest_score.py``.
+``--sweep``: the channel kernel's tiles (pages per program x warps) at the 8B shape, each checked
+against the default tile's scores, recorded under ``sweep``.
 Skips cleanly without CUDA.
 """
 from __future__ import annotations
@@ -78,6 +80,41 @@ def run_case(name, ctx, hq, hkv, d, page, r, alpha, hbm, dtype=torch.bfloat16) -
     return row
 
 
+SWEEP = [(bn, w) for bn in (16, 32, 64) for w in (4, 8)]
+SWEEP_SHAPES = ("8b_128k_ch16_a025", "8b_32k_ch16_a025", "smollm2_8k_ch16_a025")
+
+
+def sweep_case(name, ctx, hq, hkv, d, page, r, alpha, hbm, dtype=torch.bfloat16) -> list:
+    """Graph-replay time of the channel score kernel per (pages per program, warps) tile; the
+    scores of each tile equal the default tile's (the same fp32 sums per page, in any tile)."""
+    from xoffload.kernels import channel_score as cs
+
+    n = ctx // page
+    el = torch.tensor([], dtype=dtype).element_size()
+    k = torch.randn(hkv, n, page, d, dtype=dtype, device="cuda")
+    kmin, kmax = k.amin(2).contiguous(), k.amax(2).contiguous()
+    q = torch.randn(hq, d, dtype=dtype, device="cuda")
+    ch = torch.stack([torch.randperm(d, device="cuda")[:r] for _ in range(hkv)]).to(torch.int32)
+    klab = torch.gather(k.flatten(1, 2), 2, ch.long()[:, None, :].expand(hkv, n * page, r)).contiguous()
+    del k
+    nbytes = 2 * kmin.numel() * el + klab.numel() * el
+    want = torch.empty(hkv, n, dtype=torch.float32, device="cuda")
+    cs._launch(q[None], kmin, kmax, ch, klab, None, None, want, r, page, alpha, hq // hkv)
+    rows = []
+    for bn, w in SWEEP:
+        out = torch.empty_like(want)
+        fn = lambda: cs._launch(q[None], kmin, kmax, ch, klab, None, None, out, r, page, alpha, hq // hkv,  # noqa: E731
+                                block_n=bn, num_warps=w)
+        fn()
+        same = bool(torch.allclose(out, want, rtol=1e-5, atol=1e-5 * float(want.abs().max())))
+        ms = bench_graph_ms(fn) or bench_ms(fn)
+        rows.append({"name": name, "block_n": bn, "num_warps": w, "ms": ms, "GBps": nbytes / ms / 1e6,
+                     "frac_of_hbm_copy": nbytes / ms / 1e6 / hbm, "same_scores": same,
+                     "default": bn == cs.BLOCK_N and w == (4 if bn * page <= 512 else 8)})
+    torch.cuda.empty_cache()
+    return rows
+
+
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
 def test_bench_quest_score(benchmark, shape):
@@ -87,6 +124,8 @@ def test_bench_quest_score(benchmark, shape):
 
 def main(argv=None):
     ap = bench_parser(__doc__, "quest_score")
+    ap.add_argument("--sweep", action="store_true", help="also time the channel kernel's tiles (pages per program x "
+                                                         "warps) at the 8B and SmolLM2 shapes")
     args = parse_gpu_args(ap, argv)
     if args is None:
         return 0
@@ -105,6 +144,16 @@ def main(argv=None):
               f"({p['speedup_vs_peer']:.2f}x)", flush=True)
     res = {"benchmark": "quest_score", **env_record(), "hbm_copy_GBps": hbm, "rows": rows,
            "note": "one sparse layer's page scoring; a decode step runs it once per sparse layer"}
+    if args.sweep:
+        res["sweep"] = []
+        for shape in SHAPES:
+            if shape[0] in SWEEP_SHAPES:
+                for t in sweep_case(*shape, hbm):
+                    res["sweep"].append(t)
+                    print(f"sweep {t['name']:>22} block_n {t['block_n']:>3} warps {t['num_warps']}: "
+                          f"{1e3 * t['ms']:7.1f} us {t['GBps']:6.0f} GB/s {100 * t['frac_of_hbm_copy']:5.1f}%"
+                          f"{' (default)' if t['default'] else ''}{'' if t['same_scores'] else ' SCORES DIFFER'}",
+                          flush=True)
     print(f"wrote {write_json(args.out, res)}")
     return 0
 

@@ -197,8 +197,9 @@ def test_page_cache_cut_to_memory_and_none_when_a_step_does_not_fit(monkeypatch)
     m = tiny_random()
     prompts = _prompts([120, 200, 263], seed=32)
     sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    ref = _alone(m, prompts, sp, 300)
-    llm = _batched(m, 300, max_num_seqs=3)
+    pol = dataclasses.replace(POL, reuse_bias=1.0)
+    ref = _alone(m, prompts, sp, 300, pol=pol)
+    llm = _batched(m, 300, pol=pol, max_num_seqs=3)
     llm.generate(prompts, sp)
     info = llm.batch_stats["store"]
     k = info["pages_per_step"]
@@ -207,7 +208,7 @@ def test_page_cache_cut_to_memory_and_none_when_a_step_does_not_fit(monkeypatch)
     sb = BatchPageCache.slot_bytes(m.cfg.num_layers - 1, m.cfg.num_kv_heads, m.cfg.head_dim, 16, m.dtype)
     for slots, want in ((k + 1, k + 1), (k - 1, 0)):
         monkeypatch.setattr(kv_batch, "_pool_memory_limit", lambda *a, s=slots: base + 3 * s * sb + 8)
-        llm = _batched(m, 300, max_num_seqs=3)
+        llm = _batched(m, 300, pol=pol, max_num_seqs=3)
         outs = llm.generate(prompts, sp)
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref], slots
         st = llm.batch_stats["store"]

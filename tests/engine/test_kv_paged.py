@@ -185,7 +185,7 @@ def test_page_cache_gives_the_uncached_tokens_and_counts_hits(model):
     variants = [(0, False), (None, False), (3, False), (None, True)]
     for cp, pf in variants:
         pol = QuestDecode(token_budget=128, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,),
-                          cache_pages=cp, prefetch=pf)
+                          cache_pages=cp, prefetch=pf, reuse_bias=1.0)  # no bias: the cache is transparent
         eng = _engine(cfg, T + N)
         kv = PagedKV(cfg, torch.float32, torch.device("cpu"), model.scale, prompt_len=T, max_new=N, policy=pol,
                      engine=eng, seq=eng.add_sequence())
@@ -258,7 +258,8 @@ def test_reuse_bias_keeps_cached_pages_and_is_exact_at_a_full_budget(model):
     assert torch.equal(out, kp.select_page_ids(shifted, 4))  # the shifted scores' own top 4
     assert stats[64.0][0] > stats[1.0][0] and stats[64.0][1] < stats[1.0][1]
     # a full budget reads every page whatever the bias
-    dense_pol = QuestDecode(token_budget=None, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,))
+    dense_pol = QuestDecode(token_budget=None, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,),
+                            reuse_bias=1.0)
     toks = {}
     for pol in (dense_pol, dataclasses.replace(dense_pol, reuse_bias=8.0)):
         eng = _engine(cfg, T + N)
@@ -317,7 +318,8 @@ def test_gpu_offload_sparse_equals_resident_sparse_bf16(cache_pages, channels):
     cfg = m.cfg
     ids = torch.randint(0, cfg.vocab_size, (600,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     pol = QuestDecode(token_budget=160, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,),
-                      cache_pages=cache_pages, exact_channels=channels, bound_scale=0.25 if channels else 1.0)
+                      cache_pages=cache_pages, exact_channels=channels, bound_scale=0.25 if channels else 1.0,
+                      reuse_bias=1.0)  # the same selection in both placements (the bias would follow the cache)
     outs, toks = [], None
     for offload in (False, True):
         eng = OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda",

@@ -79,8 +79,8 @@ def test_middle_dense_layer_attends_every_token(model):
 
 def test_placements_agree_with_a_middle_dense_layer(model):
     """dense_layers=(0, 2): resident, offload (pages in place), offload + page cache and offload +
-    cache + prefetch give the same tokens and logits (fp32); the set matters (dense_layers=(0,)
-    gives other logits)."""
+    cache + prefetch give the same tokens and logits (fp32; no reuse bias, which would make the
+    cached placements choose by their cache); the set matters (dense_layers=(0,) gives other logits)."""
     cfg = model.cfg
     ids = torch.randint(0, cfg.vocab_size, (T,), generator=torch.Generator().manual_seed(6))
     res = {}
@@ -91,7 +91,8 @@ def test_placements_agree_with_a_middle_dense_layer(model):
                                          ("only 0 dense", (0,), None, False, False)):
         eng = _engine(cfg, T + N + 1) if offload else None
         kv = PagedKV(cfg, torch.float32, torch.device("cpu"), model.scale, prompt_len=T, max_new=N + 1,
-                     policy=QuestDecode(dense_layers=dense, cache_pages=cp, prefetch=pf, **POL), engine=eng,
+                     policy=QuestDecode(dense_layers=dense, cache_pages=cp, prefetch=pf, reuse_bias=1.0, **POL),
+                     engine=eng,
                      seq=eng.add_sequence() if eng is not None else None)
         if pf:
             assert kv.lookahead == {1, 3}  # layer 3's pages are prefetched during dense layer 2

@@ -169,6 +169,34 @@ def test_channel_scores_without_channels_and_bad_inputs(device):
         channel_page_scores(q, kmin, kmax, ch, klab, out=torch.empty(2, 18, device=device)[:, ::2])
 
 
+@pytest.mark.parametrize("block_n,num_warps", [(32, 4), (64, 8)])
+def test_channel_score_kernel_other_tiles_match_reference(block_n, num_warps, device):
+    """The tile sizes ``bench_quest_score.py --sweep`` times (more pages per program) give the
+    reference's scores, one row and batched (rows with other counts, a partial last tile)."""
+    from xoffload.kernels import channel_score as cs
+    from xoffload.kernels.reference import channel_page_scores_ref
+
+    hq, hkv, d, n, p, r = 8, 2, 32, 70, 16, 4
+    q, k, kmin, kmax, ch, klab = _channel_case(hq, hkv, d, n, p, r, torch.float32, device)
+    out = torch.full((hkv, n), 7.0, device=device)
+    cs._launch(q[None], kmin, kmax, ch, klab, None, None, out, r, p, 0.25, hq // hkv, block_n=block_n,
+               num_warps=num_warps)
+    ref = channel_page_scores_ref(q, kmin, kmax, ch, klab, 0.25)
+    scale = float((q.float().abs() @ torch.maximum(kmax.float().abs(), kmin.float().abs()).amax((0, 1))).max())
+    assert float((out - ref).abs().max()) <= 4 * d * EPS32 * scale
+    # batched: row 0 scores pages 0..69, row 1 the first 33 of them in reverse (-inf past its count)
+    idx = torch.stack([torch.arange(n), torch.arange(n).flip(0)]).to(torch.int32).to(device)
+    nv = torch.tensor([n, 33], dtype=torch.int32, device=device)
+    qb = torch.stack([q, q.flip(0)])
+    outb = torch.empty(2, hkv, n, device=device)
+    cs._launch(qb, kmin, kmax, ch[None].expand(2, -1, -1), klab, idx, nv, outb, r, p, 0.25, hq // hkv,
+               block_n=block_n, num_warps=num_warps)
+    assert float((outb[0] - ref).abs().max()) <= 4 * d * EPS32 * scale
+    ref1 = channel_page_scores_ref(q.flip(0), kmin, kmax, ch, klab, 0.25)
+    assert float((outb[1, :, :33] - ref1[:, idx[1, :33].long()]).abs().max()) <= 4 * d * EPS32 * scale
+    assert bool((outb[1, :, 33:] == float("-inf")).all())
+
+
 @pytest.mark.cuda
 def test_gpu_channel_scores_bf16_long():
     from xoffload.kernels.channel_score import channel_page_scores

@@ -1,5 +1,8 @@
 """Quest page selection (xoffload.sparse.quest): the min/max bound, GQA group scores, the per-request
 plan in every edge case, page rows through a block table, and bad values."""
+import dataclasses
+import math
+
 import pytest
 import torch
 
@@ -212,6 +215,12 @@ def test_prefetch_needs_the_cache():
     with pytest.raises(ValueError, match="needs group_score='max'"):
         QuestDecode(reuse_bias=2.0, group_score="softmax")
     assert QuestDecode(reuse_bias=2).reuse_bias == 2.0
+    # the default: 2 with the max group score, off with softmax (a replace keeps it valid)
+    assert QuestDecode().reuse_bias is None and QuestDecode().reuse_factor == 2.0
+    assert dataclasses.replace(QuestDecode(), group_score="softmax").reuse_factor == 1.0
+    assert QuestDecode(reuse_bias=1).reuse_factor == 1.0
+    assert QuestDecode().reuse_bonus(0.125) == pytest.approx(math.log(2.0) / 0.125)
+    assert QuestDecode(reuse_bias=1.0).reuse_bonus(0.125) == 0.0
 
 
 def test_cache_slots_follow_the_byte_budget():

@@ -53,7 +53,7 @@ import torch
 from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
 from ..runtime.allocator import BlockAllocator
 from ..sparse.quest import choose_channels
-from .kv_batch_cache import BatchPageCache, reuse_bonus
+from .kv_batch_cache import BatchPageCache
 from .kv_store import PrefillStaging, ResidentKV
 
 __all__ = ["BatchKV", "ResidentBatchKV", "OffloadBatchKV", "OffloadQuestBatchKV", "SerialBatchKV", "RowPool",
@@ -748,7 +748,7 @@ class OffloadQuestBatchKV(BatchKV):
             c = BatchPageCache.slots_that_fit(cmax, self.max_num_seqs, sb, free)
             if c >= self.K:
                 self.pcache = BatchPageCache(len(self.sparse), hkv, d, self.max_num_seqs, c, max(self.N, 1), self.K, R,
-                                            P, reuse_bonus(pol, self.scale), self.dtype, self.device)
+                                            P, pol.reuse_bonus(self.scale), self.dtype, self.device)
         self.sum_alloc = BlockAllocator(nsb, SUMMARY_BLOCK)
         self.summ_scratch = nsb * SUMMARY_BLOCK  # the scratch page (padding entries of the index)
         self.summ = PageSummaries(max(1, len(self.sparse)), hkv, d, self.summ_scratch + 1, P, self.dtype,

@@ -17,8 +17,6 @@ evolves exactly as in its one-request run, so with a ``reuse_bias`` it selects t
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
 from ..kernels.page_cache import MAX_SLOTS, PageCacheState, page_cache_fill, page_cache_lookup_batched
@@ -38,8 +36,8 @@ class BatchPageCache:
         pages_per_step: ``Kw``, the call's largest pages per step.
         rows: the largest padded batch (row vectors' length).
         page_size: tokens per page.
-        reuse_bonus: score bonus of a cached page in the scores' units (``ln(reuse_bias) /
-            softmax scale``; 0: none).
+        reuse_bonus: score bonus of a cached page in the scores' units
+            (:meth:`~xoffload.sparse.QuestDecode.reuse_bonus`; 0: none).
         dtype, device: of the row stores.
 
     Raises ValueError for ``slots < pages_per_step`` or more than
@@ -159,8 +157,3 @@ class BatchPageCache:
         self.state = []
         self.k = self.v = None
 
-
-def reuse_bonus(policy, scale: float) -> float:
-    """The score bonus of a cached page for ``policy`` (``ln(reuse_bias) / scale``; 0 without one)."""
-    b = float(getattr(policy, "reuse_bias", 1.0))
-    return math.log(b) / scale if b != 1.0 else 0.0

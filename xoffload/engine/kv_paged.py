@@ -28,7 +28,6 @@ element size; dense decode: the whole prompt's KV of every layer.
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 
@@ -122,7 +121,7 @@ class PagedKV(KVStore):
         C = policy.cache_slots(p, slot_bytes) if (p is not None and engine is not None and self.sparse) else 0
         self.cache_slots = C
         # QuestDecode.reuse_bias: a cached page's score bonus, ln(beta) in logit units (0: off)
-        self._reuse_bonus = math.log(policy.reuse_bias) / scale if C else 0.0
+        self._reuse_bonus = policy.reuse_bonus(scale) if C else 0.0
         self._tk = [torch.empty(n + max_new, hkv, d, dtype=dtype, device=self.device) for n in self._tail_prompt]
         self._tv = [torch.empty_like(t) for t in self._tk]
         # sparse layers with the page cache: [tail | C slots] in one store (one attention call),

@@ -90,8 +90,14 @@ def _channel_score_kernel(Q, KMIN, KMAX, CH, KL, IDX, NV, S, N, GROUP, D, R, alp
     tl.store(S + row.to(tl.int64) * s_sr + h * s_sh + on, best, mask=on < N)
 
 
-def _launch(q, kmin, kmax, channels, klab, index, n_valid, out, r, P, alpha, group):
-    """The kernel over ``q`` ``[R, Hq, D]`` (``index`` None: one row over pages ``0 .. n - 1``)."""
+#: pages per program and warps of the score kernel (``bench_quest_score.py --sweep`` times others)
+BLOCK_N = 16
+
+
+def _launch(q, kmin, kmax, channels, klab, index, n_valid, out, r, P, alpha, group, block_n=None, num_warps=None):
+    """The kernel over ``q`` ``[R, Hq, D]`` (``index`` None: one row over pages ``0 .. n - 1``);
+    ``block_n`` (a power of two >= 16, default :data:`BLOCK_N`) pages per program and
+    ``num_warps`` (default 4, 8 past 512 tokens per program) for tuning runs."""
     R, _, d = q.shape
     hkv = kmin.shape[0]
     n = out.shape[-1]
@@ -107,14 +113,16 @@ def _launch(q, kmin, kmax, channels, klab, index, n_valid, out, r, P, alpha, gro
         s_ir, s_sr, s_sh = index.stride(0), out.stride(0), out.stride(1)
     else:
         index, n_valid, s_ir, s_sr, s_sh = channels, channels, 0, 0, out.stride(0)
-    block_n = 16
+    block_n = BLOCK_N if block_n is None else int(block_n)
+    if num_warps is None:
+        num_warps = 4 if block_n * P <= 512 else 8
     _channel_score_kernel[(R, hkv, triton.cdiv(n, block_n))](
         q, kmin, kmax, channels, klab, index, n_valid, out, n, group, d, r, alpha,
         q.stride(0) if gather else 0, q.stride(-2), kmin.stride(0), kmin.stride(1), s_cr, s_ch, s_lh, s_lt, s_ir,
         s_sr, s_sh,
         P=P, BLOCK_G=max(16, next_pow2(group)), BLOCK_N=block_n, BLOCK_D=max(16, next_pow2(d)),
         BLOCK_R=max(16, next_pow2(r)), HAS_LOWER=alpha != 1.0, HAS_EXACT=r > 0, GATHER=gather,
-        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=4 if block_n * P <= 512 else 8)
+        DOT_PREC="ieee" if q.dtype == torch.float32 else "tf32", num_warps=num_warps)
 
 
 def check_channels(channels, klab, alpha, hkv: int, n: int, d: int, dtype, *, check: bool = True) -> tuple:
