@@ -74,17 +74,18 @@ def variant_configs() -> dict:
 
 
 def reuse_configs() -> dict:
-    """Opt-in configurations (run only when ``--configs`` names them, at every length): the page
-    cache's reuse bias (:attr:`xoffload.sparse.QuestDecode.reuse_bias`, 2: a cached page gives
-    way only to a page whose score says twice its attention weight) on ``quest`` and ``quest-ch``."""
+    """Opt-in configurations (run only when ``--configs`` names them, at every length): ``quest``
+    and ``quest-ch`` without the page cache's reuse bias (``reuse_bias=1.0``; the default is 2
+    since session 9, :attr:`xoffload.sparse.QuestDecode.reuse_factor`), the comparison that
+    measured it (session 9 ran these with the bias as the variant: ``offload+quest-reuse2``)."""
     import dataclasses
 
     from xoffload.sparse import QuestDecode
     from xoffload.sparse.policy import decode_policies
 
     qch = decode_policies()["quest-ch"]()
-    return {"offload+quest-reuse2": {"mode": "offload", "sparse_decode": QuestDecode(reuse_bias=2.0)},
-            "offload+quest-ch-reuse2": {"mode": "offload", "sparse_decode": dataclasses.replace(qch, reuse_bias=2.0)}}
+    return {"offload+quest-noreuse": {"mode": "offload", "sparse_decode": QuestDecode(reuse_bias=1.0)},
+            "offload+quest-ch-noreuse": {"mode": "offload", "sparse_decode": dataclasses.replace(qch, reuse_bias=1.0)}}
 
 
 def all_configs(only: str | None = None, variants: bool = False) -> dict:

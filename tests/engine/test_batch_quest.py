@@ -78,7 +78,7 @@ def test_lengths_around_pages_and_blocks_equal_alone(dense_on_gpu):
         assert o.timings["h2d_bytes_per_token"] == r.timings["h2d_bytes_per_token"] + dense, n
         if p.pages_per_step:
             assert o.timings["cache_hit_rate"] == r.timings["cache_hit_rate"], n
-    assert any(o.timings.get("cache_hit_rate", 0) > 0 for o in outs)
+    assert any((o.timings.get("cache_hit_rate") or 0) > 0 for o in outs)
     assert any(POL.plan(n).pages_per_step < POL.plan(n).num_candidates for n in lens)  # some rows select
     assert llm.engine.sequences() == [] and llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
 
@@ -160,6 +160,9 @@ def test_join_mid_batch_and_finish_after_one_token(dense_on_gpu):
     outs = llm.generate(prompts, sps)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert [len(o.token_ids) for o in outs] == [14, 1, 4, 6] and outs[1].timings["decode_steps"] == 0
+    keys = ("cache_hit_rate", "prefetch_share", "cache_slots")  # the page cache's figures, as alone
+    assert [[o.timings.get(k, "absent") for k in keys] for o in outs] == \
+        [[r.timings.get(k, "absent") for k in keys] for r in ref]
     seqs = [x["seqs"] for x in llm.batch_stats["decode_steps"]]
     assert seqs[0] == 1 and seqs[1] == 2 and seqs[-1] == 1 and sum(seqs) == 13 + 0 + 3 + 5
     assert llm.engine.sequences() == []
@@ -184,7 +187,40 @@ def test_page_cache_with_reuse_bias_equals_alone():
         assert [o.timings["h2d_bytes_per_token"] for o in outs] == [r.timings["h2d_bytes_per_token"] for r in ref]
         assert llm.batch_stats["store"]["cache_slots"] == 4
         runs[bias] = [o.timings["cache_hit_rate"] for o in outs]
+        # the caches are sized for the sequences of the call, not max_num_seqs
+        one = _batched(m, 300, pol=pol, max_num_seqs=8)
+        one.generate(prompts[:2], sp)
+        assert one.batch_stats["store"]["cache_bytes"] == llm.batch_stats["store"]["cache_bytes"]
     assert all(b >= a for a, b in zip(runs[1.0], runs[16.0])) and sum(runs[16.0]) > sum(runs[1.0])
+    # a sequence with a cache that finishes after its first token reports it as alone (no lookup yet)
+    sps = [SamplingParams(max_tokens=1), sp]
+    ref = _alone(m, prompts[1:3], sps, 300, pol=pol)
+    outs = _batched(m, 300, pol=pol, max_num_seqs=2).generate(prompts[1:3], sps)
+    keys = ("cache_hit_rate", "prefetch_share", "cache_slots")
+    assert ref[0].timings["cache_hit_rate"] is None and ref[0].timings["cache_slots"] == 4
+    assert [[o.timings[k] for k in keys] for o in outs] == [[r.timings[k] for k in keys] for r in ref]
+
+
+def test_tied_scores_and_per_row_page_counts_select_as_alone():
+    """Every page score of the sparse layer tied (its keys zeroed), prompts whose plans read
+    different page counts (the recent tail's length shifts the budget by a page): the batched
+    selection breaks ties and counts pages per row as the one-request store does (topk_ids with
+    per-row counts), with and without the page cache and the reuse bias."""
+    m = tiny_random()
+    c = m.cfg
+    q_rows = c.num_heads * c.head_dim
+    m.w.layers[1].wqkv[q_rows:q_rows + c.num_kv_heads * c.head_dim] = 0  # layer 1's keys: all zero
+    prompts = _prompts([200, 263, 129, 271], seed=33)
+    base = dataclasses.replace(POL, token_budget=100)  # 100 - resident (49..63 tokens): 2 or 3 pages
+    ks = [base.plan(len(p)).pages_per_step for p in prompts]
+    assert ks == [2, 2, 3, 2] and all(base.plan(len(p)).num_candidates > 3 for p in prompts)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    for pol in (base, dataclasses.replace(base, reuse_bias=1.0), dataclasses.replace(base, cache_pages=0),
+                dataclasses.replace(base, cache_pages=4)):
+        ref = _alone(m, prompts, sp, 300, pol=pol)
+        outs = _batched(m, 300, pol=pol, max_num_seqs=4).generate(prompts, sp)
+        assert [o.token_ids for o in outs] == [r.token_ids for r in ref], pol
+        assert [o.timings.get("cache_hit_rate") for o in outs] == [r.timings.get("cache_hit_rate") for r in ref]
 
 
 def test_page_cache_cut_to_memory_and_none_when_a_step_does_not_fit(monkeypatch):

@@ -103,3 +103,16 @@ def test_prefill_attn_sdpa_matches_xoffload():
     with pytest.raises(ValueError, match="cudnn"):  # the model is on the CPU
         LLM(m, prefill_attn="cudnn")
 
+
+
+def test_one_request_prompt_over_the_pool_is_refused_naming_kv_cache_tokens():
+    """max_num_seqs=1, offload: a prompt whose KV alone exceeds the pinned pool (kv_cache_tokens)
+    is refused before any request runs, one line naming the sizes; the LLM keeps serving."""
+    llm = LLM("tiny-llama", mode="offload", max_model_len=1024, kv_block_size=256, kv_cache_tokens=256)
+    ok = [i % 200 for i in range(100)]
+    want = llm.generate(ok)[0].token_ids
+    with pytest.raises(ValueError, match=r"prompt 1 needs 768 tokens of KV in the CPU pool .* holds 256 tokens "
+                                         r"\(kv_cache_tokens=256\)") as e:
+        llm.generate([ok, [i % 200 for i in range(600)]])
+    assert "\n" not in str(e.value)
+    assert llm.generate(ok)[0].token_ids == want

@@ -3,7 +3,7 @@ its lowering and ptxas run on the CPU for a named target, so an error the interp
 (a type that does not unify across a branch, a shape Triton refuses) fails here, in CI, instead of
 on the device. Each variant a wrapper launches is compiled: the page-cache lookup one-request
 (with / without block table and hit counters) and batched, the fill, the channel score kernel at
-the tiles ``bench_quest_score.py --sweep`` times. Runtime behaviour is tested elsewhere (the
+the tiles ``bench_quest_score.py --sweep`` times, the top-k with and without per-row counts. Runtime behaviour is tested elsewhere (the
 interpreter, and the GPU suite).
 
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (with it, Triton's own library
@@ -40,6 +40,11 @@ def _channel_types():
     return t
 
 
+def _topk_types():
+    return {"S": "*fp32", "Out": "*i32", "Prefer": "*i32", "KR": "*i32", "N": "i32", "K": "i32", "s_sr": "i32",
+            "s_or": "i32", "s_pr": "i32", "bonus": "fp32"}
+
+
 #: name -> (module, kernel, types, constexprs)
 VARIANTS = {
     **{f"lookup batched={b} bt={bt} hits={h}": ("page_cache", "_lookup_kernel", "lookup",
@@ -51,6 +56,8 @@ VARIANTS = {
                                        dict(P=32, BLOCK_G=16, BLOCK_N=bn, BLOCK_D=128, BLOCK_R=16, HAS_LOWER=True,
                                             HAS_EXACT=True, GATHER=True, DOT_PREC="tf32"))
        for bn in (16, 32, 64)},
+    **{f"topk prefer={p} k_rows={kr}": ("topk", "_topk_kernel", "topk", dict(BLOCK_N=1024, HAS_PREFER=p, HAS_KR=kr))
+       for p, kr in ((False, False), (True, False), (True, True), (False, True))},
 }
 
 
@@ -62,7 +69,7 @@ def _compile_all() -> dict:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    types = {"lookup": _lookup_types(), "fill": _fill_types(), "channel": _channel_types()}
+    types = {"lookup": _lookup_types(), "fill": _fill_types(), "channel": _channel_types(), "topk": _topk_types()}
     out = {}
     for name, (mod, kern, tkey, consts) in VARIANTS.items():
         fn = getattr(importlib.import_module(f"xoffload.kernels.{mod}"), kern)

@@ -250,6 +250,15 @@ def test_batched_lookup_bad_inputs():
         page_cache_lookup_batched(pages, st, one, one, one, one.long(), cand, t, t.clone(), **ok)
     with pytest.raises(ValueError, match=r"src must be \[2, 2, 5\]"):
         page_cache_lookup_batched(pages, st, one, one, one, one, cand, t, torch.empty(2, 2, 4, dtype=torch.int32), **ok)
+    with pytest.raises(ValueError, match="src is on meta, pages on cpu"):
+        page_cache_lookup_batched(pages, st, one, one, one, one, cand, t, torch.empty(2, 2, 5, dtype=torch.int32,
+                                                                                     device="meta"), **ok)
+    k = torch.zeros(32, 2, 8)
+    with pytest.raises(TypeError, match="src must be a torch.Tensor"):
+        page_cache_fill(k, k, k, k, [[1]], t, page_size=16)
+    with pytest.raises(ValueError, match="batched src must be contiguous"):
+        page_cache_fill(k, k, k, k, torch.zeros(2, 4, 2, dtype=torch.int32)[:, ::2], t[:, :, :2].contiguous(),
+                        page_size=16)
     with pytest.raises(ValueError, match="hits must have 2 dims"):
         page_cache_lookup_batched(pages, st, one, one, one, one, cand, t, t.clone(), hits=torch.zeros(2, dtype=torch.int64), **ok)
 

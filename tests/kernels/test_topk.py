@@ -106,6 +106,34 @@ def test_preferred_entries_compete_with_a_bonus(device):
         topk_ids(s, 3, prefer=prefer, prefer_bonus=float("inf"))
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_per_row_counts(device, backend):
+    """k_rows: row r takes its own min(k_rows[r], k) largest (ties, a preferred-entry bonus, 0 and
+    counts past k) into its first entries, the rest of its out row untouched; the same as one
+    topk_ids per row."""
+    import contextlib
+
+    g = torch.Generator().manual_seed(9)
+    s = torch.randint(0, 6, (6, 90), generator=g).float()  # heavy ties
+    prefer = torch.full((6, 90), -1, dtype=torch.int32)
+    prefer[:, ::5] = 1
+    kr = torch.tensor([12, 11, 0, 12, 3, 40], dtype=torch.int32)
+    ctx = (lambda: cpu_backend("reference")) if backend == "reference" else contextlib.nullcontext
+    for pf, bonus in ((None, 0.0), (prefer, 1.5)):
+        out = torch.full((6, 12), -5, dtype=torch.int32, device=device)
+        with ctx():
+            topk_ids(s.to(device), 12, out=out, prefer=None if pf is None else pf.to(device), prefer_bonus=bonus,
+                     k_rows=kr.to(device))
+        shifted = s + ((prefer >= 0).float() * bonus if pf is not None else 0.0)
+        for r, k in enumerate(kr.clamp(0, 12).tolist()):
+            assert torch.equal(out[r, :k].cpu(), topk_ids_ref(shifted[r:r + 1], k)[0]), (r, bonus)
+            assert bool((out[r, k:] == -5).all()), r
+    with pytest.raises(ValueError, match=r"k_rows must be int32 \[6\]"):
+        topk_ids(s.to(device), 3, k_rows=kr[:5].to(device))
+    with pytest.raises(TypeError, match="k_rows"):
+        topk_ids(s.to(device), 3, k_rows=kr.long().to(device))
+
+
 def test_bad_input(device):
     s = torch.randn(2, 10, device=device)
     with pytest.raises(ValueError, match="k"):

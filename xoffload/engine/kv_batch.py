@@ -51,6 +51,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
+from ..kernels.topk import topk_ids
 from ..runtime.allocator import BlockAllocator
 from ..sparse.quest import choose_channels
 from .kv_batch_cache import BatchPageCache
@@ -660,8 +661,9 @@ class OffloadQuestBatchKV(BatchKV):
     Decode, per layer, for all rows at once (every shape fixed for the call, so one CUDA graph per
     batch-size bucket): the new K/V written to each row's tail, one paged launch over the tails;
     for a sparse layer one :func:`~xoffload.kernels.quest_score.quest_page_scores_batched` launch
-    (row r's query against its own candidate pages, ``-inf`` past its count), one ``topk`` over
-    ``[rows, Hkv, N]`` (sorted, so row r's first ``k_r`` entries are its own top ``k_r``), then
+    (row r's query against its own candidate pages, ``-inf`` past its count), one
+    :func:`~xoffload.kernels.topk.topk_ids` over ``[rows x Hkv, N]`` with each row's own count
+    ``k_r`` (the one-request store's selection, ties to the lowest ids, ids ascending), then
     with the page caches one batched lookup + fill and one paged launch over the caches, without
     them one gather turning candidate indices into pool rows (``[rows, Hkv, K]`` page table) and
     one :func:`~xoffload.kernels.paged_decode_attn_with_lse` launch over the pinned pool, with
@@ -745,9 +747,10 @@ class OffloadQuestBatchKV(BatchKV):
             sb = BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype)
             free = None if limit is None else limit - self.tail.nbytes - nsb * per_sb - \
                 (self.dpool.nbytes if self.dpool is not None else 0)
-            c = BatchPageCache.slots_that_fit(cmax, self.max_num_seqs, sb, free)
+            S = min(self.max_num_seqs, len(seqs))  # the most that run at once in this call
+            c = BatchPageCache.slots_that_fit(cmax, S, sb, free)
             if c >= self.K:
-                self.pcache = BatchPageCache(len(self.sparse), hkv, d, self.max_num_seqs, c, max(self.N, 1), self.K, R,
+                self.pcache = BatchPageCache(len(self.sparse), hkv, d, S, c, max(self.N, 1), self.K, R,
                                             P, pol.reuse_bonus(self.scale), self.dtype, self.device)
         self.sum_alloc = BlockAllocator(nsb, SUMMARY_BLOCK)
         self.summ_scratch = nsb * SUMMARY_BLOCK  # the scratch page (padding entries of the index)
@@ -767,6 +770,8 @@ class OffloadQuestBatchKV(BatchKV):
         self.klens = torch.zeros(R, dtype=torch.int32, device=self.device)  # k_r * page tokens (sparse)
         self.dlens = torch.zeros(R, dtype=torch.int32, device=self.device)  # n_r * page tokens (dense)
         self.table = torch.zeros(R, hkv, Kw, dtype=torch.int32, device=self.device)
+        self._sel = torch.zeros(R * hkv, Kw, dtype=torch.int32, device=self.device)
+        self._krows = torch.zeros(R * hkv, dtype=torch.int32, device=self.device)  # k_r per (row, KV head)
         self.scores = torch.empty(R, hkv, Nw, dtype=torch.float32, device=self.device)
         self._reserved = 0
         self._admitted: dict = {}
@@ -893,13 +898,17 @@ class OffloadQuestBatchKV(BatchKV):
         return int((looks - hits) * page_bytes / steps) + dense
 
     def decode_stats(self, seq) -> dict:
-        """With the page cache: ``cache_hit_rate``, ``cache_slots`` (this sequence's), ``cache_bytes``
-        (the call's caches)."""
-        hl = self._cache_counts(seq)
-        if hl is None:
+        """With the page cache, the one-request store's keys: ``cache_hit_rate`` (None before a
+        lookup), ``prefetch_share`` (no prefetch in a batch: 0.0 once a page was copied, else
+        None), ``cache_slots`` (this sequence's), ``cache_bytes`` (its slot of the call's caches)."""
+        kv = seq.kv
+        want = self._want_c_of(seq) if kv is not None else 0
+        if not want or self.pcache is None or kv.get("cslot") is None:  # alone: no cache either (or cut)
             return {}
-        c = min(self._want_c_of(seq), self.pcache.C)
-        return {"cache_hit_rate": hl[0] / hl[1], "cache_slots": c, "cache_bytes": self.pcache.nbytes}
+        hits, looks = self.pcache.counts(kv["cslot"])
+        c = min(want, self.pcache.C)
+        return {"cache_hit_rate": hits / looks if looks else None, "prefetch_share": 0.0 if looks > hits else None,
+                "cache_slots": c, "cache_bytes": self.pcache.nbytes // self.pcache.S}
 
     def _want_c_of(self, seq) -> int:
         p = seq.kv["plan"]
@@ -1005,6 +1014,8 @@ class OffloadQuestBatchKV(BatchKV):
             pairs.append((self.dcand_row, dcand))
         for dst, src in pairs:
             _to_device(dst[:rows], src)
+        hkv = self.cfg.num_kv_heads
+        _to_device(self._krows[:rows * hkv], (klen // P).repeat_interleave(hkv))
         if self.pcache is not None:
             self.pcache.set_rows([(s.kv["cslot"], p.pages_per_step if self._summary_pages(p) else 0,
                                   min(self._want_c_of(s), self.pcache.C)) for s, p in zip(seqs, plans)], rows)
@@ -1042,8 +1053,10 @@ class OffloadQuestBatchKV(BatchKV):
                 kr, vr, table = self.pcache.fetch(si, sc, self.cand_row[:n], kr, vr, n)
                 return paged_decode_attn_with_lse(q4, kr, vr, table, self.klens[:n], page_size=self.page,
                                                   softmax_scale=self.scale, check=False)
-            sel = sc.topk(self.K, dim=-1, sorted=True).indices  # [n, Hkv, K]: row r's top k_r first
-            tab = self.cand_row[:n].gather(1, sel.flatten(1)).view(n, -1, self.K)
+            # the one-request selection (topk_ids: ties to the lowest ids, ids ascending), k_r per row
+            hkv = self.cfg.num_kv_heads
+            sel = topk_ids(sc.reshape(-1, sc.shape[2]), self.K, out=self._sel[:n * hkv], k_rows=self._krows[:n * hkv])
+            tab = self.cand_row[:n].gather(1, sel.view(n, -1).long()).view(n, -1, self.K)
             self.table[:n].copy_(tab)
             table, lens = self.table[:n], self.klens[:n]
         return paged_decode_attn_with_lse(q4, kr, vr, table, lens, page_size=self.page, softmax_scale=self.scale,

@@ -5,9 +5,10 @@ again costs no PCIe bytes (ShadowKV, Sun et al. 2024: most chosen chunks repeat 
 Each sequence of a batched ``generate`` call holds one of ``S = max_num_seqs`` cache slots for as
 long as it runs. Per sparse layer, slot ``s`` owns rows ``s * Hkv .. s * Hkv + Hkv - 1`` of one shared
 :class:`~xoffload.kernels.page_cache.PageCacheState` and ``C_max`` pages of one shared row store
-``[S * C_max * page_size, Hkv, D]``. Per step and layer, for all rows at once: the Quest scores
-(plus the policy's reuse bonus on the pages already cached), ``topk``, the row's first ``k_r``
-pages in ascending id order (as the one-request store looks them up), one
+``[S * C_max * page_size, Hkv, D]``. Per step and layer, for all rows at once: the Quest scores,
+one :func:`~xoffload.kernels.topk.topk_ids` over the ``[rows x Hkv, N]`` scores with the policy's
+reuse bonus on the pages already cached and each row's own page count ``k_r`` (the one-request
+store's selection: the same kernel, ties to the lowest ids, ids ascending), one
 :func:`~xoffload.kernels.page_cache.page_cache_lookup_batched` launch and one
 :func:`~xoffload.kernels.page_cache.page_cache_fill` launch reading the misses over PCIe. Row ``r``
 uses the first ``c_r`` slots of its cache, where ``c_r`` is what
@@ -20,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.page_cache import MAX_SLOTS, PageCacheState, page_cache_fill, page_cache_lookup_batched
+from ..kernels.topk import topk_ids
 
 __all__ = ["BatchPageCache"]
 
@@ -61,11 +63,11 @@ class BatchPageCache:
         self.row_k = torch.zeros(rows, dtype=torch.int32, device=device)
         self.row_c = torch.ones(rows, dtype=torch.int32, device=device)
         self.row_base = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.kmask = torch.zeros(rows, 1, max(self.K, 1), dtype=torch.bool, device=device)  # j < k_r
+        self.sel = torch.zeros(rows * hkv, max(self.K, 1), dtype=torch.int32, device=device)
+        self.krows = torch.zeros(rows * hkv, dtype=torch.int32, device=device)  # k_r per (row, head)
         self.table = torch.zeros(rows, hkv, max(self.K, 1), dtype=torch.int32, device=device)
         self.src = torch.full((rows, hkv, max(self.K, 1)), -1, dtype=torch.int32, device=device)
         self._free = list(range(S))
-        self._big = max(int(num_ids), 1)  # sorts past every candidate id
 
     @staticmethod
     def slot_bytes(num_sparse: int, num_kv_heads: int, head_dim: int, page_size: int, dtype) -> int:
@@ -125,24 +127,23 @@ class BatchPageCache:
             vec[:, r] = torch.tensor([slot, k, max(c, 1), slot * C * P], dtype=torch.int32)
         for dst, src in zip((self.row_slot, self.row_k, self.row_c, self.row_base), vec):
             _to_device(dst[:rows], src)
-        mask = torch.arange(self.kmask.shape[2])[None, None, :] < vec[1][:, None, None]
-        _to_device(self.kmask[:rows], mask)
+        _to_device(self.krows[:rows * self.hkv], vec[1].repeat_interleave(self.hkv))
 
     def fetch(self, si: int, scores: torch.Tensor, cand_row: torch.Tensor, pool_k: torch.Tensor,
               pool_v: torch.Tensor, n: int):
         """Select, look up and fill sparse layer ``si``'s pages for the first ``n`` rows.
 
-        ``scores``: fp32 ``[n, Hkv, Nw]`` (``-inf`` past a row's candidates; modified in place when
-        there is a reuse bonus); ``cand_row``: int32 ``[n, Nw]`` pool row of each candidate page;
+        ``scores``: fp32 ``[n, Hkv, Nw]`` contiguous (``-inf`` past a row's candidates); ``cand_row``: int32 ``[n, Nw]`` pool row of each candidate page;
         ``pool_k`` / ``pool_v``: the layer's pool row stores. Returns ``(k rows, v rows, table
         [n, Hkv, Kw])`` for :func:`~xoffload.kernels.paged_decode_attn_with_lse` (row r reads its
         first ``k_r`` pages)."""
         st = self.state[si]
+        hkv, nw = self.hkv, scores.shape[2]
+        prefer = None
         if self.bonus:  # a cached page competes with its score + ln(reuse_bias) / scale
-            held = st.slot_of.view(self.S + 1, self.hkv, -1)[self.row_slot[:n].long(), :, :scores.shape[2]]
-            scores.add_((held >= 0).to(scores.dtype) * self.bonus)
-        sel = scores.topk(self.K, dim=-1, sorted=True).indices  # row r's top k_r first
-        sel = torch.where(self.kmask[:n], sel, self._big).sort(dim=-1).values  # its k_r ids, ascending
+            prefer = st.slot_of.view(self.S + 1, hkv, -1)[self.row_slot[:n].long(), :, :nw].reshape(n * hkv, nw)
+        sel = topk_ids(scores.reshape(n * hkv, nw), self.K, out=self.sel[:n * hkv], prefer=prefer,
+                       prefer_bonus=self.bonus, k_rows=self.krows[:n * hkv]).view(n, hkv, self.K)
         page_cache_lookup_batched(sel, st, self.row_slot[:n], self.row_k[:n], self.row_c[:n], self.row_base[:n],
                                   cand_row, self.table[:n], self.src[:n], page_size=self.P, hits=self.hits)
         page_cache_fill(pool_k, pool_v, self.k[si], self.v[si], self.src[:n], self.table[:n], page_size=self.P)

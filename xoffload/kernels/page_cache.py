@@ -365,15 +365,20 @@ def page_cache_lookup_batched(pages: torch.Tensor, state: PageCacheState, row_sl
         check_tensor(name, t, 3, dtypes=(torch.int32,))
         if tuple(t.shape) != (n, hkv, kw):
             raise ValueError(f"{name} must be [{n}, {hkv}, {kw}], got {tuple(t.shape)}")
-    if table.stride(2) != 1 or table.stride(0) != hkv * table.stride(1) or not src.is_contiguous():
-        raise ValueError("table must be [n, Hkv, Kw] with a contiguous last dim and rows of Hkv * its head stride; "
-                         "src must be contiguous")
-    for name, t in (("state", state.tag), ("row_slot", row_slot), ("cand_row", cand_row), ("table", table)):
+    if table.stride(2) != 1 or table.stride(0) != hkv * table.stride(1):
+        raise ValueError(f"table must have a contiguous last dim and rows of Hkv times its head stride, got strides "
+                         f"{tuple(table.stride())}")
+    if not src.is_contiguous():
+        raise ValueError(f"src must be contiguous, got strides {tuple(src.stride())}")
+    for name, t in (("state", state.tag), ("row_slot", row_slot), ("row_k", row_k), ("row_c", row_c),
+                    ("row_base", row_base), ("cand_row", cand_row), ("table", table), ("src", src)):
         if t.device != pages.device:
             raise ValueError(f"{name} is on {t.device}, pages on {pages.device}")
     page_size = check_pow2("page_size", page_size, 16)
     if hits is not None:
         check_tensor("hits", hits, 2, dtypes=(torch.int64,))
+        if hits.device != pages.device:
+            raise ValueError(f"hits is on {hits.device}, pages on {pages.device}")
         if tuple(hits.shape) != (rows // hkv, 2):
             raise ValueError(f"hits must be int64 [{rows // hkv}, 2] (per sequence slot), got {tuple(hits.shape)}")
     if n == 0 or kw == 0:
@@ -445,16 +450,18 @@ def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tenso
                          f"dst {tuple(dst_k.shape)}/{tuple(dst_v.shape)}")
     if len({src_k.dtype, src_v.dtype, dst_k.dtype, dst_v.dtype}) != 1:
         raise TypeError(f"row stores must share one dtype, got {src_k.dtype}, {src_v.dtype}, {dst_k.dtype}, {dst_v.dtype}")
-    if src.dim() == 3 and table.dim() == 3:  # a batch: [n, Hkv, K] -> [n * Hkv, K]
-        if tuple(table.shape) != tuple(src.shape) or table.stride(0) != table.shape[1] * table.stride(1) \
-                or not src.is_contiguous():
-            raise ValueError(f"batched src {tuple(src.shape)} (contiguous) and table {tuple(table.shape)} (rows of Hkv "
-                             f"times its head stride) must match")
+    check_tensor("src", src, 3 if isinstance(src, torch.Tensor) and src.dim() == 3 else 2, dtypes=(torch.int32,))
+    check_tensor("table", table, 3 if src.dim() == 3 else 2, dtypes=(torch.int32,))
+    if src.dim() == 3:  # a batch: [n, Hkv, K] -> [n * Hkv, K]
+        if tuple(table.shape) != tuple(src.shape):
+            raise ValueError(f"batched src {tuple(src.shape)} and table {tuple(table.shape)} must have one shape")
+        if not src.is_contiguous():
+            raise ValueError(f"batched src must be contiguous, got strides {tuple(src.stride())}")
+        if table.stride(0) != table.shape[1] * table.stride(1):
+            raise ValueError(f"batched table rows must be Hkv times its head stride, got strides {tuple(table.stride())}")
         if src.shape[1] != dst_k.shape[1]:
             raise ValueError(f"src {tuple(src.shape)} and table {tuple(table.shape)} must be [n, Hkv={dst_k.shape[1]}, K]")
         src, table = src.flatten(0, 1), table.flatten(0, 1)
-    check_tensor("src", src, 2, dtypes=(torch.int32,))
-    check_tensor("table", table, 2, dtypes=(torch.int32,))
     hkv = dst_k.shape[1]
     nr, k = src.shape
     if tuple(table.shape) != (nr, k) or nr % hkv:

@@ -31,10 +31,13 @@ MAX_REGISTER_ROW = 16384
 
 
 @triton.jit(do_not_specialize=["N", "K"])
-def _topk_kernel(S, Out, Prefer, N, K, s_sr, s_or, s_pr, bonus, BLOCK_N: tl.constexpr, HAS_PREFER: tl.constexpr):
+def _topk_kernel(S, Out, Prefer, KR, N, K, s_sr, s_or, s_pr, bonus, BLOCK_N: tl.constexpr, HAS_PREFER: tl.constexpr,
+                 HAS_KR: tl.constexpr):
     """Program r: the K largest of row r's N scores (``+ bonus`` where ``Prefer[r, j] >= 0``),
-    their indices ascending into Out[r, :K]."""
+    their indices ascending into Out[r, :K]; ``HAS_KR``: row r takes ``min(KR[r], K)``."""
     r = tl.program_id(0).to(tl.int64)
+    if HAS_KR:
+        K = tl.minimum(tl.maximum(tl.load(KR + r), 0), K)
     n = tl.arange(0, BLOCK_N)
     m = n < N
     x = tl.load(S + r * s_sr + n, mask=m, other=0.0).to(tl.float32)
@@ -62,7 +65,8 @@ def _topk_kernel(S, Out, Prefer, N, K, s_sr, s_or, s_pr, bonus, BLOCK_N: tl.cons
 
 
 def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
-             prefer: torch.Tensor | None = None, prefer_bonus: float = 0.0) -> torch.Tensor:
+             prefer: torch.Tensor | None = None, prefer_bonus: float = 0.0,
+             k_rows: torch.Tensor | None = None) -> torch.Tensor:
     """Indices of the ``k`` largest scores of each row, ascending within a row.
 
     Args:
@@ -76,9 +80,14 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
             e.g. the page cache's ``slot_of`` (pages already on the GPU); the scores themselves are
             not changed.
         prefer_bonus: the finite amount added to preferred entries.
+        k_rows: optional int32 ``[R]`` (on scores' device): row r takes only its
+            ``min(k_rows[r], k)`` largest (clamped at 0; a batch of sequences whose plans read
+            different page counts), written to its first entries; the rest of the row is left
+            as it was. Not read on the host (no synchronisation).
     Returns:
-        int32 ``[R, k]``: per row the indices of its ``k`` largest scores (ties at the k-th value:
-        the lowest indices; NaN above every number, -0.0 below +0.0), in ascending order.
+        int32 ``[R, k]``: per row the indices of its ``k`` (or ``k_rows[r]``) largest scores (ties
+        at the k-th value: the lowest indices; NaN above every number, -0.0 below +0.0), in
+        ascending order.
     Raises:
         TypeError / ValueError: ``scores`` not 2-D floating point, ``k`` outside ``[0, N]``, a bad
         ``out`` or ``prefer``, a non-finite ``prefer_bonus``.
@@ -104,9 +113,20 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
         if isinstance(prefer_bonus, bool) or not isinstance(prefer_bonus, (int, float)) \
                 or not math.isfinite(prefer_bonus):
             raise ValueError(f"prefer_bonus must be a finite number, got {prefer_bonus!r}")
+    if k_rows is not None:
+        check_tensor("k_rows", k_rows, 1, dtypes=(torch.int32,))
+        if k_rows.shape[0] != rows or k_rows.device != scores.device:
+            raise ValueError(f"k_rows must be int32 [{rows}] on {scores.device}, got {tuple(k_rows.shape)} on "
+                             f"{k_rows.device}")
     if k == 0 or rows == 0:
         return out
-    if k == n:
+    if k_rows is not None and (not use_triton(scores) or n > MAX_REGISTER_ROW):  # per row (host loop: reference)
+        if prefer is not None:
+            scores = scores.float() + (prefer[:, :n] >= 0).float() * float(prefer_bonus)
+        for r, kr in enumerate(k_rows.clamp(0, k).tolist()):
+            out[r, :kr] = topk_ids_ref(scores[r:r + 1], kr)[0]
+        return out
+    if k == n and k_rows is None:
         out.copy_(torch.arange(n, dtype=torch.int32, device=scores.device).expand(rows, n))
         return out
     if not use_triton(scores) or n > MAX_REGISTER_ROW:
@@ -116,7 +136,8 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
         return out
     block = max(16, next_pow2(n))
     warps = 4 if block <= 1024 else (8 if block <= 4096 else 16)
-    _topk_kernel[(rows,)](scores, out, prefer if prefer is not None else out, n, k, scores.stride(0), out.stride(0),
-                          prefer.stride(0) if prefer is not None else 0, float(prefer_bonus),
-                          BLOCK_N=block, HAS_PREFER=prefer is not None, num_warps=warps)
+    _topk_kernel[(rows,)](scores, out, prefer if prefer is not None else out, k_rows if k_rows is not None else out,
+                          n, k, scores.stride(0), out.stride(0), prefer.stride(0) if prefer is not None else 0,
+                          float(prefer_bonus), BLOCK_N=block, HAS_PREFER=prefer is not None,
+                          HAS_KR=k_rows is not None, num_warps=warps)
     return out

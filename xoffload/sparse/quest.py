@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -185,7 +186,7 @@ class QuestDecode(DecodePolicy):
             check_int("cache_pages", self.cache_pages, 0)
         check_int("cache_bytes", self.cache_bytes, 0)
         if self.reuse_bias is not None:
-            if isinstance(self.reuse_bias, bool) or not isinstance(self.reuse_bias, (int, float)) \
+            if isinstance(self.reuse_bias, bool) or not isinstance(self.reuse_bias, numbers.Real) \
                     or not 1.0 <= float(self.reuse_bias) < float("inf"):
                 raise ValueError(f"reuse_bias must be a finite number >= 1 (or None: the default), got "
                                  f"{self.reuse_bias!r}")
@@ -232,8 +233,11 @@ class QuestDecode(DecodePolicy):
     def reuse_bonus(self, softmax_scale: float) -> float:
         """The score bonus of a page already in the GPU cache, in the units of the page scores
         (raw ``q·k``): ``ln(reuse_factor) / softmax_scale``; 0.0 when the bias is off."""
+        if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) \
+                or not 0.0 < float(softmax_scale) < float("inf"):
+            raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
         b = self.reuse_factor
-        return math.log(b) / softmax_scale if b != 1.0 else 0.0
+        return math.log(b) / float(softmax_scale) if b != 1.0 else 0.0
 
     def cache_slots(self, plan: "DecodePlan", slot_bytes: int = 0) -> int:
         """GPU cache slots per KV head and sparse layer for ``plan`` (0: no cache): ``cache_pages``,
