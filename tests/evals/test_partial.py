@@ -54,11 +54,13 @@ def answers(tok):
     return {tuple(s.token_ids): (s.task, s.outputs) for s in build_samples(tok, TASKS3, LENGTHS, 2, seed=0)}
 
 
-def _run(tok, out, answers, calls, *, kill_at=None, resume=False, seed=0, seen=None, modes=("a", "b")):
+def _run(tok, out, answers, calls, *, kill_at=None, resume=False, seed=0, seen=None, modes=("a", "b"),
+         mode_configs=None):
     part = os.path.join(out, PARTIAL_NAME)
     return run_eval(lambda m: Recorder(m, answers, calls, kill_at, part, seen), tok, tasks=TASKS3, lengths=LENGTHS,
                     samples=2, modes=list(modes), seed=seed, out_dir=out, progress=False, resume=resume,
-                    meta={"model": "/x/fake.gguf", "dtype": "torch.float32", "device": "cpu"})
+                    meta={"model": "/x/fake.gguf", "dtype": "torch.float32", "device": "cpu"},
+                    mode_configs=mode_configs)
 
 
 def _comparable(res):
@@ -105,6 +107,23 @@ def test_records_on_disk_as_they_finish_cut_and_resume(tmp_path, tok, answers):
     calls = [0]
     _run(tok, out, answers, calls)
     assert calls[0] == total
+
+
+def test_resume_reruns_a_mode_whose_meaning_changed(tmp_path, tok, answers):
+    """Records carry what their mode meant (mode_config); a resume reuses a record only under the
+    same meaning: after a library default changed under mode "b", its records run again, "a"'s are
+    reused."""
+    out = str(tmp_path / "o")
+    cfg = {"a": "A1", "b": "B1"}
+    with pytest.raises(Killed):
+        _run(tok, out, answers, [0], kill_at=18, mode_configs=cfg)  # all of 768 (12) + 6 of a at 1024
+    recs = read_partial(os.path.join(out, PARTIAL_NAME))[1]
+    assert {r["mode"]: r["mode_config"] for r in recs} == cfg
+    calls = [0]
+    res = _run(tok, out, answers, calls, resume=True, mode_configs={"a": "A1", "b": "B2"})
+    assert res.meta["records_reused"] == 12 and res.meta["records_stale"] == 6  # a's 12 kept, b's 6 rerun
+    assert calls[0] == 24 - 12
+    assert {r["mode_config"] for r in res.records if r["mode"] == "b"} == {"B2"}
 
 
 def test_resume_other_setup_is_an_error(tmp_path, tok, answers):

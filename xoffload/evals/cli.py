@@ -227,6 +227,20 @@ def mode_options(name: str) -> dict:
     return kw
 
 
+def _mode_config(name: str) -> str:
+    """What mode ``name`` means now: its engine options with the decode policy resolved (named
+    policies and budgets become the dataclass, defaults included), as a string."""
+    from xoffload.sparse.policy import resolve_decode
+
+    kw = dict(mode_options(name))
+    if "sparse_decode" in kw or "token_budget" in kw:
+        pol = resolve_decode(kw.pop("sparse_decode", None), kw.pop("token_budget", None))
+        kw["sparse_decode"] = pol
+        if hasattr(pol, "reuse_factor"):  # reuse_bias=None means the library's default: name its value
+            kw["reuse_factor"] = pol.reuse_factor
+    return repr(sorted(kw.items(), key=lambda x: x[0]))
+
+
 def _parse_modes(spec: str) -> list:
     from .hf_peer import HF_MODE
 
@@ -403,14 +417,20 @@ def _cmd_eval(a) -> int:
     if not a.resume and os.path.isfile(partial):
         print(f"note: {partial} (an unfinished run) is replaced by this run's records; --resume would continue it",
               file=sys.stderr)
+    # what each label means today (a resume reruns a record made under another meaning, e.g. an
+    # older default of the decode policy)
+    configs = {m: _mode_config(m) for m in modes if m != hf_peer.HF_MODE}
     # the prompts are built above (to fail early); run_eval gets them as ready samples
     res = run_eval(factory, model.tokenizer, tasks=None, lengths=lengths, samples=a.samples, modes=modes,
                    seed=a.seed, data=[*prompts, *data], max_new_tokens=a.max_new_tokens, out_dir=a.out, meta=meta,
                    progress=not a.no_progress, resume=a.resume,
-                   samples_by_mode={hf_peer.HF_MODE: a.hf_samples} if with_hf and a.hf_samples else None)
+                   samples_by_mode={hf_peer.HF_MODE: a.hf_samples} if with_hf and a.hf_samples else None,
+                   mode_configs=configs)
     print(res.format_table())
     if res.meta.get("records_reused"):
         print(f"resumed: {res.meta['records_reused']} records reused from {res.meta['resumed_from']}")
+    if res.meta.get("records_stale"):
+        print(f"resumed: {res.meta['records_stale']} records made under another meaning of their mode ran again")
     print(f"wrote {os.path.join(a.out, JSON_NAME)} and ruler.png")
     ok = True
     if a.min_score is not None:

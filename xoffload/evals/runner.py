@@ -307,7 +307,7 @@ def _check_modes(llm_factory, modes, max_new_tokens):
     return modes, labels
 
 
-def _record(label, k, s, mt, o, tokenizer) -> dict:
+def _record(label, k, s, mt, o, tokenizer, mode_config=None) -> dict:
     pred = o.text if o.text is not None else (tokenizer.decode(o.token_ids, skip_special_tokens=True))
     t = o.timings or {}
     rec = {
@@ -323,10 +323,12 @@ def _record(label, k, s, mt, o, tokenizer) -> dict:
     }
     if t.get("top2_gap") is not None:  # the transformers peer's per-token top-2 logit gaps
         rec["timings"]["top2_gap"] = t["top2_gap"]
+    if mode_config is not None:
+        rec["mode_config"] = mode_config
     return rec
 
 
-def _run_block(llm, label, todo, tokenizer, max_new_tokens, bar, on_record) -> None:
+def _run_block(llm, label, todo, tokenizer, max_new_tokens, bar, on_record, mode_config=None) -> None:
     """The prompts ``todo`` (``[(sample number, Sample)]``) through one LLM, greedily; each record
     goes to ``on_record`` as soon as it is made."""
     from xoffload.engine.sampling import SamplingParams
@@ -344,7 +346,7 @@ def _run_block(llm, label, todo, tokenizer, max_new_tokens, bar, on_record) -> N
             o = llm.generate(s.token_ids, sp)[0]
         else:
             o = ask_in_session(llm, s, tokenizer, sp, **session)
-        on_record(_record(label, k, s, mt, o, tokenizer))
+        on_record(_record(label, k, s, mt, o, tokenizer, mode_config))
         if bar is not None:
             bar.update(1)
 
@@ -395,7 +397,7 @@ def _check_samples_by_mode(samples_by_mode, labels) -> dict:
 def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int = 1, modes=None, seed: int = 0, *,
              data=(), max_new_tokens: int | None = None, out_dir: str | None = None, meta: dict | None = None,
              progress: bool = True, resume: bool = False, samples_by_mode: dict | None = None,
-             peer: str | None = HF_MODE) -> EvalResult:
+             peer: str | None = HF_MODE, mode_configs: dict | None = None) -> EvalResult:
     """Build the prompts once and generate every one of them under each mode, greedily.
 
     Runs go length by length (shortest first) and, within a length, mode by mode in the order
@@ -428,6 +430,9 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
             and length (e.g. a slow peer on a subset); agreement counts the samples both ran.
         peer: label of the mode every other mode is also compared with (default ``"hf"``, the
             transformers peer), when it is among ``modes``.
+        mode_configs: optional ``{mode: str}``, what each label means (e.g. the repr of its resolved
+            engine options): stored in every record as ``mode_config``; a resume reuses a record
+            only when it matches, so a label whose meaning changed (a new library default) runs again.
     Returns:
         :class:`EvalResult`.
     Raises:
@@ -463,7 +468,7 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
         old, resumed_from = reusable_records(out_dir, setup, JSON_NAME)
         done = {record_key(r): r for r in old if r["mode"] in labels}
     # the plan: (length, mode) blocks in order, each with its prompts not yet done
-    plan, records = [], []
+    plan, records, stale = [], [], 0
     for L in all_lengths:
         for mode, label in zip(modes, labels):
             todo = []
@@ -472,7 +477,10 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
                     continue
                 mt = s.max_new_tokens if max_new_tokens is None else min(s.max_new_tokens, int(max_new_tokens))
                 key = (label, s.task, int(s.length), int(s.index), prompt_sha1(s.token_ids), int(mt))
-                if key in done:
+                if key in done and (mode_configs or {}).get(label) != done[key].get("mode_config"):
+                    stale += 1  # made with another meaning of the label: run again
+                    todo.append((k, s))
+                elif key in done:
                     r = dict(done[key])
                     r["sample"] = k
                     records.append(r)
@@ -506,7 +514,7 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
                 info.update({k: v for k, v in _model_meta(llm).items() if k not in info})
             tm = time.perf_counter()
             try:
-                _run_block(llm, label, todo, tokenizer, max_new_tokens, bar, on_record)
+                _run_block(llm, label, todo, tokenizer, max_new_tokens, bar, on_record, (mode_configs or {}).get(label))
             finally:
                 if owned and hasattr(llm, "close"):
                     llm.close()
@@ -524,7 +532,7 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
         "samples": int(samples), "tasks": all_tasks, "lengths": all_lengths, "modes": labels,
         "max_new_tokens_cap": max_new_tokens, "num_prompts": len(prompts), "build_s": build_s,
         "wall_s_by_mode": wall, "data_files": sorted(set(s.meta["source"] for s in data if s.meta.get("source"))),
-        "samples_by_mode": per_mode, "setup": setup, "records_reused": reused,
+        "samples_by_mode": per_mode, "setup": setup, "records_reused": reused, "records_stale": stale,
         "resumed_from": os.path.basename(resumed_from) if resumed_from else None,
     })
     info.setdefault("xoffload", __version__)
