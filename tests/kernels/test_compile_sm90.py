@@ -7,7 +7,12 @@ the tiles ``bench_quest_score.py --sweep`` times, the top-k with and without per
 interpreter, and the GPU suite).
 
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (with it, Triton's own library
-functions such as ``tl.max`` are interpreted functions and cannot be compiled)."""
+functions such as ``tl.max`` are interpreted functions and cannot be compiled).
+
+``test_every_kernel_the_tests_launch_compiles``: the kernel tests of this folder are run once more
+with :mod:`launch_capture` (their launches recorded, not run: ~40 s), and for every kernel up to
+three of the constexpr combinations they launched (first, middle, last; with fp16 pointers also
+the same as bf16, the GPU's dtype) are compiled for sm_90."""
 import inspect
 import json
 import os
@@ -84,6 +89,45 @@ def _compile_all() -> dict:
     return out
 
 
+def _select(specs: list) -> list:
+    """Up to three constexpr combinations per kernel of ``specs`` (first, middle, last in sorted
+    order), each fp16-pointer one also as bf16; only the library's kernels."""
+    by = {}
+    for s in specs:
+        if s["module"].startswith("xoffload."):
+            by.setdefault((s["module"], s["name"]), {})[json.dumps(s, sort_keys=True)] = s
+    out = []
+    for _, d in sorted(by.items()):
+        keys = sorted(d)
+        for k in dict.fromkeys([keys[0], keys[len(keys) // 2], keys[-1]]):
+            s = d[k]
+            out.append(s)
+            if any(t == "*fp16" for t in s["signature"].values()):
+                out.append(dict(s, signature={a: "*bf16" if t == "*fp16" else t for a, t in s["signature"].items()}))
+    return out
+
+
+def _compile_specs(specs: list) -> list:
+    """Compile each spec for sm_90; the failures as ``(module.name, error)``."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fails = []
+    for s in specs:
+        fn = getattr(importlib.import_module(s["module"]), s["name"])
+        params = list(inspect.signature(fn.fn).parameters)
+        src = ASTSource(fn=fn, signature=s["signature"],
+                        constexprs={(params.index(k),): v for k, v in s["constexprs"].items()})
+        try:
+            triton.compile(src, target=GPUTarget("cuda", 90, 32), options=s["options"])
+        except Exception as e:  # reported, with the spec
+            fails.append((f"{s['module']}.{s['name']}", f"{type(e).__name__}: {str(e)[:800]} | {json.dumps(s)[:600]}"))
+    return fails
+
+
 @pytest.fixture(scope="module")
 def compiled():
     try:
@@ -105,5 +149,32 @@ def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name] == "ok", compiled[name]
 
 
+def test_every_kernel_the_tests_launch_compiles(compiled, tmp_path):
+    if os.environ.get("XOFFLOAD_CAPTURE"):  # inside the capture run itself (never recurse)
+        pytest.skip("inside the launch capture")
+    here = os.path.dirname(os.path.abspath(__file__))
+    cap = tmp_path / "launches.jsonl"
+    env = dict(os.environ, TRITON_INTERPRET="1", XOFFLOAD_CAPTURE=str(cap),
+               PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    # the tests' own assertions fail (nothing ran): only the launches are kept
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "launch_capture", here,
+                    f"--ignore={os.path.join(here, 'test_compile_sm90.py')}"],
+                   env=env, capture_output=True, text=True, timeout=600, cwd=os.path.dirname(os.path.dirname(here)))
+    specs = [json.loads(x) for x in cap.read_text().splitlines()]
+    chosen = _select(specs)
+    kernels = {(s["module"], s["name"]) for s in chosen}
+    assert len(kernels) >= 20, sorted(kernels)  # every kernel file's kernels are launched by its tests
+    sel = tmp_path / "chosen.json"
+    sel.write_text(json.dumps(chosen))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    p = subprocess.run([sys.executable, __file__, str(sel)], env=env, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    fails = json.loads(p.stdout.strip().splitlines()[-1])
+    assert not fails, "\n".join(f"{n}: {e}" for n, e in fails)
+
+
 if __name__ == "__main__":
-    print(json.dumps(_compile_all()))
+    if len(sys.argv) > 1:  # compile the specs of a file (test_every_kernel_the_tests_launch_compiles)
+        print(json.dumps(_compile_specs(json.loads(open(sys.argv[1]).read()))))
+    else:
+        print(json.dumps(_compile_all()))
