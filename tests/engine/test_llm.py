@@ -116,3 +116,10 @@ def test_one_request_prompt_over_the_pool_is_refused_naming_kv_cache_tokens():
         llm.generate([ok, [i % 200 for i in range(600)]])
     assert "\n" not in str(e.value)
     assert llm.generate(ok)[0].token_ids == want
+    # the ring decode appends the new tokens to the pool: they count
+    ring = LLM("tiny-llama", mode="offload", offload_decode="ring", max_model_len=256, kv_block_size=32,
+               kv_cache_tokens=64)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    with pytest.raises(ValueError, match=r"prompt 1 needs 96 tokens .*\(60 prompt \+ 7 new tokens in blocks of 32\)"):
+        ring.generate([list(range(10)), list(range(60))], sp)
+    assert len(ring.generate(list(range(50)), sp)[0].token_ids) == 8  # 57 tokens: fits

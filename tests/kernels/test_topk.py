@@ -128,10 +128,30 @@ def test_per_row_counts(device, backend):
         for r, k in enumerate(kr.clamp(0, 12).tolist()):
             assert torch.equal(out[r, :k].cpu(), topk_ids_ref(shifted[r:r + 1], k)[0]), (r, bonus)
             assert bool((out[r, k:] == -5).all()), r
+    # rows past the register limit take the device-side reference path (no host read of k_rows)
+    long = torch.randint(0, 50, (2, MAX_REGISTER_ROW + 3), generator=g).float().to(device)
+    out = torch.full((2, 7), -5, dtype=torch.int32, device=device)
+    topk_ids(long, 7, out=out, k_rows=torch.tensor([7, 2], dtype=torch.int32, device=device))
+    assert torch.equal(out[0].cpu(), topk_ids_ref(long[:1].cpu(), 7)[0])
+    assert torch.equal(out[1, :2].cpu(), topk_ids_ref(long[1:].cpu(), 2)[0]) and bool((out[1, 2:] == -5).all())
     with pytest.raises(ValueError, match=r"k_rows must be int32 \[6\]"):
         topk_ids(s.to(device), 3, k_rows=kr[:5].to(device))
     with pytest.raises(TypeError, match="k_rows"):
         topk_ids(s.to(device), 3, k_rows=kr.long().to(device))
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_negative_zero_stays_below_zero_with_a_bonus(device, backend):
+    """A preferred-entry bonus leaves the other entries as they are: -0.0 still ranks below +0.0
+    (the reference once added 0.0 to every entry, turning -0.0 into +0.0)."""
+    import contextlib
+
+    s = torch.tensor([[-0.0, 0.0, 1.0]], device=device)
+    pf = torch.tensor([[-1, -1, 0]], dtype=torch.int32, device=device)
+    with cpu_backend("reference") if backend == "reference" else contextlib.nullcontext():
+        assert topk_ids(s, 2, prefer=pf, prefer_bonus=0.5).tolist() == [[1, 2]]
+        kr = torch.tensor([2], dtype=torch.int32, device=device)
+        assert topk_ids(s, 2, prefer=pf, prefer_bonus=0.5, k_rows=kr).tolist() == [[1, 2]]
 
 
 def test_bad_input(device):

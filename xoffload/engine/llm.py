@@ -243,22 +243,27 @@ class LLM:
                     return self._runner.run(batch, sps, use_tqdm=use_tqdm)
                 finally:
                     self.batch_stats = self._runner.stats
-            self._check_pool(batch)
+            self._check_pool(batch, sps)
             it = tqdm(list(zip(batch, sps)), desc="requests") if use_tqdm else zip(batch, sps)
             return [self._run_one(ids, sp) for ids, sp in it]
 
-    def _check_pool(self, batch) -> None:
-        """One request at a time in offload mode: every prompt's KV must fit the pinned pool
-        (``kv_cache_tokens``) by itself; ValueError naming the sizes before any request runs."""
+    def _check_pool(self, batch, sps) -> None:
+        """One request at a time in offload mode: every request's KV in the pinned pool
+        (``kv_cache_tokens``) must fit it by itself — the prompt, and with the ring decode its new
+        tokens too (the ring appends them to the pool); ValueError naming the sizes before any
+        request runs."""
         eng = self.engine
         if eng is None:
             return
         B, total = eng.block_size, eng.allocator.num_blocks
-        for i, ids in enumerate(batch):
-            if -(-len(ids) // B) > total:
-                raise ValueError(f"prompt {i} needs {-(-len(ids) // B) * B} tokens of KV in the CPU pool ({len(ids)} "
-                                 f"prompt tokens in blocks of {B}) but the pool holds {total * B} tokens "
-                                 f"(kv_cache_tokens={self.config.kv_cache_tokens})")
+        ring = self.config.offload_decode == "ring"
+        for i, (ids, sp) in enumerate(zip(batch, sps)):
+            n = len(ids) + (min(sp.max_tokens, self.max_model_len - len(ids) + 1) - 1 if ring else 0)
+            if -(-n // B) > total:
+                what = f"{len(ids)} prompt + {n - len(ids)} new tokens" if ring else f"{len(ids)} prompt tokens"
+                raise ValueError(f"prompt {i} needs {-(-n // B) * B} tokens of KV in the CPU pool ({what} in blocks "
+                                 f"of {B}) but the pool holds {total * B} tokens (kv_cache_tokens="
+                                 f"{self.config.kv_cache_tokens})")
 
     def _inputs(self, prompts, sampling_params):
         """Checked prompt ids and sampling parameters; tensor parallel: rank 0 checks (and

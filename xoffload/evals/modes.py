@@ -132,11 +132,15 @@ def mode_options(name: str) -> dict:
 
 
 def mode_config(name: str) -> str:
-    """What mode ``name`` means now: its engine options with the decode policy resolved (named
-    policies and budgets become the dataclass, defaults included), as a string."""
+    """What mode ``name`` means now: its engine options with the prefill and decode policies
+    resolved (named policies and budgets become the dataclasses, defaults included), as a string."""
     from xoffload.sparse.policy import resolve_decode
 
+    from xoffload.sparse.policy import resolve_prefill
+
     kw = dict(mode_options(name))
+    if kw.get("sparse") is not None:  # a prefill policy by name: its settings today
+        kw["sparse"] = resolve_prefill(kw["sparse"])
     if "sparse_decode" in kw or "token_budget" in kw:
         pol = resolve_decode(kw.pop("sparse_decode", None), kw.pop("token_budget", None))
         kw["sparse_decode"] = pol

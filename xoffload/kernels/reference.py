@@ -641,3 +641,18 @@ def topk_ids_ref(scores, k: int):
     key[scores.isnan()] = 2**31 - 1
     order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
     return order.sort(dim=1).values.to(torch.int32)
+
+
+def topk_ids_rows_ref(scores, k: int, k_rows):
+    """Reference of :func:`xoffload.kernels.topk.topk_ids` with per-row counts, on the scores'
+    device without host reads: ``(ids, mask)``, int32 ``[R, k]`` whose row r starts with the
+    indices of its ``min(max(k_rows[r], 0), k)`` largest scores in ascending order (the same keys
+    and tie rule as :func:`topk_ids_ref`: a stable descending sort's first entries), and the bool
+    ``[R, k]`` mask of those entries."""
+    b = scores.float().contiguous().view(torch.int32)
+    key = (b ^ ((b >> 31) & 0x7FFFFFFF)).long()
+    key = torch.where(scores.isnan(), torch.full_like(key, 2**31 - 1), key)
+    order = torch.sort(key, dim=1, descending=True, stable=True).indices[:, :k]
+    mask = torch.arange(k, device=scores.device)[None, :] < k_rows.long().clamp(0, k)[:, None]
+    ids = torch.where(mask, order, scores.shape[1]).sort(dim=1).values  # the row's k_r ids first, ascending
+    return ids.to(torch.int32), mask

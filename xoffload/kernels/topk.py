@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .checks import check_int, check_tensor, next_pow2, use_triton
-from .reference import topk_ids_ref
+from .reference import topk_ids_ref, topk_ids_rows_ref
 
 __all__ = ["MAX_REGISTER_ROW", "topk_ids"]
 
@@ -120,18 +120,16 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
                              f"{k_rows.device}")
     if k == 0 or rows == 0:
         return out
-    if k_rows is not None and (not use_triton(scores) or n > MAX_REGISTER_ROW):  # per row (host loop: reference)
-        if prefer is not None:
-            scores = scores.float() + (prefer[:, :n] >= 0).float() * float(prefer_bonus)
-        for r, kr in enumerate(k_rows.clamp(0, k).tolist()):
-            out[r, :kr] = topk_ids_ref(scores[r:r + 1], kr)[0]
+    if prefer is not None and (not use_triton(scores) or n > MAX_REGISTER_ROW):  # the bonus, -0.0 kept
+        scores = torch.where(prefer[:, :n] >= 0, scores.float() + float(prefer_bonus), scores.float())
+    if k_rows is not None and (not use_triton(scores) or n > MAX_REGISTER_ROW):  # per row, on the device
+        ids, mask = topk_ids_rows_ref(scores, k, k_rows)
+        out.copy_(torch.where(mask, ids, out))
         return out
     if k == n and k_rows is None:
         out.copy_(torch.arange(n, dtype=torch.int32, device=scores.device).expand(rows, n))
         return out
     if not use_triton(scores) or n > MAX_REGISTER_ROW:
-        if prefer is not None:
-            scores = scores.float() + (prefer[:, :n] >= 0).float() * float(prefer_bonus)
         out.copy_(topk_ids_ref(scores, k))
         return out
     block = max(16, next_pow2(n))
