@@ -203,6 +203,21 @@ def parse_gpu_args(ap: argparse.ArgumentParser, argv=None):
     return args
 
 
+def hbm_shape_rows(shapes, run_case, line, quick_names=None) -> tuple:
+    """The common loop of the HBM-bound kernel benchmarks: measure the HBM copy bandwidth (printed),
+    then ``run_case(*shape, hbm)`` for each shape (only those named in ``quick_names`` when given),
+    printing ``line(shape, row)`` after each. Returns ``(hbm GB/s, rows)``."""
+    hbm = hbm_copy_gbps()
+    print(f"HBM copy bandwidth: {hbm:.0f} GB/s (read + write)")
+    return hbm, [_printed(run_case(*shape, hbm), shape, line) for shape in shapes
+                 if quick_names is None or shape[0] in quick_names]
+
+
+def _printed(row: dict, shape, line) -> dict:
+    print(line(shape, row), flush=True)
+    return row
+
+
 def run(main) -> None:
     """``if __name__ == "__main__": run(main)``: exit with ``main()``'s return code."""
     sys.exit(main())

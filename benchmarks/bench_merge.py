@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import HAS_CUDA, bench_ms, bench_parser, env_record, hbm_copy_gbps, parse_gpu_args, record_extra, run, write_json  # noqa: E402
+from _common import HAS_CUDA, bench_ms, bench_parser, env_record, hbm_copy_gbps, hbm_shape_rows, parse_gpu_args, record_extra, run, write_json  # noqa: E402
 
 # (name, N, B, S, H, D): prefill-chunk merges (Llama-3.1-8B / SmolLM2 heads) and decode merges
 SHAPES = [
@@ -86,19 +86,15 @@ def main(argv=None):
     args = parse_gpu_args(ap, argv)
     if args is None:
         return 0
-    hbm = hbm_copy_gbps()
-    print(f"HBM copy bandwidth: {hbm:.0f} GB/s (read + write)")
     print(f"{'shape':>24} {'MB':>7} {'ms':>8} {'GB/s':>7} {'%copy':>6}  torch eager (ms, ours x faster)")
-    rows = []
-    for shape in SHAPES:
-        if args.quick and shape[0] not in QUICK:
-            continue
-        r = run_case(*shape, hbm)
-        rows.append(r)
+
+    def line(shape, r):
         p = r["peers"].get("torch_eager")
         ps = f"{p['ms']:.3f} ({p['speedup_vs_peer']:.2f}x)" if p else "-"
-        print(f"{shape[0]:>24} {r['bytes'] / 1e6:>7.0f} {r['ms']:>8.3f} {r['GBps']:>7.0f} "
-              f"{100 * r['frac_of_hbm_copy']:>5.1f}%  {ps}", flush=True)
+        return (f"{shape[0]:>24} {r['bytes'] / 1e6:>7.0f} {r['ms']:>8.3f} {r['GBps']:>7.0f} "
+                f"{100 * r['frac_of_hbm_copy']:>5.1f}%  {ps}")
+
+    hbm, rows = hbm_shape_rows(SHAPES, run_case, line, QUICK if args.quick else None)
     res = {"benchmark": "merge", **env_record(), "hbm_copy_GBps": hbm, "rows": rows,
            "target": ">= 0.70 of HBM copy bandwidth"}
     print(f"wrote {write_json(args.out, res)}")

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import HAS_CUDA, bench_graph_ms, bench_ms, bench_parser, env_record, hbm_copy_gbps, parse_gpu_args, record_extra, run, write_json  # noqa: E402
+from _common import HAS_CUDA, bench_graph_ms, bench_ms, bench_parser, env_record, hbm_copy_gbps, hbm_shape_rows, parse_gpu_args, record_extra, run, write_json  # noqa: E402
 
 # (name, context tokens, Hq, Hkv, D, page, exact channels r (0: Quest's bound), alpha)
 SHAPES = [
@@ -129,19 +129,15 @@ def main(argv=None):
     args = parse_gpu_args(ap, argv)
     if args is None:
         return 0
-    hbm = hbm_copy_gbps()
-    print(f"HBM copy bandwidth: {hbm:.0f} GB/s (read + write)")
     print(f"{'shape':>22} {'MB':>7} {'us':>8} {'ceiling us':>10} {'GB/s':>7} {'%copy':>6}  torch (us, ours x faster)")
-    rows = []
-    for shape in SHAPES:
-        if args.quick and shape[0] not in QUICK:
-            continue
-        r = run_case(*shape, hbm)
-        rows.append(r)
+
+    def line(shape, r):
         p = r["peers"]["torch_reference"]
-        print(f"{shape[0]:>22} {r['bytes'] / 1e6:>7.1f} {1e3 * r['ms']:>8.1f} {1e3 * r['ceiling_ms']:>10.1f} "
-              f"{r['GBps']:>7.0f} {100 * r['frac_of_hbm_copy']:>5.1f}%  {1e3 * p['ms']:.1f} "
-              f"({p['speedup_vs_peer']:.2f}x)", flush=True)
+        return (f"{shape[0]:>22} {r['bytes'] / 1e6:>7.1f} {1e3 * r['ms']:>8.1f} {1e3 * r['ceiling_ms']:>10.1f} "
+                f"{r['GBps']:>7.0f} {100 * r['frac_of_hbm_copy']:>5.1f}%  {1e3 * p['ms']:.1f} "
+                f"({p['speedup_vs_peer']:.2f}x)")
+
+    hbm, rows = hbm_shape_rows(SHAPES, run_case, line, QUICK if args.quick else None)
     res = {"benchmark": "quest_score", **env_record(), "hbm_copy_GBps": hbm, "rows": rows,
            "note": "one sparse layer's page scoring; a decode step runs it once per sparse layer"}
     if args.sweep:

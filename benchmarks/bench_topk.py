@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from _common import (HAS_CUDA, bench_graph_ms, bench_ms, bench_parser, env_record, hbm_copy_gbps,  # noqa: E402
+from _common import (HAS_CUDA, bench_graph_ms, bench_ms, bench_parser, env_record, hbm_copy_gbps, hbm_shape_rows,  # noqa: E402
                      parse_gpu_args, record_extra, run, write_json)
 
 # (name, rows, N candidate pages, k)
@@ -75,19 +75,15 @@ def main(argv=None):
     args = parse_gpu_args(ap, argv)
     if args is None:
         return 0
-    hbm = hbm_copy_gbps()
-    print(f"HBM copy bandwidth: {hbm:.0f} GB/s (read + write)")
     print(f"{'shape':>16} {'rows':>5} {'N':>6} {'k':>4} {'us':>7} {'floor us':>8} {'torch us':>8} {'x torch':>7} same")
-    rows = []
-    for shape in SHAPES:
-        if args.quick and shape[0] not in QUICK:
-            continue
-        r = run_case(*shape, hbm)
-        rows.append(r)
+
+    def line(shape, r):
         p = r["peers"]["torch_topk"]
-        print(f"{shape[0]:>16} {r['rows']:>5} {r['N']:>6} {r['k']:>4} {1e3 * r['ms']:>7.2f} "
-              f"{1e3 * r['launch_floor_ms']:>8.2f} {1e3 * p['ms']:>8.2f} {p['speedup_vs_peer']:>7.2f} "
-              f"{r['same_set_as_torch_topk']}", flush=True)
+        return (f"{shape[0]:>16} {r['rows']:>5} {r['N']:>6} {r['k']:>4} {1e3 * r['ms']:>7.2f} "
+                f"{1e3 * r['launch_floor_ms']:>8.2f} {1e3 * p['ms']:>8.2f} {p['speedup_vs_peer']:>7.2f} "
+                f"{r['same_set_as_torch_topk']}")
+
+    hbm, rows = hbm_shape_rows(SHAPES, run_case, line, QUICK if args.quick else None)
     res = {"benchmark": "topk", **env_record(), "hbm_copy_GBps": hbm, "rows": rows,
            "note": "one sparse layer's page choice; a decode step runs it once per sparse layer (30 on the 8B shape)"}
     print(f"wrote {write_json(args.out, res)}")
