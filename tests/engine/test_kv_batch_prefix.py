@@ -115,21 +115,26 @@ def test_copy_on_write_keeps_the_other_holders_kv():
     st.close()
 
 
-def test_token_budget_counts_the_tokens_to_prefill():
+@pytest.mark.parametrize("mode", ["resident", "offload"])
+def test_token_budget_counts_the_tokens_to_prefill(mode):
     """max_num_batched_tokens bounds the tokens prefilled between two decode steps: a prompt whose
     prefix is cached counts only the rest, so the questions over a document that fills the budget
-    join the batch together once the first has prefilled it (not one per decode step)."""
+    join the batch together once the first has prefilled it (not one per decode step). Offload's
+    cache outlives the call: a second call finds the document cached and admits them all at once
+    (resident's lives as long as the call's pool)."""
     m = tiny_random()
     doc = _prompts([190], seed=73)[0]
     prompts = [doc + q for q in _prompts([10] * 4, seed=74)]
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
-    kw = dict(mode="resident", kv_block_size=32, max_model_len=256, max_num_seqs=4, **SDPA)  # budget: 256 tokens
+    kw = dict(mode=mode, kv_block_size=32, max_model_len=256, max_num_seqs=4, **SDPA)  # budget: 256 tokens
     want = [o.token_ids for o in LLM(m, **kw).generate(prompts, sp)]
     llm = LLM(m, prefix_caching=True, **kw)
     outs = llm.generate(prompts, sp)
     assert [o.token_ids for o in outs] == want
     assert [o.timings.get("prefix_reused_tokens", 0) for o in outs] == [0, 190, 190, 190]
     assert [x["seqs"] for x in llm.batch_stats["decode_steps"]] == [1, 4, 4, 3]
+    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
+    assert [x["seqs"] for x in llm.batch_stats["decode_steps"]] == ([4, 4, 4] if mode == "offload" else [1, 4, 4, 3])
 
 
 def test_refused_configurations():

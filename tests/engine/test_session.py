@@ -608,20 +608,3 @@ def test_prefix_caching_in_a_batch_with_a_small_pool_and_repeats():
         assert [o.token_ids for o in llm.generate(prompts, SP)] == want
         llm.engine.allocator.check()
         assert llm.engine.sequences() == []
-
-
-def test_prefix_caching_in_a_batch_budget_counts_the_tokens_to_prefill():
-    """max_num_batched_tokens counts what a prefill computes: once the document is cached, the
-    questions over it (each prompt alone near the budget) join the batch together; a later call
-    finds it cached and admits them all at once."""
-    m = tiny_random()
-    doc = _prompts([190], seed=73)[0]
-    prompts = [doc + q for q in _prompts([10] * 4, seed=74)]
-    sp = SamplingParams(max_tokens=4, ignore_eos=True)
-    kw = dict(mode="offload", kv_block_size=32, max_model_len=256, max_num_seqs=4, **SDPA)  # budget: 256 tokens
-    want = [o.token_ids for o in LLM(m, **kw).generate(prompts, sp)]
-    llm = LLM(m, prefix_caching=True, **kw)
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
-    assert [x["seqs"] for x in llm.batch_stats["decode_steps"]] == [1, 4, 4, 3]
-    assert [o.token_ids for o in llm.generate(prompts, sp)] == want
-    assert [x["seqs"] for x in llm.batch_stats["decode_steps"]] == [4, 4, 4]
