@@ -67,25 +67,18 @@ VARIANTS = {
 
 
 def _compile_all() -> dict:
-    """Compile every variant for sm_90 (in this process: no interpreter); name -> "ok" / the error."""
+    """Compile every named variant for sm_90 (in this process: no interpreter); name -> "ok" / the error."""
     import importlib
-
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
 
     types = {"lookup": _lookup_types(), "fill": _fill_types(), "channel": _channel_types(), "topk": _topk_types()}
     out = {}
     for name, (mod, kern, tkey, consts) in VARIANTS.items():
-        fn = getattr(importlib.import_module(f"xoffload.kernels.{mod}"), kern)
-        params = list(inspect.signature(fn.fn).parameters)
-        sig = {p: "constexpr" if p in consts else types[tkey][p] for p in params}
-        src = ASTSource(fn=fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()})
-        try:
-            triton.compile(src, target=GPUTarget("cuda", 90, 32))
-            out[name] = "ok"
-        except Exception as e:  # reported per variant
-            out[name] = f"{type(e).__name__}: {str(e)[:1500]}"
+        module = f"xoffload.kernels.{mod}"
+        params = inspect.signature(getattr(importlib.import_module(module), kern).fn).parameters
+        spec = {"module": module, "name": kern, "constexprs": consts, "options": {},
+                "signature": {p: "constexpr" if p in consts else types[tkey][p] for p in params}}
+        fails = _compile_specs([spec])
+        out[name] = fails[0][1] if fails else "ok"
     return out
 
 

@@ -740,11 +740,9 @@ class OffloadQuestBatchKV(BatchKV):
         # per-sequence page caches (kv_batch_cache): what the policy gives each plan alone, cut to
         # the memory left after the tails, summaries and dense pool; none when a step's pages do not fit
         self.pcache = None
-        self._want_c = [pol.cache_slots(p, BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype))
-                        if self.sparse else 0 for p in plans]
-        cmax = max(self._want_c + [0])
+        self._slot_bytes = sb = BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype)
+        cmax = max([self._want_c(p) for p in plans] + [0])
         if cmax:
-            sb = BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype)
             free = None if limit is None else limit - self.tail.nbytes - nsb * per_sb - \
                 (self.dpool.nbytes if self.dpool is not None else 0)
             S = min(self.max_num_seqs, len(seqs))  # the most that run at once in this call
@@ -902,7 +900,7 @@ class OffloadQuestBatchKV(BatchKV):
         lookup), ``prefetch_share`` (no prefetch in a batch: 0.0 once a page was copied, else
         None), ``cache_slots`` (this sequence's), ``cache_bytes`` (its slot of the call's caches)."""
         kv = seq.kv
-        want = self._want_c_of(seq) if kv is not None else 0
+        want = self._want_c(kv["plan"]) if kv is not None else 0
         if not want or self.pcache is None or kv.get("cslot") is None:  # alone: no cache either (or cut)
             return {}
         hits, looks = self.pcache.counts(kv["cslot"])
@@ -910,10 +908,9 @@ class OffloadQuestBatchKV(BatchKV):
         return {"cache_hit_rate": hits / looks if looks else None, "prefetch_share": 0.0 if looks > hits else None,
                 "cache_slots": c, "cache_bytes": self.pcache.nbytes // self.pcache.S}
 
-    def _want_c_of(self, seq) -> int:
-        p = seq.kv["plan"]
-        return self.policy.cache_slots(p, BatchPageCache.slot_bytes(len(self.sparse), self.cfg.num_kv_heads,
-                                                                      self.cfg.head_dim, self.page, self.dtype))
+    def _want_c(self, plan) -> int:
+        """Cache slots a sequence with ``plan`` has alone (0: none)."""
+        return self.policy.cache_slots(plan, self._slot_bytes) if self.sparse else 0
 
     def _summary_rows(self, stab, n: int) -> torch.Tensor:
         """int64 ``[n]`` (host): summary page of each of a sequence's ``n`` candidates."""
@@ -1018,7 +1015,7 @@ class OffloadQuestBatchKV(BatchKV):
         _to_device(self._krows[:rows * hkv], (klen // P).repeat_interleave(hkv))
         if self.pcache is not None:
             self.pcache.set_rows([(s.kv["cslot"], p.pages_per_step if self._summary_pages(p) else 0,
-                                  min(self._want_c_of(s), self.pcache.C)) for s, p in zip(seqs, plans)], rows)
+                                  min(self._want_c(p), self.pcache.C)) for s, p in zip(seqs, plans)], rows)
         if self.chan is not None:  # device to device, one copy per sequence (outside the graph)
             self.chan[:rows].zero_()
             for i, s in enumerate(seqs):
@@ -1049,16 +1046,19 @@ class OffloadQuestBatchKV(BatchKV):
             else:
                 sc = quest_page_scores_batched(q.to(self.dtype), self.summ.kmin[si], self.summ.kmax[si],
                                                self.sidx[:n], self.nvalid[:n], out=self.scores[:n])
-            if self.pcache is not None:  # select (with the reuse bonus), look up, copy the misses
-                kr, vr, table = self.pcache.fetch(si, sc, self.cand_row[:n], kr, vr, n)
-                return paged_decode_attn_with_lse(q4, kr, vr, table, self.klens[:n], page_size=self.page,
-                                                  softmax_scale=self.scale, check=False)
-            # the one-request selection (topk_ids: ties to the lowest ids, ids ascending), k_r per row
-            hkv = self.cfg.num_kv_heads
-            sel = topk_ids(sc.reshape(-1, sc.shape[2]), self.K, out=self._sel[:n * hkv], k_rows=self._krows[:n * hkv])
-            tab = self.cand_row[:n].gather(1, sel.view(n, -1).long()).view(n, -1, self.K)
-            self.table[:n].copy_(tab)
-            table, lens = self.table[:n], self.klens[:n]
+            # the one-request selection (topk_ids: ties to the lowest ids, ids ascending), k_r per row,
+            # with the page caches' reuse bonus on the pages they hold
+            hkv, pc = self.cfg.num_kv_heads, self.pcache
+            prefer = pc.prefer(si, n, sc.shape[2]) if pc is not None and pc.bonus else None
+            sel = topk_ids(sc.reshape(-1, sc.shape[2]), self.K, out=self._sel[:n * hkv], prefer=prefer,
+                           prefer_bonus=pc.bonus if prefer is not None else 0.0,
+                           k_rows=self._krows[:n * hkv]).view(n, hkv, self.K)
+            if pc is not None:  # look up, copy the misses, read the caches
+                kr, vr, table = pc.fetch(si, sel, self.cand_row[:n], kr, vr, n)
+            else:
+                self.table[:n].copy_(self.cand_row[:n].gather(1, sel.view(n, -1).long()).view(n, -1, self.K))
+                table = self.table[:n]
+            lens = self.klens[:n]
         return paged_decode_attn_with_lse(q4, kr, vr, table, lens, page_size=self.page, softmax_scale=self.scale,
                                           check=False)
 

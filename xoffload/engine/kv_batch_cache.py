@@ -5,10 +5,10 @@ again costs no PCIe bytes (ShadowKV, Sun et al. 2024: most chosen chunks repeat 
 Each sequence of a batched ``generate`` call holds one of ``S = max_num_seqs`` cache slots for as
 long as it runs. Per sparse layer, slot ``s`` owns rows ``s * Hkv .. s * Hkv + Hkv - 1`` of one shared
 :class:`~xoffload.kernels.page_cache.PageCacheState` and ``C_max`` pages of one shared row store
-``[S * C_max * page_size, Hkv, D]``. Per step and layer, for all rows at once: the Quest scores,
-one :func:`~xoffload.kernels.topk.topk_ids` over the ``[rows x Hkv, N]`` scores with the policy's
-reuse bonus on the pages already cached and each row's own page count ``k_r`` (the one-request
-store's selection: the same kernel, ties to the lowest ids, ids ascending), one
+``[S * C_max * page_size, Hkv, D]``. Per step and layer, for all rows at once: the store's
+selection (:func:`~xoffload.kernels.topk.topk_ids` over the ``[rows x Hkv, N]`` scores with each
+row's own page count, the one-request store's selection) takes the policy's reuse bonus on the
+pages already cached (:meth:`BatchPageCache.prefer`), then one
 :func:`~xoffload.kernels.page_cache.page_cache_lookup_batched` launch and one
 :func:`~xoffload.kernels.page_cache.page_cache_fill` launch reading the misses over PCIe. Row ``r``
 uses the first ``c_r`` slots of its cache, where ``c_r`` is what
@@ -21,7 +21,6 @@ from __future__ import annotations
 import torch
 
 from ..kernels.page_cache import MAX_SLOTS, PageCacheState, page_cache_fill, page_cache_lookup_batched
-from ..kernels.topk import topk_ids
 
 __all__ = ["BatchPageCache"]
 
@@ -63,8 +62,6 @@ class BatchPageCache:
         self.row_k = torch.zeros(rows, dtype=torch.int32, device=device)
         self.row_c = torch.ones(rows, dtype=torch.int32, device=device)
         self.row_base = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.sel = torch.zeros(rows * hkv, max(self.K, 1), dtype=torch.int32, device=device)
-        self.krows = torch.zeros(rows * hkv, dtype=torch.int32, device=device)  # k_r per (row, head)
         self.table = torch.zeros(rows, hkv, max(self.K, 1), dtype=torch.int32, device=device)
         self.src = torch.full((rows, hkv, max(self.K, 1)), -1, dtype=torch.int32, device=device)
         self._free = list(range(S))
@@ -127,23 +124,23 @@ class BatchPageCache:
             vec[:, r] = torch.tensor([slot, k, max(c, 1), slot * C * P], dtype=torch.int32)
         for dst, src in zip((self.row_slot, self.row_k, self.row_c, self.row_base), vec):
             _to_device(dst[:rows], src)
-        _to_device(self.krows[:rows * self.hkv], vec[1].repeat_interleave(self.hkv))
 
-    def fetch(self, si: int, scores: torch.Tensor, cand_row: torch.Tensor, pool_k: torch.Tensor,
-              pool_v: torch.Tensor, n: int):
-        """Select, look up and fill sparse layer ``si``'s pages for the first ``n`` rows.
-
-        ``scores``: fp32 ``[n, Hkv, Nw]`` contiguous (``-inf`` past a row's candidates); ``cand_row``: int32 ``[n, Nw]`` pool row of each candidate page;
-        ``pool_k`` / ``pool_v``: the layer's pool row stores. Returns ``(k rows, v rows, table
-        [n, Hkv, Kw])`` for :func:`~xoffload.kernels.paged_decode_attn_with_lse` (row r reads its
-        first ``k_r`` pages)."""
+    def prefer(self, si: int, n: int, nw: int) -> torch.Tensor:
+        """int32 ``[n x Hkv, nw]``: the cache slot of each candidate page of the first ``n`` rows in
+        sparse layer ``si`` (-1: not cached), the ``prefer`` operand of
+        :func:`~xoffload.kernels.topk.topk_ids` with :attr:`bonus`."""
         st = self.state[si]
-        hkv, nw = self.hkv, scores.shape[2]
-        prefer = None
-        if self.bonus:  # a cached page competes with its score + ln(reuse_bias) / scale
-            prefer = st.slot_of.view(self.S + 1, hkv, -1)[self.row_slot[:n].long(), :, :nw].reshape(n * hkv, nw)
-        sel = topk_ids(scores.reshape(n * hkv, nw), self.K, out=self.sel[:n * hkv], prefer=prefer,
-                       prefer_bonus=self.bonus, k_rows=self.krows[:n * hkv]).view(n, hkv, self.K)
+        return st.slot_of.view(self.S + 1, self.hkv, -1)[self.row_slot[:n], :, :nw].reshape(n * self.hkv, nw)
+
+    def fetch(self, si: int, sel: torch.Tensor, cand_row: torch.Tensor, pool_k: torch.Tensor,
+              pool_v: torch.Tensor, n: int):
+        """Look up and fill sparse layer ``si``'s selected pages for the first ``n`` rows.
+
+        ``sel``: int32 ``[n, Hkv, Kw]``, row r's ``k_r`` chosen candidate ids first, ascending;
+        ``cand_row``: int32 ``[n, Nw]`` pool row of each candidate page; ``pool_k`` / ``pool_v``:
+        the layer's pool row stores. Returns ``(k rows, v rows, table [n, Hkv, Kw])`` for
+        :func:`~xoffload.kernels.paged_decode_attn_with_lse` (row r reads its first ``k_r`` pages)."""
+        st = self.state[si]
         page_cache_lookup_batched(sel, st, self.row_slot[:n], self.row_k[:n], self.row_c[:n], self.row_base[:n],
                                   cand_row, self.table[:n], self.src[:n], page_size=self.P, hits=self.hits)
         page_cache_fill(pool_k, pool_v, self.k[si], self.v[si], self.src[:n], self.table[:n], page_size=self.P)
