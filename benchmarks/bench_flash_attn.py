@@ -32,7 +32,9 @@ runs the 32K cases and puts the numbers into ``benchmark.extra_info``. Skips wit
 - ``paged``: causal 32K with K/V in a shuffled paged cache (pages of 16, 256, 1024 tokens)
   against the contiguous call.
 
-``--quick`` with ``--suite options``: 32K only, D=128 only.
+``--quick`` with ``--suite options``: 32K only, D=128 only; ``--sweep`` with it: the window,
+softcap and ALiBi calls also run under each launch config of :data:`SWEEP` (``"sweep"`` in each
+record; the timed rows stay the library's default).
 """
 from __future__ import annotations
 
@@ -58,8 +60,9 @@ SEQS = (4096, 8192, 16384, 32768, 65536, 131072)
 # D=128 TMA 128x128 507.8-508.5 TFLOP/s, the same as pointer loads; warp specialization 479)
 # and were deleted from the kernel.
 SWEEP = {
-    64: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4)],
-    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2)],
+    64: [(128, 64, 8, 3), (128, 64, 4, 3), (128, 128, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3), (128, 64, 8, 4),
+         (64, 64, 4, 4), (64, 128, 4, 3)],
+    128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (64, 64, 4, 3), (128, 64, 4, 3)],
 }
 
 
@@ -176,10 +179,27 @@ def peers(q, k, v, causal):
     return out
 
 
+def sweep_configs(fn, d: int, flops: float) -> list:
+    """Time ``fn`` under each launch config of :data:`SWEEP` for head dim ``d`` (through
+    ``launch_override("flash_attn", cfg)``): ``[{"cfg", "ms", "tflops"} or {"cfg", "error"}]``."""
+    from xoffload.kernels import launch_override
+
+    block_d = max(16, 1 << (d - 1).bit_length())
+    tried = []
+    for cfg in SWEEP.get(block_d, []):
+        try:
+            with launch_override("flash_attn", cfg):
+                fn()
+                ms = bench_ms(fn, warmup=10, rep=40)
+            tried.append({"cfg": list(cfg), "ms": ms, "tflops": tflops(flops, ms)})
+        except Exception as e:
+            tried.append({"cfg": list(cfg), "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    return tried
+
+
 def run_case(shape, s, causal, *, sweep=False, with_flex=True, peers_on=True):
     """Time ours and the peers on one case; returns a dict with per-impl ms / TFLOP/s / ratios."""
     from xoffload.kernels import flash_attn as fa
-    from xoffload.kernels import launch_override
 
     hq, hkv, d = SHAPES[shape]
     q, k, v = _make(s, hq, hkv, d)
@@ -191,17 +211,7 @@ def run_case(shape, s, causal, *, sweep=False, with_flex=True, peers_on=True):
         return fa.flash_attn_with_lse(q, k, v, causal=causal)
 
     if sweep:  # timed for information; the "ours" row is always the library's default choice
-        block_d = max(16, 1 << (d - 1).bit_length())
-        tried = []
-        for cfg in SWEEP.get(block_d, []):
-            try:
-                with launch_override("flash_attn", cfg):
-                    ours()
-                    ms = bench_ms(ours, warmup=10, rep=40)
-                tried.append({"cfg": list(cfg), "ms": ms, "tflops": tflops(fl, ms)})
-            except Exception as e:
-                tried.append({"cfg": list(cfg), "error": f"{type(e).__name__}: {str(e)[:300]}"})
-        rec["sweep"] = tried
+        rec["sweep"] = sweep_configs(ours, d, fl)
     o, lse = ours()
     ms = bench_ms(ours)
     rec["impl"]["ours"] = {"ms": ms, "tflops": tflops(fl, ms), "config": "library default",
@@ -278,7 +288,7 @@ def _time_impls(rec, impls, flops):
             rec["impl"][name] = {"ms": None, "tflops": None, "note": f"failed: {type(e).__name__}: {e}"[:300]}
 
 
-def run_window_case(shape, s, window=WINDOW, *, with_flex=True):
+def run_window_case(shape, s, window=WINDOW, *, with_flex=True, sweep=False):
     """Causal sliding window vs our causal call and FlexAttention's sliding-window block mask."""
     from xoffload.kernels import flash_attn_with_lse
 
@@ -301,6 +311,8 @@ def run_window_case(shape, s, window=WINDOW, *, with_flex=True):
         except Exception as e:
             impls["flex_window"] = (None, f"unavailable: {type(e).__name__}: {str(e)[:200]}")
     _time_impls(rec, impls, {"ours_window": fl_w, "ours_causal": fl_c, "flex_window": fl_w})
+    if sweep:
+        rec["sweep"] = sweep_configs(impls["ours_window"][0], d, fl_w)
     tw, tc = rec["impl"]["ours_window"]["ms"], rec["impl"]["ours_causal"]["ms"]
     rec["ratios"] = {}
     if tw and tc:
@@ -319,7 +331,7 @@ def run_window_case(shape, s, window=WINDOW, *, with_flex=True):
     return rec
 
 
-def run_score_case(kind, shape, s, causal, *, with_flex=True):
+def run_score_case(kind, shape, s, causal, *, with_flex=True, sweep=False):
     """softcap or ALiBi against our plain kernel (same shape, same FLOPs) and FlexAttention's score_mod."""
     from xoffload.kernels import flash_attn_with_lse
 
@@ -349,6 +361,8 @@ def run_score_case(kind, shape, s, causal, *, with_flex=True):
         except Exception as e:
             impls[f"flex_{kind}"] = (None, f"unavailable: {type(e).__name__}: {str(e)[:200]}")
     _time_impls(rec, impls, {n: fl for n in impls})
+    if sweep:
+        rec["sweep"] = sweep_configs(impls[f"ours_{kind}"][0], d, fl)
     t = {n: x["ms"] for n, x in rec["impl"].items()}
     rec["ratios"] = {}
     if t.get(f"ours_{kind}") and t.get("ours_plain"):
@@ -436,7 +450,7 @@ def main_options(args, no_flex: bool):
     seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else None
     for fn, a, kw in option_cases(args.quick, args.window, seqs):
         if fn is not run_paged_case:
-            kw = {**kw, "with_flex": not no_flex}
+            kw = {**kw, "with_flex": not no_flex, "sweep": args.sweep}
         try:
             rec = fn(*a, **kw)
         except Exception as e:
@@ -448,6 +462,8 @@ def main_options(args, no_flex: bool):
                          "flops_rule": "4*Hq*D per visible (query, key) pair", "batch": 1, "records": records})
         rows = _option_rows([rec])
         print(fmt_table(rows, list(rows[0].keys())), flush=True)
+        for t in rec.get("sweep", []):
+            print("   sweep", t, flush=True)
     path = write_json(out, {"benchmark": "attention_options", "env": env_record(),
                             "flops_rule": "4*Hq*D per visible (query, key) pair", "batch": 1, "records": records})
     print(f"wrote {path}")
