@@ -113,11 +113,17 @@ def _section(res, name, fn):
 
 
 # ------------------------------------------------------------------------------- measurements
-def point(llm, n_ctx, n_new=N_NEW, seed=0) -> dict:
+#: new tokens per measured point (``--new``; default :data:`N_NEW`)
+RUN_NEW = N_NEW
+
+
+def point(llm, n_ctx, n_new=None, seed=0) -> dict:
     """One request at context ``n_ctx``: a prompt of ``n_ctx - N_NEW`` tokens (the same for any
-    ``n_new``, so that a warm-up sees the measured prompt length) and ``n_new`` new tokens; its
-    timings, memory (peak allocated and reserved) and wall time."""
+    ``n_new``, so that a warm-up sees the measured prompt length) and ``n_new`` (default
+    :data:`RUN_NEW`) new tokens; its timings, memory (peak allocated and reserved) and wall time."""
     from xoffload import SamplingParams
+
+    n_new = RUN_NEW if n_new is None else n_new
 
     ids = _prompt(n_ctx - N_NEW, llm.cfg.vocab_size, seed)
     before = int(torch.cuda.memory_allocated()) if HAS_CUDA else None
@@ -563,7 +569,7 @@ def run_parts(res, fns: dict, budget=None, planned=None, start=None, clock=time.
 def new_result(parts, out, planned, variants=False, fresh_pools=False) -> dict:
     """The result record of a run, partial until :func:`finish` marks it complete."""
     return {"name": "e2e", "complete": False, "parts": list(parts), "parts_done": [], "parts_skipped": {},
-            "part_seconds": {}, "plan_seconds": planned, "n_new": N_NEW, "hf_n_new": dict(HF_NEW),
+            "part_seconds": {}, "plan_seconds": planned, "n_new": RUN_NEW, "hf_n_new": dict(HF_NEW),
             "probe_n_new": PROBE_NEW, "variants": bool(variants), "fresh_pools": bool(fresh_pools),
             "results": {}, "errors": {}, "tracebacks": {}, "models": {}, "bounds": {}, "out": out}
 
@@ -603,7 +609,14 @@ def main(argv=None):
     ap.add_argument("--plan", action="store_true", help="print the estimated seconds per part and exit (no GPU)")
     ap.add_argument("--time-budget", type=float, default=None,
                     help="skip a part whose planned seconds would take the run past this many seconds")
+    ap.add_argument("--new", type=int, default=N_NEW,
+                    help=f"new tokens per measured point (default {N_NEW}: 9 steady steps; at most 64, the "
+                         "headroom of max_model_len; the plan assumes the default)")
     a = ap.parse_args(argv)
+    if not 3 <= a.new <= 64:
+        ap.error(f"--new must be in [3, 64], got {a.new}")
+    global RUN_NEW
+    RUN_NEW = a.new
     try:  # an unknown name fails here, before anything runs: one line, exit 2
         configs = all_configs(a.configs, a.variants)
     except ValueError as e:

@@ -157,10 +157,14 @@ def part_prefix_batch(model, doc: int, n_q: int = 8) -> dict:
         t = time.perf_counter()
         outs = llm.generate([d + q for q in qs], sp)
         all_s = time.perf_counter() - t
+        st = llm.batch_stats  # where the batched call's time went: prefills, decode steps, graphs
+        timeline = {k: st.get(k) for k in ("total_ms", "prefill_ms", "decode_ms", "prefills", "graph_buckets",
+                                           "max_running")}
+        timeline["decode_steps"] = (st.get("decode_steps") or [])[:48]
         res[name] = {"one_s": one_s, "all_s": all_s, "ratio_all_to_one": all_s / one_s,
                      "reused_tokens": [o.timings.get("prefix_reused_tokens", 0) for o in outs],
                      "ttft_ms": [o.timings["ttft_ms"] for o in outs], "tokens": [o.token_ids[:4] for o in outs],
-                     "first_tokens_of_one": one[0].token_ids[:4]}
+                     "first_tokens_of_one": one[0].token_ids[:4], "timeline": timeline}
         llm.close()
         del llm
         torch.cuda.empty_cache()
