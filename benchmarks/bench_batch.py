@@ -333,7 +333,10 @@ def main(argv=None):
     for part in ("gpu_part", "cap_part", "long_part"):
         p = res["results"].get(part) or {}
         for name in ("ours", "hf", "offload_quest", "resident"):
-            for b, r in (p.get(name) or {}).items():
+            recs = p.get(name) or {}
+            if "batch" in recs:  # one record (the cap part's resident), not {batch: record}
+                recs = {recs["batch"]: recs}
+            for b, r in recs.items():
                 rows.append({"what": f"{part}/{name}", "batch": b, "tok/s": r.get("tok_per_s") or float("nan"),
                              "step_ms": r.get("step_ms") or float("nan"),
                              "x_bound": r.get("step_over_bound") or float("nan"),
