@@ -406,12 +406,13 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
 _INTERP_CFG = LaunchConfig(64, 32, 4, 1)  # BLOCK_M != BLOCK_N, as on the GPU
 
 
-def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0) -> LaunchConfig:
+def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window: bool = False,
+                alibi: bool = False) -> LaunchConfig:
     """Launch configuration on a CUDA device (chosen from timings on an H200).
 
     fp32 runs the exact (non-tf32) product, which Hopper's tensor cores do not do: small tiles
     that keep register spills low; it is an accuracy path, not a fast one. ``page_size``: a paged
-    call (0: contiguous K/V).
+    call (0: contiguous K/V); ``window``: a sliding window bounds the keys; ``alibi``: ALiBi slopes.
     """
     if page_size and page_size % 128 and 64 < block_d <= 128 and dtype != torch.float32:
         # pages smaller than a 128-key tile take one table entry per key row: with 128x128 tiles
@@ -419,6 +420,14 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0) -> LaunchC
         return LaunchConfig(128, 64, 8, 3)
     if dtype == torch.float32:
         return LaunchConfig(32, 16, 4, 2) if block_d <= 128 else LaunchConfig(16, 16, 4, 1)
+    # H200, bf16, 32K, options suite --sweep (session 10, attention_options_sweep.json): a causal
+    # window of 4096 runs best in 64x64 tiles, 4 warps (D=128: 506 vs 466 TFLOP/s with 128x128;
+    # D=64: 415 vs 319 with 128x64 8 warps: fewer masked edge tiles per row block); ALiBi at D=64
+    # in 128x64 with 4 warps (causal 379 vs 320). softcap: no tile won (within 1%).
+    if window and block_d <= 128:
+        return LaunchConfig(64, 64, 4, 3)
+    if alibi and block_d <= 64:
+        return LaunchConfig(128, 64, 4, 3)
     # H200, bf16, causal, 32K (benchmarks/results/attention.json, sweep): D=64 9/3 heads:
     # 128x64 8 warps 486 TFLOP/s (128x128: 375-452, 64x64: 463); D=128 32/8 heads: 128x128
     # 8 warps 3 stages 508 (TMA loads: the same, so the kernel has none; warp specialization:
@@ -623,7 +632,9 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
     paged = opts.block_table is not None
     block_d = max(16, next_pow2(d))
     page = k.shape[1] if paged else 0
-    cfg = override_for("flash_attn") or (_gpu_config(block_d, q.dtype, page) if q.is_cuda else _INTERP_CFG)
+    window = opts.left >= 0 or (opts.right >= 0 and not opts.causal)
+    cfg = override_for("flash_attn") or (_gpu_config(block_d, q.dtype, page, window=window, alibi=opts.alibi is not None)
+                                         if q.is_cuda else _INTERP_CFG)
     if cfg.tma:
         raise ValueError(f"flash_attn has no TMA variant (it lost the sweep), got {cfg!r}")
     block_m, block_n = cfg.block_m, cfg.block_n
