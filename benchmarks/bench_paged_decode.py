@@ -30,6 +30,9 @@ Cases (bf16, B=1, one query token):
 * (f) ``options``: decode at 128K with ``window_size=(4096, -1)`` (cost ~ the window: the keys
   outside it are never read) and with ``softcap=30`` + ALiBi (should cost nothing: memory bound),
   contiguous and paged (256), against the plain kernel.
+* (g) ``budget``: sparse decode's GPU-side attention (the offload store's page cache): 2048
+  tokens per KV head in scattered 32-token pages of a device row store, per split count (and two
+  other tiles without ``--quick``); short lists are latency-bound, so the split rule matters.
 
 Time: the median of ``triton.testing.do_bench`` (L2 flushed between runs) over CUDA-graph replays
 of one call with ``check=False`` (``ms``; ``ms_eager`` is the plain Python call; for the api rows
@@ -219,6 +222,36 @@ def case_sparse(heads, page, host_store, dev_store, ceiling, num_splits=None, co
             "h2d_ceiling_GBps": ceiling, "frac_of_h2d_copy": nbytes / ms / 1e6 / ceiling,
             "device_pool_ms": dms, "device_pool_GBps": nbytes / dms / 1e6,
             "equal_to_device": bool(torch.equal(oh, od) and torch.equal(lh, ld))}
+
+
+def sweep_budget(heads, dev_store, page=32, splits=(None, 4, 8, 16, 24, 32, 48, 64), configs=(None,)) -> list:
+    """Sparse decode's GPU-side attention: a ``BUDGET``-token page list per KV head (pages of
+    ``page`` scattered over a device row store: the offload store's page cache), CUDA-graph
+    replay, per split count x tiles. Short lists are launch- and latency-bound, not
+    bandwidth-bound: what the split rule should be for them."""
+    hq, hkv, d = HEADS[heads]
+    q = torch.randn(1, 1, hq, d, dtype=BF, device="cuda")
+    lens = torch.tensor([BUDGET], dtype=torch.int32, device="cuda")
+    table = _sparse_table(hkv, BUDGET, page, dev_store.k.shape[0])
+    nbytes = 2 * BUDGET * hkv * d * 2
+    base = _default_splits(1, hkv, hq // hkv, table.shape[2], page)
+    ref = _paged_fn(q, dev_store, table, lens, page, base)()
+    rows = []
+    for ns in splits:
+        for cfg in configs:
+            n = base if ns is None else int(ns)
+            try:
+                fn = _paged_fn(q, dev_store, table, lens, page, n, cfg)
+                o, lse = fn()
+                ms = bench_graph_ms(fn) or bench_ms(fn)
+                rows.append({"case": "budget", "heads": heads, "page": page, "budget": BUDGET, "num_splits": n,
+                             "default_splits": ns is None, **(cfg or {}), "ms": ms, "us": ms * 1e3,
+                             "GBps": nbytes / ms / 1e6,
+                             "max_abs_diff_vs_default": float((o.float() - ref[0].float()).abs().max())})
+            except Exception as e:  # a config that does not compile is recorded, not fatal
+                rows.append({"case": "budget", "num_splits": n, **(cfg or {}),
+                             "error": f"{type(e).__name__}: {str(e)[:160]}"})
+    return rows
 
 
 def sweep_host(heads, page, host_store, ceiling, splits, configs) -> list:
@@ -416,7 +449,7 @@ def _fmt(r, keys):
     return "  ".join(f"{k}={r[k]:.3f}" if isinstance(r.get(k), float) else f"{k}={r.get(k)}" for k in keys)
 
 
-CASES = ("device", "block", "flex", "options", "host", "sparse", "sweep")
+CASES = ("device", "block", "flex", "options", "host", "sparse", "sweep", "budget")
 
 
 def main(argv=None):
@@ -480,6 +513,13 @@ def main(argv=None):
                     r = case_sparse(heads, page, host, dev, c, num_splits=ns)
                     rows.append(r)
                     print(_fmt(r, keys + ["frac_of_h2d_copy", "device_pool_GBps", "equal_to_device"]), flush=True)
+        if main_shape and "budget" in only:  # (g): the page cache's GPU-side attention, split counts
+            configs = [None] if args.quick else [None, dict(block_n=32, num_warps=4, num_stages=3),
+                                                 dict(block_n=64, num_warps=2, num_stages=3)]
+            for r in sweep_budget(heads, dev, configs=configs):
+                rows.append(r)
+                print(_fmt(r, ["case", "page", "num_splits", "default_splits", "block_n", "num_warps", "us", "GBps",
+                               "max_abs_diff_vs_default", "error"]), flush=True)
         if main_shape and "sweep" in only:
             if args.quick:
                 configs = [dict(block_n=64, num_warps=4, num_stages=3), dict(block_n=128, num_warps=4, num_stages=3),
