@@ -45,6 +45,8 @@ from bench_llm import _free, _prompt, _section, h2d_bandwidth_gbps, hf_from_ours
 
 PRESET = "llama-3.1-8b"
 CAP_BYTES = 24 * 2**30
+#: QuestDecode.reuse_bias of the offload + Quest runs (``--reuse-bias``; None: the library default)
+REUSE_BIAS = None
 
 
 def _steady(stats: dict, batch: int) -> dict:
@@ -185,7 +187,7 @@ def part_cap(res, model, batches, ctx, new, budget, resident_prompts, save=lambd
     try:
         for b in batches:
             out["offload_quest"][b] = guarded(f"offload+quest b={b}", lambda b=b: run_ours(
-                model, b, ctx, new, mode="offload", sparse_decode=QuestDecode(token_budget=budget),
+                model, b, ctx, new, mode="offload", sparse_decode=QuestDecode(token_budget=budget, reuse_bias=REUSE_BIAS),
                 kv_cache_tokens=b * (ctx + 64)))
             out["targets"] = _cap_targets(out)
             save()
@@ -266,7 +268,7 @@ def part_long(res, model, ctx, new, budget, batches=None, save=lambda: None):
         return sorted({b for b in (batches or [1, 2, 4, 8, 16]) if b <= cap} | {cap})
 
     for name, cap, kw in (("offload_quest", host_max,
-                           {"mode": "offload", "sparse_decode": QuestDecode(token_budget=budget)}),
+                           {"mode": "offload", "sparse_decode": QuestDecode(token_budget=budget, reuse_bias=REUSE_BIAS)}),
                           ("resident", gpu_max, {"mode": "resident"})):
         for b in sizes(cap):
             print(f"long {name} b={b}: running ...", flush=True)
@@ -300,10 +302,15 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,2,4,8,16", help="batch sizes of the gpu part")
     ap.add_argument("--cap-batches", default="1,4,8,16", help="batch sizes of offload + Quest under the cap")
     ap.add_argument("--budget", type=int, default=2048, help="Quest token budget of the cap part")
+    ap.add_argument("--reuse-bias", type=float, default=None,
+                    help="QuestDecode.reuse_bias of the offload + Quest runs (default: the library's)")
     ap.add_argument("--cap-resident", type=int, default=None,
                     help="prompts given to resident under the cap (default: the largest cap batch; 4 with --quick)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
     a = parse_gpu_args(ap, argv)
+    global REUSE_BIAS
+    if a is not None:
+        REUSE_BIAS = a.reuse_bias
     if a is None:
         return 0
     from xoffload.models import random_model
@@ -312,7 +319,7 @@ def main(argv=None):
     batches = [1, 4, 16] if a.quick else [int(x) for x in a.batches.split(",")]
     cap_batches = [1, 16] if a.quick else [int(x) for x in a.cap_batches.split(",")]
     new = 16 if a.quick else a.new
-    res = {"name": "batch", "preset": PRESET, "ctx": a.ctx, "new": new, "results": {}, "errors": {}, "tracebacks": {},
+    res = {"name": "batch", "preset": PRESET, "ctx": a.ctx, "new": new, "reuse_bias": a.reuse_bias, "results": {}, "errors": {}, "tracebacks": {},
            "env": env_record(), "hbm_GBps": hbm_copy_gbps(), "h2d_GBps": h2d_bandwidth_gbps()}
     print(f"HBM copy {res['hbm_GBps']:.0f} GB/s, H2D {res['h2d_GBps']:.1f} GB/s", flush=True)
     model = random_model(PRESET, dtype=torch.bfloat16, device="cuda", seed=0)
