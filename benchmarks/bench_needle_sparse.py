@@ -19,7 +19,9 @@ default became the first four layers after this benchmark's H200 run; ``t0.9_s8_
 - ``quest_b256`` / ``quest_b512`` / ``quest_b1024``: dense prefill, Quest sparse decode over the
   offloaded KV at that token budget (page 32, layers 0-1 dense: the defaults); ``quest_b512_p16``,
   ``_dl4``, ``_p16_dl4``, ``_dl0``: 16-token pages, four or no dense layers (the measurement behind
-  the defaults); ``*_softmax``: the group score ``"softmax"`` instead of ``"max"``.
+  the defaults); ``*_softmax``: the group score ``"softmax"`` instead of ``"max"``;
+  ``questch_b256`` / ``_b512`` / ``_b1024``: the named policy ``"quest-ch"`` (16 exact key channels,
+  bound scaled by 0.25) at that budget.
 
 Records, per variant: found rate, found count per length, mean density per length (mean over the
 sparse layers of each prompt's per-layer density, then over the prompts of that length; prompts of
@@ -74,6 +76,10 @@ VARIANTS = {
     "quest_b512_softmax": dict(decode=dict(token_budget=512, group_score="softmax")),
     "quest_b1024_softmax": dict(decode=dict(token_budget=1024, group_score="softmax")),
     "quest_b512_p16_softmax": dict(decode=dict(token_budget=512, page_size=16, group_score="softmax")),
+    # the named policy "quest-ch" (16 exact channels, bound scaled by 0.25) at three budgets
+    "questch_b256": dict(decode=dict(token_budget=256, exact_channels=16, bound_scale=0.25, fit_channels=True)),
+    "questch_b512": dict(decode=dict(token_budget=512, exact_channels=16, bound_scale=0.25, fit_channels=True)),
+    "questch_b1024": dict(decode=dict(token_budget=1024, exact_channels=16, bound_scale=0.25, fit_channels=True)),
 }
 DEFAULT_LENGTHS = (1024, 2048, 4096, 8192)
 DEFAULT_DEPTHS = 10
