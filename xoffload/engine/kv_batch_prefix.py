@@ -26,11 +26,16 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels import flash_attn_with_lse
+from ..kernels import flash_attn_with_lse, paged_decode_attn_with_lse
 from ..runtime.prefix_cache import PrefixCache
 from .kv_batch import ResidentBatchKV, _blocks, _StagedSink, _to_device
 
-__all__ = ["ResidentPrefixBatchKV"]
+__all__ = ["ResidentPrefixBatchKV", "HISTORY_SPLIT_ROWS"]
+
+#: chunks of at most this many query rows attend to a reused prefix through the split-KV paged
+#: decode kernel (the prefill kernel has one program per 128 rows and head: 32 programs for a
+#: 64-token question on 32 heads, each walking the whole prefix)
+HISTORY_SPLIT_ROWS = 128
 
 
 class _PoolBlocks:
@@ -132,9 +137,15 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
             hkv, d = self.cfg.num_kv_heads, self.cfg.head_dim
 
             def history(layer, q):
-                """The chunk's queries ``q [T', Hq, D]`` over the reused prefix, read in the pool."""
+                """The chunk's queries ``q [T', Hq, D]`` over the reused prefix, read in the pool: a
+                short chunk (a question after a shared document) through the split-KV paged decode
+                kernel (its programs split the prefix's keys, so a few query rows still fill the
+                GPU), a long one through the prefill kernel."""
                 k = self.pool.k[layer].view(-1, B, hkv, d)
                 v = self.pool.v[layer].view(-1, B, hkv, d)
+                if q.shape[0] <= HISTORY_SPLIT_ROWS:
+                    return paged_decode_attn_with_lse(q[None], k, v, bt[:, None], used, softmax_scale=self.scale,
+                                                      check=False)
                 return flash_attn_with_lse(q[None], k, v, causal=False, softmax_scale=self.scale, block_table=bt,
                                            seqused_k=used, check=False)
 
