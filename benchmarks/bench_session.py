@@ -202,7 +202,7 @@ def main(argv=None):
     ap = bench_parser(__doc__, "session", "history 32K, document 8K")
     ap.add_argument("--part", default="turns,prefix,prefix_batch", type=_parts,
                     help="comma-separated parts: turns, prefix, prefix_batch (the 8 questions in one batched "
-                    "resident call), profile (one sparse turn over 32K under torch.profiler)")
+                    "resident call), profile (one sparse turn over the --history under torch.profiler)")
     ap.add_argument("--history", type=int, default=131072 - 1024, help="tokens of the first turn's document")
     ap.add_argument("--doc", type=int, default=32768, help="tokens of the prefix part's document")
     ap.add_argument("--sparse-frac", type=float, default=0.10, help="sparse history budget / history")
@@ -218,7 +218,7 @@ def main(argv=None):
     res = {"name": "session", "preset": PRESET, "h2d_GBps": h2d, "results": {}, "errors": {}}
     print(f"H2D {h2d:.1f} GB/s", flush=True)
     prof_path = (a.out[:-5] if a.out.endswith(".json") else a.out) + "_profile.txt"
-    for part, fn in (("profile", lambda: part_profile(model, 32768 - 1024, a.sparse_frac, prof_path)),
+    for part, fn in (("profile", lambda: part_profile(model, history, a.sparse_frac, prof_path)),
                      ("turns", lambda: part_turns(model, history, a.sparse_frac, h2d)),
                      ("prefix", lambda: part_prefix(model, doc)),
                      ("prefix_batch", lambda: part_prefix_batch(model, doc))):
