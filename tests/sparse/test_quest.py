@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from xoffload.sparse.quest import DecodePlan, PageSummaries, QuestDecode, page_scores, select_pages
+from xoffload.sparse.quest import DEFAULT_REUSE_BIAS, DecodePlan, PageSummaries, QuestDecode, page_scores, select_pages
 
 
 def _summaries(k, P):
@@ -216,10 +216,10 @@ def test_prefetch_needs_the_cache():
         QuestDecode(reuse_bias=2.0, group_score="softmax")
     assert QuestDecode(reuse_bias=2).reuse_bias == 2.0
     # the default: 2 with the max group score, off with softmax (a replace keeps it valid)
-    assert QuestDecode().reuse_bias is None and QuestDecode().reuse_factor == 2.0
+    assert QuestDecode().reuse_bias is None and QuestDecode().reuse_factor == DEFAULT_REUSE_BIAS == 8.0
     assert dataclasses.replace(QuestDecode(), group_score="softmax").reuse_factor == 1.0
     assert QuestDecode(reuse_bias=1).reuse_factor == 1.0
-    assert QuestDecode().reuse_bonus(0.125) == pytest.approx(math.log(2.0) / 0.125)
+    assert QuestDecode().reuse_bonus(0.125) == pytest.approx(math.log(DEFAULT_REUSE_BIAS) / 0.125)
     assert QuestDecode(reuse_bias=1.0).reuse_bonus(0.125) == 0.0
 
 
