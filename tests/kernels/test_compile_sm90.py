@@ -3,8 +3,7 @@ its lowering and ptxas run on the CPU for a named target, so an error the interp
 (a type that does not unify across a branch, a shape Triton refuses) fails here, in CI, instead of
 on the device. Each variant a wrapper launches is compiled: the page-cache lookup one-request
 (with / without block table and hit counters) and batched, the fill, the channel score kernel at
-the tiles ``bench_quest_score.py --sweep`` times, the top-k with and without per-row counts and with each
-``bits_per_pass`` at the block sizes / warps it runs with. Runtime behaviour is tested elsewhere (the
+the tiles ``bench_quest_score.py --sweep`` times, the top-k with and without per-row counts. Runtime behaviour is tested elsewhere (the
 interpreter, and the GPU suite).
 
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (with it, Triton's own library
@@ -51,7 +50,7 @@ def _topk_types():
             "s_or": "i32", "s_pr": "i32", "bonus": "fp32"}
 
 
-#: name -> (module, kernel, types, constexprs[, options])
+#: name -> (module, kernel, types, constexprs)
 VARIANTS = {
     **{f"lookup batched={b} bt={bt} hits={h}": ("page_cache", "_lookup_kernel", "lookup",
                                                dict(HKV=8, PAGE=32, BLOCK_K=64, BLOCK_C=1024, HAS_BT=bt,
@@ -62,15 +61,8 @@ VARIANTS = {
                                        dict(P=32, BLOCK_G=16, BLOCK_N=bn, BLOCK_D=128, BLOCK_R=16, HAS_LOWER=True,
                                             HAS_EXACT=True, GATHER=True, DOT_PREC="tf32"))
        for bn in (16, 32, 64)},
-    **{f"topk prefer={p} k_rows={kr}": ("topk", "_topk_kernel", "topk", dict(BLOCK_N=1024, HAS_PREFER=p, HAS_KR=kr,
-                                                                             BITS=1))
+    **{f"topk prefer={p} k_rows={kr}": ("topk", "_topk_kernel", "topk", dict(BLOCK_N=1024, HAS_PREFER=p, HAS_KR=kr))
        for p, kr in ((False, False), (True, False), (True, True), (False, True))},
-    # the multiway passes (bits_per_pass > 1) at the block sizes and warps topk_ids launches them with (the
-    # captured launches below are the tests' small rows): each bits value, 4 / 8 / 16 warps, the capped 16384
-    **{f"topk bits={b} block_n={bn} prefer={p}": ("topk", "_topk_kernel", "topk",
-                                                  dict(BLOCK_N=bn, HAS_PREFER=p, HAS_KR=p, BITS=b), {"num_warps": w})
-       for b, bn, w, p in ((2, 2048, 8, False), (3, 4096, 8, True), (4, 1024, 4, True), (4, 8192, 16, False),
-                           (2, 16384, 16, True), (3, 16384, 16, False))},
 }
 
 
@@ -80,10 +72,10 @@ def _compile_all() -> dict:
 
     types = {"lookup": _lookup_types(), "fill": _fill_types(), "channel": _channel_types(), "topk": _topk_types()}
     out = {}
-    for name, (mod, kern, tkey, consts, *opts) in VARIANTS.items():
+    for name, (mod, kern, tkey, consts) in VARIANTS.items():
         module = f"xoffload.kernels.{mod}"
         params = inspect.signature(getattr(importlib.import_module(module), kern).fn).parameters
-        spec = {"module": module, "name": kern, "constexprs": consts, "options": opts[0] if opts else {},
+        spec = {"module": module, "name": kern, "constexprs": consts, "options": {},
                 "signature": {p: "constexpr" if p in consts else types[tkey][p] for p in params}}
         fails = _compile_specs([spec])
         out[name] = fails[0][1] if fails else "ok"
