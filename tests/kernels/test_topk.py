@@ -141,6 +141,25 @@ def test_per_row_counts(device, backend):
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_a_bonus_past_fp32_is_refused_not_turned_into_nan(device, backend):
+    """The bonus is added in fp32: a Python float that is finite but past fp32's range (1e39, e.g.
+    ``QuestDecode.reuse_bonus`` of a tiny softmax scale) would be +inf there, and a preferred
+    ``-inf`` score (a padded page of the batched store) + inf is NaN, which ranks above every
+    number: the masked page would be chosen first. Refused like a non-finite bonus; the largest
+    fp32 bonus still works (no NaN: -inf + finite stays -inf)."""
+    import contextlib
+
+    s = torch.tensor([[float("-inf"), 1.0, 2.0, 3.0]], device=device)
+    pf = torch.tensor([[0, -1, -1, -1]], dtype=torch.int32, device=device)
+    big = float(torch.finfo(torch.float32).max)
+    with cpu_backend("reference") if backend == "reference" else contextlib.nullcontext():
+        for bonus in (1e39, -1e39):
+            with pytest.raises(ValueError, match="prefer_bonus"):
+                topk_ids(s, 2, prefer=pf, prefer_bonus=bonus)
+        assert topk_ids(s, 2, prefer=pf, prefer_bonus=big).tolist() == [[2, 3]]
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_negative_zero_stays_below_zero_with_a_bonus(device, backend):
     """A preferred-entry bonus leaves the other entries as they are: -0.0 still ranks below +0.0
     (the reference once added 0.0 to every entry, turning -0.0 into +0.0)."""

@@ -215,12 +215,17 @@ def test_prefetch_needs_the_cache():
     with pytest.raises(ValueError, match="needs group_score='max'"):
         QuestDecode(reuse_bias=2.0, group_score="softmax")
     assert QuestDecode(reuse_bias=2).reuse_bias == 2.0
-    # the default: 2 with the max group score, off with softmax (a replace keeps it valid)
+    # the default: 8 with the max group score, off with softmax (a replace keeps it valid)
     assert QuestDecode().reuse_bias is None and QuestDecode().reuse_factor == DEFAULT_REUSE_BIAS == 8.0
     assert dataclasses.replace(QuestDecode(), group_score="softmax").reuse_factor == 1.0
     assert QuestDecode(reuse_bias=1).reuse_factor == 1.0
     assert QuestDecode().reuse_bonus(0.125) == pytest.approx(math.log(DEFAULT_REUSE_BIAS) / 0.125)
     assert QuestDecode(reuse_bias=1.0).reuse_bonus(0.125) == 0.0
+    # top-k adds the bonus in fp32: a scale so small that ln(8) / scale is past fp32 is refused
+    # (inf there would make a preferred -inf score NaN, ranked first); off, any scale is fine
+    with pytest.raises(ValueError, match="past fp32"):
+        QuestDecode().reuse_bonus(1e-39)
+    assert QuestDecode(reuse_bias=1.0).reuse_bonus(1e-39) == 0.0
 
 
 def test_cache_slots_follow_the_byte_budget():

@@ -28,6 +28,7 @@ __all__ = ["MAX_REGISTER_ROW", "topk_ids"]
 
 #: longest row held in one program's registers (16 warps x 32 lanes x 32 values)
 MAX_REGISTER_ROW = 16384
+_FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -79,7 +80,7 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
             ``j`` with ``prefer[r, j] >= 0`` compete with ``scores[r, j] + prefer_bonus`` (in fp32),
             e.g. the page cache's ``slot_of`` (pages already on the GPU); the scores themselves are
             not changed.
-        prefer_bonus: the finite amount added to preferred entries.
+        prefer_bonus: the amount added to preferred entries, finite in fp32.
         k_rows: optional int32 ``[R]`` (on scores' device): row r takes only its
             ``min(k_rows[r], k)`` largest (clamped at 0; a batch of sequences whose plans read
             different page counts), written to its first entries; the rest of the row is left
@@ -90,7 +91,7 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
         ascending order.
     Raises:
         TypeError / ValueError: ``scores`` not 2-D floating point, ``k`` outside ``[0, N]``, a bad
-        ``out`` or ``prefer``, a non-finite ``prefer_bonus``.
+        ``out`` or ``prefer``, a ``prefer_bonus`` not finite in fp32.
 
     Runs on the current stream without host synchronisation (CUDA-graph safe).
     """
@@ -110,9 +111,12 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
         if prefer.shape[0] != rows or prefer.shape[1] < n or prefer.device != scores.device:
             raise ValueError(f"prefer must be int32 [{rows}, >= {n}] on {scores.device}, got "
                              f"{tuple(prefer.shape)} on {prefer.device}")
+        # finite in fp32, where it is added: a larger one is inf there, and a preferred -inf score
+        # (the batched store's padded pages) + inf is NaN, which ranks above every number
         if isinstance(prefer_bonus, bool) or not isinstance(prefer_bonus, (int, float)) \
-                or not math.isfinite(prefer_bonus):
-            raise ValueError(f"prefer_bonus must be a finite number, got {prefer_bonus!r}")
+                or not math.isfinite(prefer_bonus) or abs(prefer_bonus) > _FP32_MAX:
+            raise ValueError(f"prefer_bonus must be a number finite in fp32 (|bonus| <= {_FP32_MAX:.4g}), got "
+                             f"{prefer_bonus!r}")
     if k_rows is not None:
         check_tensor("k_rows", k_rows, 1, dtypes=(torch.int32,))
         if k_rows.shape[0] != rows or k_rows.device != scores.device:

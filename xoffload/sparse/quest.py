@@ -238,12 +238,19 @@ class QuestDecode(DecodePolicy):
 
     def reuse_bonus(self, softmax_scale: float) -> float:
         """The score bonus of a page already in the GPU cache, in the units of the page scores
-        (raw ``q·k``): ``ln(reuse_factor) / softmax_scale``; 0.0 when the bias is off."""
+        (raw ``q·k``): ``ln(reuse_factor) / softmax_scale``; 0.0 when the bias is off. Raises
+        ValueError for a scale so small that the bonus is past fp32's range (top-k adds it in fp32)."""
         if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real) \
                 or not 0.0 < float(softmax_scale) < float("inf"):
             raise ValueError(f"softmax_scale must be a positive finite number, got {softmax_scale!r}")
         b = self.reuse_factor
-        return math.log(b) / float(softmax_scale) if b != 1.0 else 0.0
+        if b == 1.0:
+            return 0.0
+        bonus = math.log(b) / float(softmax_scale)
+        if bonus > float(torch.finfo(torch.float32).max):
+            raise ValueError(f"reuse bias {b} over softmax_scale={softmax_scale!r} is a page-score bonus of "
+                             f"{bonus:.3g}, past fp32's range")
+        return bonus
 
     def cache_slots(self, plan: "DecodePlan", slot_bytes: int = 0) -> int:
         """GPU cache slots per KV head and sparse layer for ``plan`` (0: no cache): ``cache_pages``,
