@@ -201,3 +201,102 @@ def test_gpu_resident_prefix_caching_bf16_graphs():
     eps = torch.finfo(torch.bfloat16).eps
     _check_batch_tracks_alone(m, prompts[:4], "gpu", 6, lambda la: m.cfg.num_layers * eps * float(la.abs().max()),
                               kv_block_size=256, prefix_caching=True)
+
+
+# ------------------------------------------------------------------ the reused prefix's attention
+def _pool_blocks(n_blocks, block, hkv, d, dtype, seed):
+    """A layer of the pool as ResidentPrefixBatchKV.sink's history() sees it: rows
+    ``[n_blocks * block, Hkv, D]`` viewed as blocks ``[n_blocks, block, Hkv, D]``."""
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(n_blocks * block, hkv, d, generator=g).to(dtype)
+    v = torch.randn(n_blocks * block, hkv, d, generator=g).to(dtype)
+    return k.view(-1, block, hkv, d), v.view(-1, block, hkv, d)
+
+
+@pytest.mark.parametrize("rows,prefix,hq,hkv,d,dtype", [
+    (1, 70, 4, 4, 64, torch.float16),      # one query row (a repeat's recomputed last token), GQA 1
+    (127, 70, 8, 2, 64, torch.float32),    # a partial last block (70 = 2 x 32 + 6), GQA 4
+    (128, 96, 4, 1, 128, torch.float16),   # the split path's largest chunk; whole blocks; GQA 4, D 128
+    (129, 45, 4, 4, 128, torch.float32),   # the prefill path's smallest chunk; GQA 1, D 128
+    (128, 33, 8, 2, 64, torch.float16),    # one row past a block
+])
+def test_history_split_and_prefill_paths_agree(rows, prefix, hq, hkv, d, dtype):
+    """history()'s two routes over a reused prefix, called as it calls them (blocks of the pool
+    through a shuffled block table, ``seqused_k`` the prefix): the split-KV paged decode kernel
+    (chunks of <= HISTORY_SPLIT_ROWS rows, non-causal) and the prefill kernel give the same output
+    and LSE (``[1, Hq, T]``, natural log). Each route is within the kernel tolerance rule of the fp32
+    reference (2x PyTorch-in-dtype error + 2 ulps: tests/helpers.py), so they differ by at most the
+    sum of the two; LSEs within a few fp32 ulps of the reference and of each other."""
+    from helpers import assert_lse_match, max_err, out_tol, sdpa_in_dtype
+    from xoffload.kernels import flash_attn_with_lse, paged_decode_attn_with_lse
+    from xoffload.kernels.reference import attention_ref
+
+    block, scale = 32, d ** -0.5
+    nb = -(-prefix // block)
+    kb, vb = _pool_blocks(nb + 3, block, hkv, d, dtype, seed=rows + prefix)
+    perm = torch.randperm(nb + 3, generator=torch.Generator().manual_seed(9))[:nb]
+    bt = perm.to(torch.int32)[None]  # [1, nb]: the sequence's blocks, out of order in the pool
+    used = torch.full((1,), prefix, dtype=torch.int32)
+    q = torch.randn(rows, hq, d, generator=torch.Generator().manual_seed(rows)).to(dtype)  # [T', Hq, D]
+    o_s, l_s = paged_decode_attn_with_lse(q[None], kb, vb, bt[:, None], used, softmax_scale=scale, check=False)
+    o_f, l_f = flash_attn_with_lse(q[None], kb, vb, causal=False, softmax_scale=scale, block_table=bt,
+                                   seqused_k=used, check=False)
+    assert o_s.shape == o_f.shape == (1, rows, hq, d) and o_s.dtype == o_f.dtype == dtype
+    assert l_s.shape == l_f.shape == (1, hq, rows) and l_s.dtype == l_f.dtype == torch.float32
+    ro, rl = attention_ref(q[None], kb, vb, causal=False, softmax_scale=scale, block_table=bt.long(),
+                           seqused_k=used.long())
+    kc = kb[bt[0].long()].flatten(0, 1)[None, :prefix]  # the prefix, contiguous [1, prefix, Hkv, D]
+    vc = vb[bt[0].long()].flatten(0, 1)[None, :prefix]
+    tol = out_tol(ro, sdpa_in_dtype(q[None], kc, vc, softmax_scale=scale), dtype)
+    assert max_err(o_s, ro) <= tol and max_err(o_f, ro) <= tol
+    assert max_err(o_s, o_f) <= 2 * tol
+    assert_lse_match(l_s, rl)
+    assert_lse_match(l_f, rl)
+    assert_lse_match(l_s, l_f)
+
+
+def test_history_routes_by_chunk_rows_and_reads_the_reused_prefix(monkeypatch):
+    """The store's own history(): a chunk of 1, 127 or 128 query rows goes through the split-KV
+    paged decode kernel, 129 through the prefill kernel, and each gives the fp32 attention of its
+    queries over the reused prefix as the first prompt's prefill wrote it in the pool (70 tokens:
+    two whole blocks and a partly filled one, read through the second sequence's table)."""
+    from helpers import assert_lse_match, max_err, out_tol, sdpa_in_dtype
+    from xoffload.engine import kv_batch_prefix as kp
+    from xoffload.engine.request import Request
+    from xoffload.engine.scheduler import Sequence
+    from xoffload.kernels.reference import masked_attention_ref
+
+    calls = []
+    for name in ("paged_decode_attn_with_lse", "flash_attn_with_lse"):
+        orig = getattr(kp, name)
+        monkeypatch.setattr(kp, name, lambda *a, _o=orig, _n=name, **k: calls.append(_n) or _o(*a, **k))
+    m = tiny_random()
+    cfg = m.cfg
+    llm = LLM(m, mode="resident", kv_block_size=32, max_model_len=512, max_num_seqs=2, prefix_caching=True, **SDPA)
+    a, b = _prompts([70, 130], seed=6)
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    seqs = [Sequence(i, Request.make(p, sp, max_model_len=512, seed=0, stop_ids=set(), device=m.device))
+            for i, p in enumerate([a, a + b])]
+    st = kp.ResidentPrefixBatchKV(m, llm.config, None, seqs)
+    for s in seqs:
+        st.admit(s)
+    st.prefill_start(seqs[0])
+    m.prefill(torch.tensor(a), st.sink(seqs[0]))
+    assert st.prefill_start(seqs[1]) == 70
+    sink = st.sink(seqs[1])
+    rows = st.pool.rows(seqs[1].kv["table"], 70)  # the prefix's pool rows, in order
+    g = torch.Generator().manual_seed(7)
+    for n, want in ((1, "paged_decode_attn_with_lse"), (127, "paged_decode_attn_with_lse"),
+                    (kp.HISTORY_SPLIT_ROWS, "paged_decode_attn_with_lse"), (129, "flash_attn_with_lse")):
+        for layer in range(cfg.num_layers):
+            q = torch.randn(n, cfg.num_heads, cfg.head_dim, generator=g)
+            calls.clear()
+            o, lse = sink.history(layer, q)
+            assert calls == [want], (n, calls)
+            assert o.shape == (1, n, cfg.num_heads, cfg.head_dim) and lse.shape == (1, cfg.num_heads, n)
+            kh, vh = st.pool.k[layer][rows], st.pool.v[layer][rows]
+            ro, rl = masked_attention_ref(q, kh, vh, softmax_scale=m.scale)
+            tol = out_tol(ro, sdpa_in_dtype(q[None], kh[None], vh[None], softmax_scale=m.scale)[0], torch.float32)
+            assert max_err(o[0], ro) <= tol, n
+            assert_lse_match(lse[0], rl)
+    st.close()
