@@ -75,11 +75,12 @@ def variant_configs() -> dict:
 
 def reuse_configs() -> dict:
     """Opt-in configurations (run only when ``--configs`` names them, at every length): ``quest``
-    and ``quest-ch`` without the page cache's reuse bias (``reuse_bias=1.0``; the default is 2
-    since session 9, :attr:`xoffload.sparse.QuestDecode.reuse_factor`), the comparison that
-    measured it (session 9 ran these with the bias as the variant: ``offload+quest-reuse2``), and
-    ``quest`` with a stronger bias (4, 8: fewer misses; RULER-style accuracy at 8 was measured with a
-    32-page cache in session 9)."""
+    and ``quest-ch`` without the page cache's reuse bias (``reuse_bias=1.0``; the default is on
+    since session 9, 2 then and 8 since session 10, :data:`xoffload.sparse.quest.DEFAULT_REUSE_BIAS`),
+    the comparison that measured it (session 9 ran these with the bias as the variant:
+    ``offload+quest-reuse2``), and ``quest`` with the bias fixed at 4 and 8 (the sweep that moved the
+    default to 8: ``offload+quest-reuse8`` is now the default ``offload+quest`` under a name that
+    stays 8 if the default moves)."""
     import dataclasses
 
     from xoffload.sparse import QuestDecode

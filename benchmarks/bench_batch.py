@@ -49,6 +49,19 @@ CAP_BYTES = 24 * 2**30
 REUSE_BIAS = None
 
 
+def _reuse_bias(text: str) -> float:
+    """``--reuse-bias``: a value QuestDecode takes (a number >= 1), checked when the command line is
+    read (else every offload + Quest run of the part would record the same ValueError)."""
+    import argparse
+
+    from xoffload.sparse import QuestDecode
+
+    try:
+        return QuestDecode(reuse_bias=float(text)).reuse_bias
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
 def _steady(stats: dict, batch: int) -> dict:
     """Decode figures of a batched generate from ``LLM.batch_stats``: steps that ran ``batch``
     sequences, less the first two of their bucket (warm-up, capture)."""
@@ -302,8 +315,9 @@ def main(argv=None):
     ap.add_argument("--batches", default="1,2,4,8,16", help="batch sizes of the gpu part")
     ap.add_argument("--cap-batches", default="1,4,8,16", help="batch sizes of offload + Quest under the cap")
     ap.add_argument("--budget", type=int, default=2048, help="Quest token budget of the cap part")
-    ap.add_argument("--reuse-bias", type=float, default=None,
-                    help="QuestDecode.reuse_bias of the offload + Quest runs (default: the library's)")
+    ap.add_argument("--reuse-bias", type=_reuse_bias, default=None,
+                    help="QuestDecode.reuse_bias of the offload + Quest runs, a number >= 1 (default: the "
+                    "library's; the record's reuse_factor is the value in use)")
     ap.add_argument("--cap-resident", type=int, default=None,
                     help="prompts given to resident under the cap (default: the largest cap batch; 4 with --quick)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
@@ -319,7 +333,11 @@ def main(argv=None):
     batches = [1, 4, 16] if a.quick else [int(x) for x in a.batches.split(",")]
     cap_batches = [1, 16] if a.quick else [int(x) for x in a.cap_batches.split(",")]
     new = 16 if a.quick else a.new
-    res = {"name": "batch", "preset": PRESET, "ctx": a.ctx, "new": new, "reuse_bias": a.reuse_bias, "results": {}, "errors": {}, "tracebacks": {},
+    from xoffload.sparse import QuestDecode
+
+    # reuse_bias None is the library default, which changed (2, then 8 since session 10): record its value
+    res = {"name": "batch", "preset": PRESET, "ctx": a.ctx, "new": new, "reuse_bias": a.reuse_bias,
+           "reuse_factor": QuestDecode(reuse_bias=a.reuse_bias).reuse_factor, "results": {}, "errors": {}, "tracebacks": {},
            "env": env_record(), "hbm_GBps": hbm_copy_gbps(), "h2d_GBps": h2d_bandwidth_gbps()}
     print(f"HBM copy {res['hbm_GBps']:.0f} GB/s, H2D {res['h2d_GBps']:.1f} GB/s", flush=True)
     model = random_model(PRESET, dtype=torch.bfloat16, device="cuda", seed=0)

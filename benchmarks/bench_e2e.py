@@ -16,7 +16,8 @@ H2D bandwidth; resident decode >= (weights + KV) bytes / HBM copy bandwidth.
 
 A point at context ``n`` is a prompt of ``n - N_NEW`` tokens and up to ``N_NEW`` = 12 new ones (1
 from prefill, 2 warm-up/capture steps, 9 steady steps: a CUDA-graph replay takes the same time
-step after step, so more steps buy only wall time; it was 24). First-use costs stay out of the
+step after step, so more steps buy only wall time; it was 24; ``--new N`` makes it N new tokens,
+3 to 64, the prompt staying ``n - N_NEW``). First-use costs stay out of the
 figures (:func:`_e2e_plan.warm_runs`): every length first runs through a one-layer view of the
 model (the same kernels at the same shapes: cuDNN plans per prompt length, Triton
 specialisations), and each configuration through the smallest view holding one of its sparse

@@ -11,6 +11,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
                                 "benchmarks"))
 
 import _common  # noqa: E402
+import bench_batch  # noqa: E402
 import bench_session  # noqa: E402
 import bench_topk  # noqa: E402
 import diag_decode_profile  # noqa: E402
@@ -20,6 +21,7 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip w
 
 @no_gpu
 @pytest.mark.parametrize("mod,argv", [(bench_topk, ["--quick"]), (bench_session, ["--quick", "--part", "prefix_batch"]),
+                                      (bench_batch, ["--quick", "--reuse-bias", "4"]),
                                       (diag_decode_profile, ["--config", "offload+quest-ch", "--lengths", "4096"])])
 def test_skips_cleanly_without_a_gpu(mod, argv, capsys):
     assert mod.main(argv) == 0
@@ -32,6 +34,8 @@ def test_skips_cleanly_without_a_gpu(mod, argv, capsys):
     (diag_decode_profile, ["--config", "nope"], "'nope'"),
     (diag_decode_profile, ["--lengths", "1k"], "'1k'"),
     (diag_decode_profile, ["--eager-lengths", "0"], "'0'"),
+    (bench_batch, ["--reuse-bias", "0.5"], "'0.5'"),  # QuestDecode refuses < 1: at parse, not in every run
+    (bench_batch, ["--reuse-bias", "inf"], "'inf'"),
 ])
 def test_bad_options_are_one_line_naming_the_value(mod, argv, named, capsys):
     with pytest.raises(SystemExit) as e:
