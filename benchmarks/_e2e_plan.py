@@ -78,9 +78,9 @@ def reuse_configs() -> dict:
     and ``quest-ch`` without the page cache's reuse bias (``reuse_bias=1.0``; the default is on
     since session 9, 2 then and 8 since session 10, :data:`xoffload.sparse.quest.DEFAULT_REUSE_BIAS`),
     the comparison that measured it (session 9 ran these with the bias as the variant:
-    ``offload+quest-reuse2``), and ``quest`` with the bias fixed at 4 and 8 (the sweep that moved the
-    default to 8: ``offload+quest-reuse8`` is now the default ``offload+quest`` under a name that
-    stays 8 if the default moves)."""
+    ``offload+quest-reuse2``), and ``quest`` with the bias fixed at 2, 4 and 8 (the sweep that moved
+    the default to 8, where ``offload+quest`` was the bias-2 row: ``offload+quest-reuse8`` is now
+    the default ``offload+quest`` under a name that stays 8 if the default moves)."""
     import dataclasses
 
     from xoffload.sparse import QuestDecode
@@ -89,6 +89,7 @@ def reuse_configs() -> dict:
     qch = decode_policies()["quest-ch"]()
     return {"offload+quest-noreuse": {"mode": "offload", "sparse_decode": QuestDecode(reuse_bias=1.0)},
             "offload+quest-ch-noreuse": {"mode": "offload", "sparse_decode": dataclasses.replace(qch, reuse_bias=1.0)},
+            "offload+quest-reuse2": {"mode": "offload", "sparse_decode": QuestDecode(reuse_bias=2.0)},
             "offload+quest-reuse4": {"mode": "offload", "sparse_decode": QuestDecode(reuse_bias=4.0)},
             "offload+quest-reuse8": {"mode": "offload", "sparse_decode": QuestDecode(reuse_bias=8.0)}}
 
