@@ -35,7 +35,9 @@ CUDA GPU (``--help`` works anywhere).
 """
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 
 from _common import bench_parser, env_record, fmt_table, hbm_copy_gbps, parse_gpu_args, requires_cuda, run, write_json
 
@@ -251,6 +253,58 @@ def plot(res, path):
     return path
 
 
+def plot_cap(series: dict, path: str) -> str:
+    """Throughput against sequences of recorded cap parts, one line per label: ``series`` maps a
+    label (e.g. ``"reuse bias 8"``) to result JSONs of this benchmark whose ``cap_part`` rows are
+    merged (a later file's batch replaces an earlier one's); the resident row under the cap (the
+    first file's that has one) and 3x it (issue 15's target) as horizontal lines. Runs without a
+    GPU (``--replot-cap``)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    resident, meta = None, None
+    for label, files in series.items():
+        rows = {}
+        for f in files:
+            with open(f) as fh:
+                res = json.load(fh)
+            c = res["results"].get("cap_part") or {}
+            meta = meta or (res.get("env") or {}, res.get("ctx"), c.get("budget"))
+            rows.update({int(b): r for b, r in (c.get("offload_quest") or {}).items() if r.get("tok_per_s")})
+            if resident is None and (c.get("resident") or {}).get("tok_per_s"):
+                resident = c["resident"]["tok_per_s"]
+        xs = sorted(rows)
+        ax.plot(xs, [rows[b]["tok_per_s"] for b in xs], "o-", label=f"offload + Quest, {label}")
+    if resident:
+        ax.axhline(resident, color="gray", ls=":", label=f"resident under the cap ({resident:.0f} tok/s)")
+        ax.axhline(3 * resident, color="k", ls="--", lw=0.8, label="3x resident (target)")
+    env, ctx, budget = meta or ({}, None, None)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("sequences decoded together")
+    ax.set_ylabel("decode tok/s (all sequences)")
+    ax.set_title(f"{PRESET} shape, {(ctx or 0) // 1024}K contexts, budget {budget}, 24 GiB cap, "
+                 f"{env.get('gpu', '')} {env.get('date', '')[:10]}", fontsize=9)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
+
+
+def _replot_series(specs) -> dict:
+    """``--replot-cap LABEL=FILE[+FILE...]`` values as {label: [files]} (ValueError naming a bad one)."""
+    out = {}
+    for spec in specs:
+        label, sep, files = spec.partition("=")
+        if not sep or not label or not files:
+            raise ValueError(f"--replot-cap takes LABEL=FILE[+FILE...], got {spec!r}")
+        out[label] = files.split("+")
+    return out
+
+
 def _host_bytes() -> int:
     """Total host memory in bytes (``/proc/meminfo``; 0 when unreadable)."""
     try:
@@ -321,6 +375,20 @@ def main(argv=None):
     ap.add_argument("--cap-resident", type=int, default=None,
                     help="prompts given to resident under the cap (default: the largest cap batch; 4 with --quick)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
+    ap.add_argument("--replot-cap", action="append", default=None, metavar="LABEL=FILE[+FILE...]",
+                    help="no run: plot the cap parts of recorded JSONs, one line per label, into --out's .png "
+                    "(repeatable)")
+    if argv is None:
+        argv = sys.argv[1:]
+    pre = ap.parse_args(argv)
+    if pre.replot_cap:
+        try:
+            series = _replot_series(pre.replot_cap)
+        except ValueError as e:
+            ap.error(str(e))
+        base = pre.out[:-5] if pre.out.endswith(".json") else pre.out
+        print(f"wrote {plot_cap(series, base + '.png')}")
+        return 0
     a = parse_gpu_args(ap, argv)
     global REUSE_BIAS
     if a is not None:

@@ -36,6 +36,7 @@ def test_skips_cleanly_without_a_gpu(mod, argv, capsys):
     (diag_decode_profile, ["--eager-lengths", "0"], "'0'"),
     (bench_batch, ["--reuse-bias", "0.5"], "'0.5'"),  # QuestDecode refuses < 1: at parse, not in every run
     (bench_batch, ["--reuse-bias", "inf"], "'inf'"),
+    (bench_batch, ["--replot-cap", "no-equals-sign"], "'no-equals-sign'"),
 ])
 def test_bad_options_are_one_line_naming_the_value(mod, argv, named, capsys):
     with pytest.raises(SystemExit) as e:
@@ -50,3 +51,28 @@ def test_help_description_is_the_docstrings_first_paragraph():
     assert _common.doc_summary(None, "name") == "name"
     ap = _common.bench_parser(bench_topk.__doc__, "topk")
     assert ap.description.endswith("against ``torch.topk`` and the launch floor.")
+
+
+def test_bench_batch_replots_recorded_cap_parts_without_a_gpu(tmp_path):
+    """``--replot-cap LABEL=FILE[+FILE...]``: one line per label from the merged cap rows of
+    recorded JSONs, into --out's .png, with no run (no GPU needed)."""
+    import json
+
+    def rec(rows, resident=None):
+        cap = {"budget": 2048, "offload_quest": {str(b): {"tok_per_s": t} for b, t in rows.items()}}
+        if resident:
+            cap["resident"] = {"tok_per_s": resident}
+        return {"ctx": 32768, "env": {"gpu": "test", "date": "2026-12-01"}, "results": {"cap_part": cap}}
+
+    files = []
+    for i, r in enumerate([rec({1: 100.0, 4: 300.0}, resident=150.0), rec({8: 500.0}), rec({4: 700.0})]):
+        f = tmp_path / f"r{i}.json"
+        f.write_text(json.dumps(r))
+        files.append(str(f))
+    series = bench_batch._replot_series([f"a={files[0]}+{files[1]}", f"b={files[2]}"])
+    assert series == {"a": files[:2], "b": files[2:]}
+    out = tmp_path / "cap.json"
+    assert bench_batch.main(["--replot-cap", f"a={files[0]}+{files[1]}", "--replot-cap", f"b={files[2]}",
+                             "--out", str(out)]) == 0
+    png = tmp_path / "cap.png"
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
