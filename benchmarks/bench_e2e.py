@@ -87,6 +87,7 @@ with the bounds, peak memory, each against length).
 """
 from __future__ import annotations
 
+import json
 import random
 import signal
 import time
@@ -613,7 +614,16 @@ def main(argv=None):
     ap.add_argument("--new", type=int, default=N_NEW,
                     help=f"new tokens per measured point (default {N_NEW}: 9 steady steps; at most 64, the "
                          "headroom of max_model_len; the plan assumes the default)")
+    ap.add_argument("--replot", default=None, metavar="JSON",
+                    help="no run: draw the plots of a recorded result JSON next to --out (no GPU needed)")
     a = ap.parse_args(argv)
+    if a.replot:
+        with open(a.replot) as f:
+            recorded = json.load(f)
+        base = a.out[:-5] if a.out.endswith(".json") else a.out
+        for path in plots(recorded, base):
+            print(f"wrote {path}")
+        return 0
     if not 3 <= a.new <= 64:
         ap.error(f"--new must be in [3, 64], got {a.new}")
     global RUN_NEW

@@ -475,3 +475,13 @@ def test_sweep_reuses_pinned_slabs_across_configurations(monkeypatch):
     made.clear()
     E.sweep_configs(None, [64], P.all_configs("offload"), E.new_result(["8b"], None, {}), "x", fresh_pools=True)
     assert made[0].cache is None
+
+
+def test_replot_draws_a_recorded_run_without_a_gpu(tmp_path):
+    """``--replot JSON``: the plots of a recorded run next to --out, no run (the committed
+    session-10 defaults run: one 8B figure)."""
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                       "benchmarks", "results", "e2e_defaults_new64.json")
+    assert E.main(["--replot", src, "--out", str(tmp_path / "x.json")]) == 0
+    png = tmp_path / "x_8b.png"
+    assert png.exists() and png.read_bytes()[:4] == b"\x89PNG"
