@@ -239,13 +239,20 @@ def plot(res, path):
     r = c.get("resident") or {}
     if r.get("tok_per_s"):
         ax.axhline(r["tok_per_s"], color="gray", ls=":", label=f"resident under the cap ({r.get('max_running')} at once)")
-    ax.set_xscale("log", base=2)
     ax.set_yscale("log")
+    env = res["env"]
+    return _finish(fig, ax, f"{PRESET} shape, {res['ctx'] // 1024}K context, {env.get('gpu')}, "
+                   f"{env.get('commit', '')[:7]} {env.get('date', '')[:10]}", path)
+
+
+def _finish(fig, ax, title: str, path: str) -> str:
+    """The axes, title, grid and legend both throughput figures share; saved to ``path``."""
+    import matplotlib.pyplot as plt
+
+    ax.set_xscale("log", base=2)
     ax.set_xlabel("sequences decoded together")
     ax.set_ylabel("decode tok/s (all sequences)")
-    env = res["env"]
-    ax.set_title(f"{PRESET} shape, {res['ctx'] // 1024}K context, {env.get('gpu')}, "
-                 f"{env.get('commit', '')[:7]} {env.get('date', '')[:10]}", fontsize=9)
+    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=7)
     fig.savefig(path, dpi=110, bbox_inches="tight")
@@ -282,16 +289,8 @@ def plot_cap(series: dict, path: str) -> str:
         ax.axhline(resident, color="gray", ls=":", label=f"resident under the cap ({resident:.0f} tok/s)")
         ax.axhline(3 * resident, color="k", ls="--", lw=0.8, label="3x resident (target)")
     env, ctx, budget = meta or ({}, None, None)
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("sequences decoded together")
-    ax.set_ylabel("decode tok/s (all sequences)")
-    ax.set_title(f"{PRESET} shape, {(ctx or 0) // 1024}K contexts, budget {budget}, 24 GiB cap, "
-                 f"{env.get('gpu', '')} {env.get('date', '')[:10]}", fontsize=9)
-    ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path
+    return _finish(fig, ax, f"{PRESET} shape, {(ctx or 0) // 1024}K contexts, budget {budget}, 24 GiB cap, "
+                   f"{env.get('gpu', '')} {env.get('date', '')[:10]}", path)
 
 
 def _replot_series(specs) -> dict:
@@ -390,11 +389,10 @@ def main(argv=None):
         print(f"wrote {plot_cap(series, base + '.png')}")
         return 0
     a = parse_gpu_args(ap, argv)
-    global REUSE_BIAS
-    if a is not None:
-        REUSE_BIAS = a.reuse_bias
     if a is None:
         return 0
+    global REUSE_BIAS
+    REUSE_BIAS = a.reuse_bias
     from xoffload.models import random_model
 
     parts = set(a.part.split(","))

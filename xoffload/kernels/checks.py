@@ -254,6 +254,15 @@ def check_eps(eps) -> float:
     return eps
 
 
+#: the largest finite fp32 value
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def fits_fp32(x: float) -> bool:
+    """True when the finite float ``x`` stays finite in fp32 (``|x| <= FP32_MAX``)."""
+    return math.isfinite(x) and abs(x) <= FP32_MAX
+
+
 def is_int(x) -> bool:
     """True for a Python or numpy integer (never a bool)."""
     if isinstance(x, bool):

@@ -1,6 +1,9 @@
 """GPU page cache for sparse decode over offloaded KV: look up the selected pages, assign cache slots
 to the misses, and copy only the misses out of pinned host memory.
 
+(Over 450 lines on purpose: the cache's state, its lookup kernel — one request and a batch, one
+kernel with a constexpr — with the reference of each, and the fill all read one state layout.)
+
 Sparse decode (Quest, Tang et al. 2024) picks ``K`` pages per KV head and step; consecutive steps
 pick mostly the same pages (ShadowKV, Sun et al. 2024, reports ~60% reuse and caches recently
 fetched chunks on the GPU). Each KV head of a layer has ``C >= K`` cache slots of ``page_size``

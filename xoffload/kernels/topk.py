@@ -15,20 +15,17 @@ tie rule).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
 
-from .checks import check_int, check_tensor, next_pow2, use_triton
+from .checks import FP32_MAX, check_int, check_tensor, fits_fp32, next_pow2, use_triton
 from .reference import topk_ids_ref, topk_ids_rows_ref
 
 __all__ = ["MAX_REGISTER_ROW", "topk_ids"]
 
 #: longest row held in one program's registers (16 warps x 32 lanes x 32 values)
 MAX_REGISTER_ROW = 16384
-_FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 @triton.jit(do_not_specialize=["N", "K"])
@@ -114,8 +111,8 @@ def topk_ids(scores: torch.Tensor, k: int, out: torch.Tensor | None = None, *,
         # finite in fp32, where it is added: a larger one is inf there, and a preferred -inf score
         # (the batched store's padded pages) + inf is NaN, which ranks above every number
         if isinstance(prefer_bonus, bool) or not isinstance(prefer_bonus, (int, float)) \
-                or not math.isfinite(prefer_bonus) or abs(prefer_bonus) > _FP32_MAX:
-            raise ValueError(f"prefer_bonus must be a number finite in fp32 (|bonus| <= {_FP32_MAX:.4g}), got "
+                or not fits_fp32(prefer_bonus):
+            raise ValueError(f"prefer_bonus must be a number finite in fp32 (|bonus| <= {FP32_MAX:.4g}), got "
                              f"{prefer_bonus!r}")
     if k_rows is not None:
         check_tensor("k_rows", k_rows, 1, dtypes=(torch.int32,))

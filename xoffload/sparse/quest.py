@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.checks import check_int
+from ..kernels.checks import check_int, fits_fp32
 from ..kernels.channel_score import channel_page_scores, check_channels
 from ..kernels.page_cache import MAX_SLOTS
 from ..kernels.quest_score import check_summaries, quest_page_scores
@@ -140,14 +140,9 @@ class QuestDecode(DecodePolicy):
             accuracy (``xoffload eval``, mode suffix ``/reuse=B``). None (default):
             :data:`DEFAULT_REUSE_BIAS` (8) with ``group_score="max"``, off with ``"softmax"``
             (:attr:`reuse_factor` is the value in use); 1.0: off. A value other than 1 needs
-            ``group_score="max"`` (raw ``q·k`` scores). Measured on the H200, 8B shape, random
-            weights, 64 new tokens (session 10): bias 2 / 4 / 8 at 32K 6.22 / 6.03 / 5.96 ms/token
-            (resident dense 6.06; H2D 24 / 13 / 7.6 MB/token), at 128K 7.09 /
-            6.69 / 6.54 for 2 / 4 / 8 (resident 8.97); batched under a 24 GiB cap, 8 sequences of
-            32K: 968 tok/s with 8 against 415 with 2. Random weights score pages nearly alike, so
-            there the bias freezes the choice: real models gain less. Accuracy, SmolLM2
-            RULER-style at budget 512 with a 32-page cache (session 9): 33.4 with 8, 33.3 with 2,
-            32.8 without (dense 32.8).
+            ``group_score="max"`` (raw ``q·k`` scores). Chosen from measurements on the H200 and
+            SmolLM2 (docs/DESIGN.md, session 10): at 8 the 8B shape decodes 32K at 0.98x and 128K
+            at 0.73x resident dense, RULER-style accuracy unchanged against 2.
         prefetch: offload with the page cache only — while layer ``l`` computes, layer ``l+1``'s
             pages are chosen from an estimate of its query (layer ``l+1``'s projection of layer
             ``l``'s input, as InfiniGen, Lee et al. 2024, predicts the next layer's attention) and
@@ -247,7 +242,7 @@ class QuestDecode(DecodePolicy):
         if b == 1.0:
             return 0.0
         bonus = math.log(b) / float(softmax_scale)
-        if bonus > float(torch.finfo(torch.float32).max):
+        if not fits_fp32(bonus):
             raise ValueError(f"reuse bias {b} over softmax_scale={softmax_scale!r} is a page-score bonus of "
                              f"{bonus:.3g}, past fp32's range")
         return bonus
