@@ -49,6 +49,32 @@ PRESET = "llama-3.1-8b"
 CAP_BYTES = 24 * 2**30
 #: QuestDecode.reuse_bias of the offload + Quest runs (``--reuse-bias``; None: the library default)
 REUSE_BIAS = None
+#: QuestDecode.dense_layers of the offload + Quest runs (``--dense-layers``; None: the library default)
+DENSE_LAYERS = None
+
+
+def _quest(budget: int):
+    """The offload + Quest runs' decode policy: budget ``budget``, :data:`REUSE_BIAS` and
+    :data:`DENSE_LAYERS` (None: the library defaults)."""
+    from xoffload.sparse import QuestDecode
+
+    kw = {} if DENSE_LAYERS is None else {"dense_layers": DENSE_LAYERS}
+    return QuestDecode(token_budget=budget, reuse_bias=REUSE_BIAS, **kw)
+
+
+def _dense_layers(text: str) -> tuple:
+    """``--dense-layers``: comma-separated layer indices, or ``none`` (every layer sparse); checked
+    by QuestDecode when the command line is read."""
+    import argparse
+
+    from xoffload.sparse import QuestDecode
+
+    t = text.strip().lower()
+    try:
+        layers = () if t == "none" else tuple(int(x) for x in t.split(",") if x.strip())
+        return QuestDecode(dense_layers=layers).dense_layers
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
 def _reuse_bias(text: str) -> float:
@@ -176,8 +202,6 @@ def part_cap(res, model, batches, ctx, new, budget, resident_prompts, save=lambd
     import time
     import traceback
 
-    from xoffload.sparse import QuestDecode
-
     total = torch.cuda.get_device_properties(0).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, CAP_BYTES / total))
     out = {"cap_bytes": CAP_BYTES, "budget": budget, "offload_quest": {}, "resident": None}
@@ -202,7 +226,7 @@ def part_cap(res, model, batches, ctx, new, budget, resident_prompts, save=lambd
     try:
         for b in batches:
             out["offload_quest"][b] = guarded(f"offload+quest b={b}", lambda b=b: run_ours(
-                model, b, ctx, new, mode="offload", sparse_decode=QuestDecode(token_budget=budget, reuse_bias=REUSE_BIAS),
+                model, b, ctx, new, mode="offload", sparse_decode=_quest(budget),
                 kv_cache_tokens=b * (ctx + 64)))
             out["targets"] = _cap_targets(out)
             save()
@@ -319,9 +343,9 @@ def _host_bytes() -> int:
 def part_long(res, model, ctx, new, budget, batches=None, save=lambda: None):
     """No cap, ``ctx`` tokens per sequence (128K by default): offload + Quest at batch sizes up to
     what host memory allows for the pinned pool (80% of RAM), against ``resident`` at batch sizes
-    up to what GPU memory allows; each batch size guarded (OOM and any other error recorded)."""
-    from xoffload.sparse import QuestDecode
-
+    up to what GPU memory allows; each batch size guarded (OOM and any other error recorded).
+    ``batches``: the sizes below the caps to run besides the caps themselves (None: 1, 2, 4, 8, 16;
+    ``()``: the caps only)."""
     kv = ctx * model.cfg.kv_bytes_per_token(model.dtype)
     host_max = max(1, int(0.8 * _host_bytes()) // kv)
     free, _total = torch.cuda.mem_get_info()
@@ -331,10 +355,10 @@ def part_long(res, model, ctx, new, budget, batches=None, save=lambda: None):
     res["results"]["long_part"] = out  # partial results reach the JSON written after each size
 
     def sizes(cap):
-        return sorted({b for b in (batches or [1, 2, 4, 8, 16]) if b <= cap} | {cap})
+        return sorted({b for b in ([1, 2, 4, 8, 16] if batches is None else batches) if b <= cap} | {cap})
 
     for name, cap, kw in (("offload_quest", host_max,
-                           {"mode": "offload", "sparse_decode": QuestDecode(token_budget=budget, reuse_bias=REUSE_BIAS)}),
+                           {"mode": "offload", "sparse_decode": _quest(budget)}),
                           ("resident", gpu_max, {"mode": "resident"})):
         for b in sizes(cap):
             print(f"long {name} b={b}: running ...", flush=True)
@@ -371,6 +395,12 @@ def main(argv=None):
     ap.add_argument("--reuse-bias", type=_reuse_bias, default=None,
                     help="QuestDecode.reuse_bias of the offload + Quest runs, a number >= 1 (default: the "
                     "library's; the record's reuse_factor is the value in use)")
+    ap.add_argument("--dense-layers", type=_dense_layers, default=None,
+                    help="QuestDecode.dense_layers of the offload + Quest runs: comma-separated layers or 'none' "
+                    "(every layer sparse; default: the library's)")
+    ap.add_argument("--long-batches", default=None,
+                    help="batch sizes of the long part besides the largest that fit (comma-separated; 'max': "
+                    "only the largest; default 1,2,4,8,16)")
     ap.add_argument("--cap-resident", type=int, default=None,
                     help="prompts given to resident under the cap (default: the largest cap batch; 4 with --quick)")
     ap.add_argument("--no-peers", action="store_true", help="skip transformers")
@@ -391,8 +421,10 @@ def main(argv=None):
     a = parse_gpu_args(ap, argv)
     if a is None:
         return 0
-    global REUSE_BIAS
-    REUSE_BIAS = a.reuse_bias
+    global REUSE_BIAS, DENSE_LAYERS
+    REUSE_BIAS, DENSE_LAYERS = a.reuse_bias, a.dense_layers
+    long_batches = None if a.long_batches is None else \
+        (() if a.long_batches.strip() == "max" else tuple(int(x) for x in a.long_batches.split(",") if x.strip()))
     from xoffload.models import random_model
 
     parts = set(a.part.split(","))
@@ -403,7 +435,8 @@ def main(argv=None):
 
     # reuse_bias None is the library default, which changed (2, then 8 since session 10): record its value
     res = {"name": "batch", "preset": PRESET, "ctx": a.ctx, "new": new, "reuse_bias": a.reuse_bias,
-           "reuse_factor": QuestDecode(reuse_bias=a.reuse_bias).reuse_factor, "results": {}, "errors": {}, "tracebacks": {},
+           "reuse_factor": QuestDecode(reuse_bias=a.reuse_bias).reuse_factor,
+           "dense_layers": list(_quest(a.budget).dense_layers), "results": {}, "errors": {}, "tracebacks": {},
            "env": env_record(), "hbm_GBps": hbm_copy_gbps(), "h2d_GBps": h2d_bandwidth_gbps()}
     print(f"HBM copy {res['hbm_GBps']:.0f} GB/s, H2D {res['h2d_GBps']:.1f} GB/s", flush=True)
     model = random_model(PRESET, dtype=torch.bfloat16, device="cuda", seed=0)
@@ -415,7 +448,7 @@ def main(argv=None):
             _section(res, "cap_part", lambda: part_cap(res, model, cap_batches, a.ctx, new, a.budget, n_res,
                                                        save=lambda: write_json(a.out, res)))
         if "long" in parts:
-            _section(res, "long_part", lambda: part_long(res, model, a.long_ctx, new, a.budget,
+            _section(res, "long_part", lambda: part_long(res, model, a.long_ctx, new, a.budget, long_batches,
                                                          save=lambda: write_json(a.out, res)))
     finally:
         model = None

@@ -19,6 +19,8 @@ Parts (``--part``, comma-separated; default both):
   the others reuse its blocks and join the running batch) against one ``generate`` of the first
   alone, wall time; warmed up first on another document of the same length in the same shape (so
   the compiles are not timed). Records the call's timeline (prefills, decode steps, graph buckets).
+- ``prefix_batch_profile``: ``prefix_batch``'s reuse call under torch.profiler and cProfile (the
+  top operators by CUDA / CPU time and the host's top functions, in ``<out>_prefix_profile.txt``).
 
 Writes ``benchmarks/results/session.json``.
 """
@@ -184,8 +186,43 @@ def part_prefix_batch(model, doc: int, n_q: int = 8) -> dict:
     return res
 
 
+def part_prefix_batch_profile(model, doc: int, path: str, n_q: int = 8) -> dict:
+    """The prefix-caching call of ``prefix_batch`` (warmed up the same way) under torch.profiler and
+    cProfile: the top operators by CUDA and by CPU time and the host's top Python functions, in a
+    text file at ``path`` (where the seven short prefills over the reused document spend their time)."""
+    import cProfile
+    import io
+    import pstats
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from xoffload import LLM, SamplingParams
+
+    V = model.cfg.vocab_size
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    d, d_warm = _prompt(doc, V, 11), _prompt(doc, V, 12)
+    qs = [_prompt(Q_TOKENS, V, 20 + i) for i in range(n_q)]
+    llm = LLM(model, mode="resident", max_model_len=doc + 1024, max_num_seqs=n_q, kv_block_size=256,
+              prefix_caching=True)
+    llm.generate([d_warm + q for q in qs], sp)
+    pr = cProfile.Profile()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        pr.enable()
+        llm.generate([d + q for q in qs], sp)
+        pr.disable()
+    timeline = llm.batch_stats.get("prefills")
+    llm.close()
+    buf = io.StringIO()
+    pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(45)
+    with open(path, "w") as f:
+        f.write(prof.key_averages().table(sort_by="cuda_time_total", row_limit=40) + "\n\n")
+        f.write(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30) + "\n\n")
+        f.write(buf.getvalue())
+    return {"doc_tokens": doc, "questions": n_q, "prefills": timeline, "table": path}
+
+
 #: the parts of ``--part``, in the order they run
-PARTS = ("profile", "turns", "prefix", "prefix_batch")
+PARTS = ("profile", "turns", "prefix", "prefix_batch", "prefix_batch_profile")
 
 
 def _parts(text: str) -> set:
@@ -202,7 +239,8 @@ def main(argv=None):
     ap = bench_parser(__doc__, "session", "history 32K, document 8K")
     ap.add_argument("--part", default="turns,prefix,prefix_batch", type=_parts,
                     help="comma-separated parts: turns, prefix, prefix_batch (the 8 questions in one batched "
-                    "resident call), profile (one sparse turn over the --history under torch.profiler)")
+                    "resident call), profile (one sparse turn over the --history under torch.profiler), "
+                    "prefix_batch_profile (prefix_batch's reuse call under torch.profiler and cProfile)")
     ap.add_argument("--history", type=int, default=131072 - 1024, help="tokens of the first turn's document")
     ap.add_argument("--doc", type=int, default=32768, help="tokens of the prefix part's document")
     ap.add_argument("--sparse-frac", type=float, default=0.10, help="sparse history budget / history")
@@ -221,7 +259,9 @@ def main(argv=None):
     for part, fn in (("profile", lambda: part_profile(model, history, a.sparse_frac, prof_path)),
                      ("turns", lambda: part_turns(model, history, a.sparse_frac, h2d)),
                      ("prefix", lambda: part_prefix(model, doc)),
-                     ("prefix_batch", lambda: part_prefix_batch(model, doc))):
+                     ("prefix_batch", lambda: part_prefix_batch(model, doc)),
+                     ("prefix_batch_profile", lambda: part_prefix_batch_profile(
+                         model, doc, prof_path.replace("_profile.txt", "_prefix_profile.txt")))):
         if part not in parts:
             continue
         try:
