@@ -225,8 +225,9 @@ def test_tied_scores_and_per_row_page_counts_select_as_alone():
 
 def test_page_cache_cut_to_memory_and_none_when_a_step_does_not_fit(monkeypatch):
     """Under a GPU memory limit the per-sequence caches get the slots that fit (the cache is
-    transparent without a reuse bias: tokens still equal alone); fewer than a step's pages: no
-    cache, every selected page read in place."""
+    transparent without a reuse bias: tokens still equal alone); fewer than a step's pages for all
+    three: two at a time, each with a cache (``run_limit``); not allowed to run fewer
+    (``CACHE_OVER_BATCH = 1``): no cache, every selected page read in place."""
     from xoffload.engine import kv_batch
     from xoffload.engine.kv_batch_cache import BatchPageCache
 
@@ -240,16 +241,24 @@ def test_page_cache_cut_to_memory_and_none_when_a_step_does_not_fit(monkeypatch)
     info = llm.batch_stats["store"]
     k = info["pages_per_step"]
     assert info["cache_slots"] > k + 1  # uncut: as alone
+    assert info["run_limit"] == 3 and not info["cache_limited"]
     base = info["tail_bytes"] + info["summary_bytes"] + info["dense_pool_bytes"]
     sb = BatchPageCache.slot_bytes(m.cfg.num_layers - 1, m.cfg.num_kv_heads, m.cfg.head_dim, 16, m.dtype)
-    for slots, want in ((k + 1, k + 1), (k - 1, 0)):
+    for slots, over, want, run in ((k + 1, 8, k + 1, 3), (k - 1, 8, None, 2), (k - 1, 1, 0, 3)):
         monkeypatch.setattr(kv_batch, "_pool_memory_limit", lambda *a, s=slots: base + 3 * s * sb + 8)
+        monkeypatch.setattr(OffloadQuestBatchKV, "CACHE_OVER_BATCH", over)
         llm = _batched(m, 300, pol=pol, max_num_seqs=3)
         outs = llm.generate(prompts, sp)
         assert [o.token_ids for o in outs] == [r.token_ids for r in ref], slots
         st = llm.batch_stats["store"]
-        assert st["cache_slots"] == want and not st["memory_limited"], slots
-        assert ("cache_hit_rate" in outs[-1].timings) == bool(want)
+        assert st["run_limit"] == run and st["cache_limited"] == (run < 3), (slots, over)
+        assert llm.batch_stats["max_running"] <= run
+        if want is None:  # two at a time: the memory of three cut caches, at least a step's pages each
+            assert k <= st["cache_slots"] and 2 * st["cache_slots"] * sb <= 3 * slots * sb + base, st
+        else:
+            assert st["cache_slots"] == want, (slots, over)
+        assert not st["memory_limited"], slots
+        assert ("cache_hit_rate" in outs[-1].timings) == bool(st["cache_slots"])
 
 
 @pytest.mark.parametrize("budget", [None, 4096])

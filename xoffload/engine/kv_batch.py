@@ -653,7 +653,12 @@ class OffloadQuestBatchKV(BatchKV):
     (:meth:`QuestDecode.cache_slots`: ``cache_pages``, or ``cache_bytes`` worth, 2 GiB by default),
     cut to the GPU memory left after the tails, the summaries and the dense pool; when fewer than
     a step's pages fit (or ``cache_pages=0``) there is none and every selected page is read in
-    place over PCIe every step. Uncut, a sequence's cache evolves as in its one-request run, so
+    place over PCIe every step — unless fewer sequences at once can each have one: then the call
+    runs at most ``run_limit`` of them at a time (the largest count, down to ``1 /``
+    :attr:`CACHE_OVER_BATCH` of ``min(max_num_seqs, prompts)``, whose pools and caches fit;
+    ``cache_limited``), the others waiting for a finished one, because an uncached sequence moves
+    ~16x the PCIe bytes of a cached one (8B shape, 32K, budget 2048, reuse bias 8: ~228 against
+    ~14 MB per token). Uncut, a sequence's cache evolves as in its one-request run, so
     with a ``reuse_bias`` it selects the same pages; cut, the bias sees a smaller cache. A policy
     with ``prefetch=True`` keeps the per-request stores (:class:`SerialBatchKV`, see
     :func:`batch_store_class`).
@@ -684,6 +689,9 @@ class OffloadQuestBatchKV(BatchKV):
     capturable = True
     #: None: the dense layers' KV on the GPU when its pool fits (see above); True / False: always / never
     DENSE_ON_GPU: bool | None = None
+    #: when no page cache fits for the call's sequences, run down to ``1 / CACHE_OVER_BATCH`` of them
+    #: at once so that each gets a cache (``run_limit``; see the class docstring)
+    CACHE_OVER_BATCH = 8
 
     def __init__(self, model, config, shared, seqs):
         super().__init__(model, config, shared, seqs)
@@ -717,35 +725,42 @@ class OffloadQuestBatchKV(BatchKV):
         self.tail = RowPool(self.cfg, _top_sum([_blocks(n, TAIL_BLOCK) for n in tail_need], self.max_num_seqs),
                             TAIL_BLOCK, self.dtype, self.device)
         self.region = _Region(self.tail, R, _blocks(max(tail_need), TAIL_BLOCK), self.device)
-        # the summary pool, sized from the requests and (CUDA) the free memory
+        # the summary pool, the dense pool and the page caches, sized for the sequences that run at
+        # once (S): from the requests and (CUDA) the free memory; see _plan_memory
         sneed = [_blocks(self._summary_pages(p), SUMMARY_BLOCK) for p in plans]
-        nsb = _top_sum(sneed, self.max_num_seqs)
+        dneed = [self._prompt_blocks(s) for s in seqs] if self.dense else [0]
         el = torch.empty((), dtype=self.dtype).element_size()
         per_sb = max(1, len(self.sparse)) * hkv * SUMMARY_BLOCK * (2 * d + P * self.r) * el  # min, max, channels
-        self.memory_limited = limit is not None and (limit - self.tail.nbytes) // per_sb < nsb
-        if self.memory_limited:
-            nsb = max(0, (limit - self.tail.nbytes) // per_sb)
-        # the dense layers' pool on the GPU, when it fits whole
-        self._dl = {l: i for i, l in enumerate(sorted(self.dense))}
-        ndb = _top_sum([self._prompt_blocks(s) for s in seqs], self.max_num_seqs) if self.dense else 0
         per_db = 2 * len(self.dense) * self.block * hkv * d * el
-        left = None if limit is None else limit - self.tail.nbytes - nsb * per_sb
-        fits = left is None or (not self.memory_limited and left >= ndb * per_db)
+        self._dl = {l: i for i, l in enumerate(sorted(self.dense))}
+        self._slot_bytes = sb = BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype)
+        cmax = max([self._want_c(p) for p in plans] + [0])
+        S = min(self.max_num_seqs, len(seqs))  # the most that run at once in this call
+        mem = self._plan_memory(S, sneed, dneed, per_sb, per_db, sb, cmax, limit)
+        self.cache_limited = False
+        if cmax and mem["slots"] < self.K and limit is not None:
+            # no cache for S sequences: fewer at a time, each with its cache, move far fewer PCIe bytes
+            # (8B shape, 32K, budget 2048: ~14 MB per sequence and token cached against ~228 MB
+            # uncached), so run the largest S' >= S / CACHE_OVER_BATCH whose caches fit
+            for s2 in range(S - 1, max(1, -(-S // self.CACHE_OVER_BATCH)) - 1, -1):
+                m2 = self._plan_memory(s2, sneed, dneed, per_sb, per_db, sb, cmax, limit)
+                if m2["slots"] >= self.K:
+                    mem, S, self.cache_limited = m2, s2, True
+                    break
+        self.run_limit = S
+        self.memory_limited, nsb = mem["memory_limited"], mem["nsb"]
         want = self.DENSE_ON_GPU
-        self.dense_on_gpu = bool(self.dense) and self.N > 0 and (fits if want is None else bool(want))
+        self.dense_on_gpu = bool(self.dense) and self.N > 0 and (mem["dense_fits"] if want is None else bool(want))
         self.dpool = None
         if self.dense_on_gpu:
             dcfg = SimpleNamespace(num_layers=len(self.dense), num_kv_heads=hkv, head_dim=d)
-            self.dpool = RowPool(dcfg, ndb, self.block, self.dtype, self.device)
+            self.dpool = RowPool(dcfg, mem["ndb"], self.block, self.dtype, self.device)
         # per-sequence page caches (kv_batch_cache): what the policy gives each plan alone, cut to
         # the memory left after the tails, summaries and dense pool; none when a step's pages do not fit
         self.pcache = None
-        self._slot_bytes = sb = BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype)
-        cmax = max([self._want_c(p) for p in plans] + [0])
         if cmax:
             free = None if limit is None else limit - self.tail.nbytes - nsb * per_sb - \
                 (self.dpool.nbytes if self.dpool is not None else 0)
-            S = min(self.max_num_seqs, len(seqs))  # the most that run at once in this call
             c = BatchPageCache.slots_that_fit(cmax, S, sb, free)
             if c >= self.K:
                 self.pcache = BatchPageCache(len(self.sparse), hkv, d, S, c, max(self.N, 1), self.K, R,
@@ -776,6 +791,24 @@ class OffloadQuestBatchKV(BatchKV):
         self._stage = PrefillStaging(self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device)
         self._tok_layer_bytes = self.cfg.kv_bytes_per_token(self.dtype) // L  # K and V, one token, one layer
 
+    def _plan_memory(self, S, sneed, dneed, per_sb, per_db, slot_bytes, cmax, limit) -> dict:
+        """The pools' sizes for ``S`` sequences at once (no allocation): ``nsb`` summary blocks
+        (``memory_limited``: cut to the free memory), ``ndb`` dense blocks and whether they fit
+        (``dense_fits``), and the cache ``slots`` per sequence that fit after them."""
+        nsb = _top_sum(sneed, S)
+        tail = self.tail.nbytes
+        limited = limit is not None and (limit - tail) // per_sb < nsb
+        if limited:
+            nsb = max(0, (limit - tail) // per_sb)
+        ndb = _top_sum(dneed, S) if self.dense else 0
+        left = None if limit is None else limit - tail - nsb * per_sb
+        # the dense pool allocates one scratch block more than its table can hold
+        fits = left is None or (not limited and left >= (ndb + 1) * per_db)
+        dense_on = bool(self.dense) and self.N > 0 and (fits if self.DENSE_ON_GPU is None else bool(self.DENSE_ON_GPU))
+        free = None if limit is None else left - ((ndb + 1) * per_db if dense_on else 0)
+        slots = BatchPageCache.slots_that_fit(cmax, S, slot_bytes, free) if cmax else 0
+        return {"nsb": nsb, "memory_limited": limited, "ndb": ndb, "dense_fits": fits, "slots": slots}
+
     @property
     def summary_bytes(self) -> int:
         """Bytes of the GPU summary pool."""
@@ -791,7 +824,8 @@ class OffloadQuestBatchKV(BatchKV):
                 "dense_pool_bytes": self.dpool.nbytes if self.dpool is not None else 0,
                 "candidate_pages": self.N, "pages_per_step": self.K,
                 "cache_slots": self.pcache.C if self.pcache is not None else 0,
-                "cache_bytes": self.pcache.nbytes if self.pcache is not None else 0}
+                "cache_bytes": self.pcache.nbytes if self.pcache is not None else 0,
+                "run_limit": self.run_limit, "cache_limited": self.cache_limited}
 
     @staticmethod
     def _new(seq) -> int:
@@ -832,8 +866,9 @@ class OffloadQuestBatchKV(BatchKV):
 
     def can_admit(self, seq) -> bool:
         nb, nt, ns = self._needs(seq)
-        return (self._reserved + nb <= self.cap_blocks and nt <= self.tail.alloc.num_free
-                and ns <= self.sum_alloc.num_free and (self.dpool is None or nb <= self.dpool.alloc.num_free))
+        return (len(self._admitted) < self.run_limit and self._reserved + nb <= self.cap_blocks
+                and nt <= self.tail.alloc.num_free and ns <= self.sum_alloc.num_free
+                and (self.dpool is None or nb <= self.dpool.alloc.num_free))
 
     def admit(self, seq):
         p = self.policy.plan(seq.prompt_len)
