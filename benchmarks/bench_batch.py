@@ -25,7 +25,7 @@ Parts (``--part``, comma-separated; default both):
   any other error is recorded and the next runs) and the JSON is rewritten after each one, so a
   run cut short still leaves its finished batches. ``--quick``: cap batches 1 and 16, 16 new
   tokens, resident given 4 prompts (about 2 minutes on an H200 with ``--part cap``).
-- ``long`` (not in the default; not yet run): no cap, ``--long-ctx`` tokens per sequence (128K):
+- ``long`` (not in the default): no cap, ``--long-ctx`` tokens per sequence (128K):
   offload + Quest at batch sizes up to what 80% of host memory holds in the pinned pool, against
   ``resident`` up to what 90% of the free GPU memory holds; the best throughput of each and
   their ratio.
