@@ -178,3 +178,131 @@ def test_prefill_batch_argument_errors():
     with pytest.raises(ValueError, match="needs a sink with history"):
         m.prefill_batch(ids, [4, 5], [0, 3], sink)
     st.close()
+
+
+# ------------------------------------------------------------------ through generate
+SP = SamplingParams(max_tokens=6, ignore_eos=True)
+
+
+def _alone(m, prompts, sps, max_model_len=1024):
+    llm = LLM(m, mode="resident", max_model_len=max_model_len)
+    sps = sps if isinstance(sps, list) else [sps] * len(prompts)
+    return [llm.generate(p, sp)[0].token_ids for p, sp in zip(prompts, sps)]
+
+
+def _spy(monkeypatch, prompts):
+    """Record, when each ResidentPrefixBatchKV closes: the tokens its cache holds of each prompt,
+    the blocks sequences still hold, and the free blocks once the cache is emptied."""
+    from xoffload.engine import kv_batch_prefix as kp
+
+    seen = []
+    orig = kp.ResidentPrefixBatchKV.close
+
+    def close(self):
+        alloc = self.pool.alloc
+        alloc.check()
+        rec = {"cached": [self.cache.peek(p) for p in prompts], "seq_held": alloc.usage()["seq_held"]}
+        self.cache.clear()
+        rec["free"], rec["blocks"] = alloc.num_free, self.pool.num_blocks
+        seen.append(rec)
+        orig(self)
+
+    monkeypatch.setattr(kp.ResidentPrefixBatchKV, "close", close)
+    return seen
+
+
+def _groups(llm):
+    return [x["group"] for x in llm.batch_stats["prefills"]]
+
+
+def test_document_and_eight_questions_in_groups_equal_alone(monkeypatch):
+    """One 300-token document + 8 questions, prefix caching, max_num_seqs=8: the first prompt
+    is prefilled alone (the second shares its uncached blocks, so it waits for them), the others
+    in groups over the document's blocks; greedy tokens equal each prompt alone, every prompt is
+    registered and every block is back when the call ends."""
+    m = tiny_random()
+    doc = _prompts([300], seed=10)[0]
+    prompts = [doc + q for q in _prompts([20 + i for i in range(8)], seed=11)]
+    seen = _spy(monkeypatch, prompts)
+    want = _alone(m, prompts, SP)
+    llm = LLM(m, mode="resident", kv_block_size=BLOCK, max_model_len=1024, max_num_seqs=8, prefix_caching=True)
+    outs = llm.generate(prompts, SP)
+    assert [o.token_ids for o in outs] == want
+    reused = [o.timings.get("prefix_reused_tokens", 0) for o in outs]
+    assert reused[0] == 0 and all(r == 300 for r in reused[1:]), reused
+    st = llm.batch_stats
+    g = _groups(llm)
+    assert g[0] == 1 and all(x > 1 for x in g[1:]) and len(st["prefill_groups"]) < 8, g
+    assert sum(x["seqs"] for x in st["prefill_groups"]) == 8
+    assert st["prefill_tokens"] == sum(len(p) for p in prompts) - sum(reused)
+    assert st["prefill_ms"] == pytest.approx(sum(x["ms"] for x in st["prefill_groups"]))
+    assert seen[-1]["cached"] == [len(p) for p in prompts]  # every prompt registered
+    assert seen[-1]["seq_held"] == 0 and seen[-1]["free"] == seen[-1]["blocks"]
+
+
+def test_bench_shape_long_document_then_seven_questions_as_one_group(monkeypatch):
+    """The benchmark's shape: a document longer than GROUP_PREFILL_MAX_TOKENS is prefilled alone
+    (and registered), then the 7 other prompts, admitted together, are one group of 7."""
+    from xoffload.engine import runner
+
+    monkeypatch.setattr(runner, "GROUP_PREFILL_MAX_TOKENS", 64)
+    m = tiny_random()
+    doc = _prompts([200], seed=12)[0]
+    prompts = [doc + q for q in _prompts([16] * 8, seed=13)]
+    want = _alone(m, prompts, SP)
+    # the budget admits the document's prompt alone first (as the benchmark's 32K document)
+    llm = LLM(m, mode="resident", kv_block_size=BLOCK, max_model_len=512, max_num_seqs=8, prefix_caching=True,
+              max_num_batched_tokens=256)
+    outs = llm.generate(prompts, SP)
+    assert [o.token_ids for o in outs] == want
+    assert _groups(llm) == [1] + [7] * 7
+    assert [x["seqs"] for x in llm.batch_stats["prefill_groups"]] == [1, 7]
+    assert [o.timings.get("prefix_reused_tokens", 0) for o in outs] == [0] + [200] * 7
+
+
+def test_plain_resident_short_prompts_grouped_equal_alone():
+    """No prefix cache (ResidentBatchKV): short prompts of different lengths admitted together
+    are one group; each gives its tokens alone, with per-sequence sampling."""
+    m = tiny_random()
+    prompts = _prompts([1, 2, 17, 64, 130, 33], seed=14)
+    sps = [SP, SamplingParams(max_tokens=5, temperature=0.8, seed=3, ignore_eos=True), SP,
+           SamplingParams(max_tokens=7, temperature=1.1, top_p=0.9, seed=4, ignore_eos=True), SP, SP]
+    want = _alone(m, prompts, sps, 256)
+    llm = LLM(m, mode="resident", kv_block_size=16, max_model_len=256, max_num_seqs=8, max_num_batched_tokens=1024)
+    outs = llm.generate(prompts, sps)
+    assert [o.token_ids for o in outs] == want
+    assert _groups(llm) == [6] * 6
+
+
+def test_group_member_that_stops_after_one_token():
+    """A member whose first token is a stop id (or whose max_tokens is 1) leaves after the group's
+    prefill; the others go on with their tokens alone."""
+    m = tiny_random()
+    prompts = _prompts([9, 30, 12, 21], seed=15)
+    first = _alone(m, [prompts[1]], SP, 128)[0][0]
+    sps = [SP, SamplingParams(max_tokens=6, stop_token_ids=(first,)), SamplingParams(max_tokens=1), SP]
+    want = _alone(m, prompts, sps, 128)
+    llm = LLM(m, mode="resident", kv_block_size=16, max_model_len=128, max_num_seqs=4)
+    outs = llm.generate(prompts, sps)
+    assert [o.token_ids for o in outs] == want
+    assert outs[1].token_ids == [first] and outs[1].finish_reason == "stop" and len(outs[2].token_ids) == 1
+    assert _groups(llm) == [4] * 4
+    assert [x["seqs"] for x in llm.batch_stats["decode_steps"]][0] == 2
+
+
+def test_two_new_prompts_sharing_an_uncached_block_are_not_grouped(monkeypatch):
+    """Two short prompts admitted together whose common prefix spans a whole block that nobody
+    registered yet: the second waits for the first's prefill and reuses that block (a group
+    would compute it twice); a third one sharing nothing joins the second."""
+    m = tiny_random()
+    a, b, c, d = _prompts([40, 10, 12, 50], seed=16)
+    prompts = [a + b, a + c, d]
+    seen = _spy(monkeypatch, prompts)
+    want = _alone(m, prompts, SP, 256)
+    llm = LLM(m, mode="resident", kv_block_size=BLOCK, max_model_len=256, max_num_seqs=4, prefix_caching=True,
+              max_num_batched_tokens=512)
+    outs = llm.generate(prompts, SP)
+    assert [o.token_ids for o in outs] == want
+    assert [o.timings.get("prefix_reused_tokens", 0) for o in outs] == [0, 40, 0]
+    assert _groups(llm) == [1, 2, 2]
+    assert seen[-1]["cached"] == [len(p) for p in prompts] and seen[-1]["free"] == seen[-1]["blocks"]
