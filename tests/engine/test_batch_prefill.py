@@ -29,15 +29,16 @@ def _prompts(lens, seed=0, vocab=256):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def _store(m, prompts, prefix=True):
+def _store(m, prompts, prefix=True, block=BLOCK):
     """A batched resident store (prefix caching or not) over ``prompts``, each admitted."""
     from xoffload.engine.kv_batch import batch_store_class
 
-    kw = dict(mode="resident", kv_block_size=BLOCK, max_model_len=512, max_num_seqs=len(prompts) + 1)
+    n = max(map(len, prompts)) + 8
+    kw = dict(mode="resident", kv_block_size=block, max_model_len=max(512, n), max_num_seqs=len(prompts) + 1)
     llm = LLM(m, prefix_caching=prefix, **kw)
     cls, okw = batch_store_class(llm._store, llm.config)
     sp = SamplingParams(max_tokens=2, ignore_eos=True)
-    seqs = [Sequence(i, Request.make(p, sp, max_model_len=512, seed=0, stop_ids=(), device=m.device))
+    seqs = [Sequence(i, Request.make(p, sp, max_model_len=max(512, n), seed=0, stop_ids=(), device=m.device))
             for i, p in enumerate(prompts)]
     st = cls.open(m, llm.config, None, seqs, **okw)
     for s in seqs:
@@ -51,27 +52,28 @@ def _rows(st, s):
     return tab[t // st.block] * st.block + t % st.block
 
 
-def _run(m, doc, prompts, batched, backend="auto", cpu="reference"):
+def _run(m, doc, prompts, batched, backend="auto", cpu="reference", block=BLOCK):
     """Prefill ``doc`` alone (registering it), then ``prompts`` one at a time or as one group
     (``cpu``: the kernels' references or their Triton code under the interpreter); returns (logits
     [B, V], per prompt its K and V rows [L, T, Hkv, D], starts, tokens the cache holds of each)."""
-    st, seqs = _store(m, [doc] + prompts)
+    st, seqs = _store(m, [doc] + prompts, block=block)
     with torch.no_grad(), cpu_backend(cpu):
+        dev = m.device
         st.prefill_start(seqs[0])
-        m.prefill(torch.tensor(doc), st.sink(seqs[0]))
+        m.prefill(torch.tensor(doc, device=dev), st.sink(seqs[0]))
         group = seqs[1:]
         starts = [st.prefill_start(s) for s in group] if batched else None
         if batched:
             sink = st.batch_sink(group)
             assert sink.starts == starts and sink.lens == [s.prompt_len - a for s, a in zip(group, starts)]
-            ids = torch.tensor([t for s, a in zip(group, starts) for t in s.req.ids[a:]])
+            ids = torch.tensor([t for s, a in zip(group, starts) for t in s.req.ids[a:]], device=dev)
             logits = m.prefill_batch(ids, sink.lens, starts, sink, chunk=48, attn_backend=backend)
         else:
             starts, out = [], []
             for s in group:
                 a = st.prefill_start(s)
                 starts.append(a)
-                out.append(m.prefill(torch.tensor(s.req.ids[a:]), st.sink(s), start=a, chunk=48,
+                out.append(m.prefill(torch.tensor(s.req.ids[a:], device=dev), st.sink(s), start=a, chunk=48,
                                      attn_backend=backend))
             logits = torch.cat(out)
         kv = [(st.pool.k[:, _rows(st, s)].clone(), st.pool.v[:, _rows(st, s)].clone()) for s in group]
@@ -80,8 +82,8 @@ def _run(m, doc, prompts, batched, backend="auto", cpu="reference"):
     return logits, kv, starts, registered
 
 
-def _close(a, b):
-    tol = 1e-4 * float(b.abs().max())
+def _close(a, b, rel=1e-4):
+    tol = rel * float(b.abs().max())
     assert float((a - b).abs().max()) <= tol, float((a - b).abs().max())
 
 
@@ -306,3 +308,46 @@ def test_two_new_prompts_sharing_an_uncached_block_are_not_grouped(monkeypatch):
     assert [o.timings.get("prefix_reused_tokens", 0) for o in outs] == [0, 40, 0]
     assert _groups(llm) == [1, 2, 2]
     assert seen[-1]["cached"] == [len(p) for p in prompts] and seen[-1]["free"] == seen[-1]["blocks"]
+
+
+# ------------------------------------------------------------------ GPU (marked)
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_group_tracks_one_at_a_time_bf16():
+    """bf16, random Llama-3.2-1B, a 3000-token document: questions of 1, 2, 17, 64, 130 tokens
+    over it and two prompts without history as one group: logits and K/V within bf16 rounding of
+    one prefill each (other GEMM shapes, the varlen kernel, the split-KV history for 130 rows where
+    the one-sequence sink uses the prefill kernel: one bf16 eps of the scale per layer)."""
+    from xoffload.models import random_model
+
+    m = random_model("llama-3.2-1b", dtype=torch.bfloat16, device="cuda", seed=0, std=0.02)
+    doc = _prompts([3000], seed=20, vocab=m.cfg.vocab_size)[0]
+    qs = _prompts(LENS + [40, 90], seed=21, vocab=m.cfg.vocab_size)
+    prompts = [doc + q for q in qs[:5]] + qs[5:]
+    want, kv_want, _, _ = _run(m, doc, prompts, batched=False, block=256)
+    got, kv_got, starts, reg = _run(m, doc, prompts, batched=True, block=256)
+    assert starts == [3000] * 5 + [0, 0] and reg == [len(p) for p in prompts]
+    rel = m.cfg.num_layers * torch.finfo(torch.bfloat16).eps
+    _close(got, want, rel)
+    for (k, v), (kw, vw) in zip(kv_got, kv_want):
+        _close(k.float(), kw.float(), rel)
+        _close(v.float(), vw.float(), rel)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_document_and_questions_group_graphs_equal_eager():
+    """bf16 on the GPU: a 3000-token document + 8 questions with prefix caching: the document alone,
+    the 7 others one group; the CUDA-graph run gives the eager run's tokens."""
+    from xoffload.models import random_model
+
+    m = random_model("llama-3.2-1b", dtype=torch.bfloat16, device="cuda", seed=0, std=0.02)
+    doc = _prompts([3000], seed=22, vocab=m.cfg.vocab_size)[0]
+    prompts = [doc + q for q in _prompts([64] * 8, seed=23, vocab=m.cfg.vocab_size)]
+    sp = SamplingParams(max_tokens=16, ignore_eos=True)
+    kw = dict(mode="resident", kv_block_size=256, max_model_len=4096, max_num_seqs=8, prefix_caching=True)
+    graph = LLM(m, **kw)
+    a = graph.generate(prompts, sp)
+    assert _groups(graph) == [1] + [7] * 7
+    assert all(o.timings.get("prefix_reused_tokens", 0) == 3000 for o in a[1:])
+    assert [o.token_ids for o in a] == [o.token_ids for o in LLM(m, cuda_graph=False, **kw).generate(prompts, sp)]
