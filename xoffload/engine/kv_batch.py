@@ -11,6 +11,8 @@ requests submitted) and serves the :class:`~xoffload.engine.scheduler.Scheduler`
   ``can_admit(seq)``, ``admit(seq)`` (reserve every token of KV it may hold: prompt + new),
   ``release(seq)``;
 - prefill: ``sink(seq)``, the model's prefill sink for that sequence (``buffers`` / ``done``);
+  where ``batch_prefill`` (the resident stores), also ``batch_sink(seqs)``, the sink of one
+  ``LlamaModel.prefill_batch`` over a group (:mod:`~xoffload.engine.kv_batch_prefill`);
 - decode: ``set_batch(seqs) -> rows`` (the running sequences in row order, padded to a batch-size
   bucket: ``rows >= len(seqs)``; host work, only when the batch changes), then per step
   ``begin_step()``, ``attend(layer, q [rows, Hq, D], k_new [rows, Hkv, D], v_new) -> [rows, Hq,
