@@ -111,6 +111,34 @@ def test_group_equals_one_at_a_time(arch, history):
     assert reg == [len(p) for p in prompts] == reg_want  # every member registered its prompt
 
 
+@pytest.mark.parametrize("lens", [[17] * 4, [20, 31, 17, 25]])
+def test_history_launches_one_per_length_class(lens, monkeypatch):
+    """Questions of one power-of-two length class over histories of different lengths: one
+    history launch per layer (equal lengths: on q itself, no padding copy); lengths across
+    classes: one launch per class. Each equals one prefill per question."""
+    from xoffload.engine import kv_batch_prefill as kbp
+
+    calls = []
+    orig = kbp.paged_decode_attn_with_lse
+    monkeypatch.setattr(kbp, "paged_decode_attn_with_lse", lambda q, *a, **k: calls.append(tuple(q.shape)) or
+                        orig(q, *a, **k))
+    m = tiny_random()
+    doc = _prompts([75], seed=9)[0]
+    prompts = [doc[:75 - 11 * i] + q for i, q in enumerate(_prompts(lens, seed=10))]
+    want, kv_want, _, _ = _run(m, doc, prompts, batched=False)
+    got, kv_got, starts, _ = _run(m, doc, prompts, batched=True)
+    assert starts == [75, 64, 53, 42]
+    assert calls == [(4, max(lens), 4, 16)] * m.cfg.num_layers
+    _close(got, want)
+    for (k, v), (kw, vw) in zip(kv_got, kv_want):
+        _close(k, kw)
+        _close(v, vw)
+    calls.clear()
+    mixed = [prompts[0], doc[:40] + _prompts([3], seed=11)[0], prompts[2]]
+    _run(m, doc, mixed, batched=True)
+    assert sorted(calls[:2]) == sorted([(2, max(lens[0], lens[2]), 4, 16), (1, 3, 4, 16)])
+
+
 @pytest.mark.parametrize("backend", ["sdpa", "xoffload"])
 def test_group_with_other_attention_backends(backend):
     m = tiny_random()

@@ -8,15 +8,18 @@ scatters them into each sequence's pool rows with one ``index_copy_`` per tensor
 rows of every member concatenated, copied to the device once when the sink is made). After the
 last layer ``on_done`` runs (the prefix store registers every member's prompt there).
 
-History (members with a reused prefix, ``seq.kv["start"] > 0``): one split-KV paged decode launch
-for the whole group (:func:`~xoffload.kernels.paged_decode_attn_with_lse`, non-causal): the
-queries padded to ``[B, Sq_max, Hq, D]`` (no copy when every member has ``Sq_max`` tokens), a
-``[B, 1, nb_max]`` table of each member's prefix blocks in the pool read in place as a block
-store, and each member's prefix length (0 for a member without history: its rows come out with
-lse -inf and merge to its plain causal result). The split-KV kernel is used whatever the chunk
-length (the one-sequence sink switches to the prefill kernel past ``HISTORY_SPLIT_ROWS`` rows;
-the runner groups only short prefills). Every tensor the sink needs is built on the host and
-copied without a host wait (pinned, asynchronous) when it is made.
+History (members with a reused prefix, ``seq.kv["start"] > 0``): the split-KV paged decode kernel
+(:func:`~xoffload.kernels.paged_decode_attn_with_lse`, non-causal), one launch for all the
+members whose query lengths fall in one power-of-two class -- one launch per layer in the common
+case (questions of similar lengths; more classes only when lengths differ by more than 2x, so
+padding at most doubles a member's rows): the queries padded to ``[n, Sq, Hq, D]`` (no copy when
+every member has a history and ``Sq`` tokens), a ``[n, 1, nb]`` table of each member's prefix
+blocks in the pool read in place as a block store, and each member's prefix length. A member
+without history is in no launch: its rows come out with lse -inf and merge to its plain causal
+result. The split-KV kernel is used whatever the chunk length (the one-sequence sink switches to
+the prefill kernel past ``HISTORY_SPLIT_ROWS`` rows; the runner groups only short prefills).
+Every tensor the sink needs is built on the host and copied without a host wait (pinned,
+asynchronous) when it is made.
 """
 from __future__ import annotations
 
@@ -94,39 +97,73 @@ class BatchPrefillSink:
 
     # ------------------------------------------------------------------ history
     def _history_setup(self, seqs, blk: int) -> None:
-        B, sq = len(seqs), max(self.lens)
-        nb = max(1, max(_blocks(st, blk) for st in self.starts))
-        meta = torch.zeros(B * nb + B, dtype=torch.int32)  # [B, nb] block ids, then [B] prefix lengths
-        for b, (s, st) in enumerate(zip(seqs, self.starts)):
-            n = _blocks(st, blk)
-            if n:
-                meta[b * nb:b * nb + n] = torch.tensor(s.kv["table"][:n], dtype=torch.int32)
-        meta[B * nb:] = torch.tensor(self.starts, dtype=torch.int32)
-        dev = torch.empty_like(meta, device=self.store.device)
-        _to_device(dev, meta)
-        self._table, self._used = dev[:B * nb].view(B, 1, nb), dev[B * nb:]
-        self._B, self._sq = B, sq
-        self._pad = None
-        if any(n != sq for n in self.lens):  # token t of member b -> row b * sq + t of the padded queries
-            pad = torch.cat([torch.arange(b * sq, b * sq + n, dtype=torch.int64) for b, n in enumerate(self.lens)])
-            self._pad = torch.empty(self.T, dtype=torch.int64, device=self.store.device)
-            _to_device(self._pad, pad)
+        """Host plan of the history launches, copied to the device once: the members with a
+        history in classes of query length (``ceil(log2(len))``, so padding at most doubles a
+        member's rows); per class its padded length ``sq`` (the class's longest), the source row
+        in ``q`` of each padded query row (padding rows repeat the member's first query: finite,
+        never read back), the output row of each (padding rows: the trash row ``T``), the
+        ``[n, 1, nb]`` table of the members' prefix blocks and their prefix lengths."""
+        T, lens, starts = self.T, self.lens, self.starts
+        offs = [sum(lens[:b]) for b in range(len(lens))]
+        classes: dict = {}
+        for b, st in enumerate(starts):
+            if st:
+                classes.setdefault((lens[b] - 1).bit_length(), []).append(b)
+        self._covered = all(starts)  # every row gets a history result (else rows start at lse -inf)
+        plan, parts = [], []
+        for members in classes.values():
+            n, sq = len(members), max(lens[b] for b in members)
+            nb = max(_blocks(starts[b], blk) for b in members)
+            src, dst = [], []
+            for b in members:
+                rows = list(range(offs[b], offs[b] + lens[b]))
+                src += rows + [offs[b]] * (sq - lens[b])
+                dst += rows + [T] * (sq - lens[b])
+            table = torch.zeros(n, nb, dtype=torch.int64)
+            for i, b in enumerate(members):
+                k = _blocks(starts[b], blk)
+                table[i, :k] = torch.tensor(seqs[b].kv["table"][:k], dtype=torch.int64)
+            plan.append((n, sq, nb))
+            parts += [torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64), table.reshape(-1),
+                      torch.tensor([starts[b] for b in members], dtype=torch.int64)]
+        host = torch.cat(parts)
+        dev = torch.empty_like(host, device=self.store.device)
+        _to_device(dev, host)
+        self._launches, o = [], 0
+        for n, sq, nb in plan:
+            src, dst = dev[o:o + n * sq], dev[o + n * sq:o + 2 * n * sq]
+            o += 2 * n * sq
+            table = dev[o:o + n * nb].to(torch.int32).view(n, 1, nb)
+            used = dev[o + n * nb:o + n * nb + n].to(torch.int32)
+            o += n * nb + n
+            self._launches.append((n, sq, src, dst, table, used))
+        # one class holding every member, none padded: q is the padded batch itself (no copies)
+        self._direct = len(plan) == 1 and plan[0][0] == len(lens) and all(n == plan[0][1] for n in lens)
 
     def _history(self, layer: int, q: torch.Tensor):
-        """The group's queries ``q [T, Hq, D]`` over each member's reused prefix in the pool (one
-        paged launch): ``(o [T, Hq, D], lse fp32 [Hq, T])``; a member without one: o 0, lse -inf."""
-        st, cfg = self.store, self.store.cfg
-        B, sq, T = self._B, self._sq, self.T
+        """The group's queries ``q [T, Hq, D]`` over each member's reused prefix in the pool, one
+        split-KV paged launch per length class (one in the common case): ``(o [T, Hq, D], lse fp32
+        [Hq, T])`` (possibly strided views); a member without history: lse -inf (o undefined)."""
+        st, cfg, T = self.store, self.store.cfg, self.T
         hq, hkv, d = q.shape[1], cfg.num_kv_heads, cfg.head_dim
-        if self._pad is None:
-            qp = q.view(B, sq, hq, d)
-        else:  # padding rows are zeros: they attend like any row and are never read back
-            qp = q.new_zeros(B * sq, hq, d).index_copy_(0, self._pad, q).view(B, sq, hq, d)
         k = st.pool.k[layer].view(-1, st.block, hkv, d)
         v = st.pool.v[layer].view(-1, st.block, hkv, d)
-        o, lse = paged_decode_attn_with_lse(qp, k, v, self._table, self._used, softmax_scale=st.scale, check=False)
-        o = o.reshape(B * sq, hq, d)
-        lse = lse.transpose(0, 1).reshape(hq, B * sq)
-        if self._pad is not None:
-            o, lse = o.index_select(0, self._pad), lse.index_select(1, self._pad)
-        return o, lse
+
+        def attend(qp, n, sq, table, used):
+            o, lse = paged_decode_attn_with_lse(qp.view(n, sq, hq, d), k, v, table, used, softmax_scale=st.scale,
+                                                check=False)
+            return o.reshape(n * sq, hq, d), lse.transpose(0, 1).reshape(hq, n * sq)
+
+        if self._direct:
+            n, sq, _src, _dst, table, used = self._launches[0]
+            return attend(q, n, sq, table, used)
+        o_all = q.new_empty(T + 1, hq, d)  # row T: the padding rows' trash
+        if self._covered:
+            lse_all = torch.empty(hq, T + 1, dtype=torch.float32, device=q.device)
+        else:  # the rows of members without history
+            lse_all = torch.full((hq, T + 1), float("-inf"), dtype=torch.float32, device=q.device)
+        for n, sq, src, dst, table, used in self._launches:
+            o, lse = attend(q.index_select(0, src), n, sq, table, used)
+            o_all.index_copy_(0, dst, o)
+            lse_all.index_copy_(1, dst, lse)
+        return o_all[:T], lse_all[:, :T]
