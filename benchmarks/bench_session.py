@@ -16,9 +16,11 @@ Parts (``--part``, comma-separated; default both):
   the peer. Target: 8 in <= 1.3x one.
 - ``prefix_batch``: the same target served as an engine would, ``resident`` mode with
   ``max_num_seqs=8``: one batched ``generate`` of the 8 prompts (the first prefills the document,
-  the others reuse its blocks and join the running batch) against one ``generate`` of the first
-  alone, wall time; warmed up first on another document of the same length in the same shape (so
-  the compiles are not timed). Records the call's timeline (prefills, decode steps, graph buckets).
+  the others reuse its blocks and join the running batch, prefilled together as one group:
+  ``LlamaModel.prefill_batch``) against one ``generate`` of the first alone, wall time; warmed up
+  first on another document of the same length in the same shape (so the compiles are not timed).
+  Records the call's timeline (prefills with their group sizes, one entry per prefill call, the
+  host's seconds per phase, decode steps, graph buckets).
 - ``prefix_batch_profile``: ``prefix_batch``'s reuse call under torch.profiler and cProfile (the
   top operators by CUDA / CPU time and the host's top functions, in ``<out>_prefix_profile.txt``).
 
@@ -169,8 +171,10 @@ def part_prefix_batch(model, doc: int, n_q: int = 8) -> dict:
         outs = llm.generate([d + q for q in qs], sp)
         all_s = time.perf_counter() - t
         st = llm.batch_stats  # where the batched call's time went: prefills, decode steps, graphs
-        timeline = {k: st.get(k) for k in ("total_ms", "prefill_ms", "decode_ms", "prefills", "graph_buckets",
-                                           "max_running")}
+        # prefills: one entry per prompt ("group": how many were prefilled together, sharing the
+        # marks); prefill_groups: one per prefill call; host: the loop's host seconds per phase
+        timeline = {k: st.get(k) for k in ("total_ms", "prefill_ms", "decode_ms", "prefills", "prefill_groups",
+                                           "graph_buckets", "max_running", "host")}
         timeline["decode_steps"] = (st.get("decode_steps") or [])[:48]
         res[name] = {"one_s": one_s, "all_s": all_s, "ratio_all_to_one": all_s / one_s,
                      "reused_tokens": [o.timings.get("prefix_reused_tokens", 0) for o in outs],
@@ -210,7 +214,7 @@ def part_prefix_batch_profile(model, doc: int, path: str, n_q: int = 8) -> dict:
         pr.enable()
         llm.generate([d + q for q in qs], sp)
         pr.disable()
-    timeline = llm.batch_stats.get("prefills")
+    timeline = {k: llm.batch_stats.get(k) for k in ("prefills", "prefill_groups", "host")}
     llm.close()
     buf = io.StringIO()
     pstats.Stats(pr, stream=buf).sort_stats("cumulative").print_stats(45)

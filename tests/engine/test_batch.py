@@ -156,20 +156,22 @@ def test_failure_inside_a_batch_frees_everything_and_the_llm_keeps_serving():
     for mode in ("gpu", "offload"):
         llm = LLM(m, mode=mode, max_model_len=64, kv_block_size=16, max_num_seqs=2)
         good = [o.token_ids for o in llm.generate(prompts, sp)]
-        orig, calls = m.prefill, []
+        calls = []
 
-        def boom(*a, **k):
-            calls.append(1)
-            if len(calls) == 2:  # the second prompt's prefill, while the first is running
-                raise RuntimeError("injected")
-            return orig(*a, **k)
+        def boom(orig):
+            def f(*a, **k):
+                calls.append(1)
+                if len(calls) == 2:  # the second prefill call (gpu: the first two prompts are one
+                    raise RuntimeError("injected")  # group), while a sequence is running
+                return orig(*a, **k)
+            return f
 
-        m.prefill = boom
+        m.prefill, m.prefill_batch = boom(m.prefill), boom(m.prefill_batch)
         try:
             with pytest.raises(RuntimeError, match="injected"):
                 llm.generate(prompts, sp)
         finally:
-            m.prefill = orig
+            del m.prefill, m.prefill_batch  # the class's methods again
         if mode == "offload":
             assert llm.engine.sequences() == [] and llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
         assert [o.token_ids for o in llm.generate(prompts, sp)] == good

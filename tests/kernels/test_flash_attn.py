@@ -201,6 +201,38 @@ def test_varlen_gqa_fp32(device):
     _check_varlen([7, 64, 1], [80, 64, 33], 9, 3, 96, True, torch.float32, device)
 
 
+def test_varlen_unchecked_reads_nothing_on_the_host(device, monkeypatch):
+    """check=False (unpaged, no seqused_k): the same result as a checked call, and neither the
+    cu_seqlens nor the max_seqlen host checks run (no device->host read: a batched prefill's hot
+    loop); the dtype/shape checks still do."""
+    from xoffload.kernels import checks, flash_attn as fa
+
+    lens = [1, 17, 64, 5]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=device)
+    q = _rand((sum(lens), 4, 32), torch.float32, device)
+    k = _rand((sum(lens), 2, 32), torch.float32, device)
+    v = _rand((sum(lens), 2, 32), torch.float32, device)
+    want = flash_attn_varlen_with_lse(q, k, v, cu, cu, 64, 64, causal=True)
+
+    def no_host_read(*a, **kw):
+        raise AssertionError("host read")
+
+    reads = []
+
+    def cu_check(name, cu, total, dev, values=True):
+        reads.append(values)
+        return checks.check_cu_seqlens(name, cu, total, dev, values=values)
+
+    monkeypatch.setattr(fa, "_check_max_seqlen", no_host_read)
+    monkeypatch.setattr(fa, "check_cu_seqlens", cu_check)
+    got = flash_attn_varlen_with_lse(q, k, v, cu, cu, 64, 64, causal=True, check=False)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and reads == [False, False]
+    with pytest.raises(TypeError, match="cu_seqlens_q must be int32"):
+        flash_attn_varlen_with_lse(q, k, v, cu.long(), cu, 64, 64, check=False)
+    with pytest.raises(AssertionError, match="host read"):  # checked calls still read
+        flash_attn_varlen_with_lse(q, k, v, cu, cu, 64, 64)
+
+
 def test_reference_backend_matches_dtype_contract():
     """The CPU reference path (no interpreter) returns q's dtype and fp32 LSE, like the kernel."""
     q = torch.randn(1, 9, 4, 64, dtype=torch.float16)

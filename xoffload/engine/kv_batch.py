@@ -11,6 +11,8 @@ requests submitted) and serves the :class:`~xoffload.engine.scheduler.Scheduler`
   ``can_admit(seq)``, ``admit(seq)`` (reserve every token of KV it may hold: prompt + new),
   ``release(seq)``;
 - prefill: ``sink(seq)``, the model's prefill sink for that sequence (``buffers`` / ``done``);
+  where ``batch_prefill`` (the resident stores), also ``batch_sink(seqs)``, the sink of one
+  ``LlamaModel.prefill_batch`` over a group (:mod:`~xoffload.engine.kv_batch_prefill`);
 - decode: ``set_batch(seqs) -> rows`` (the running sequences in row order, padded to a batch-size
   bucket: ``rows >= len(seqs)``; host work, only when the batch changes), then per step
   ``begin_step()``, ``attend(layer, q [rows, Hq, D], k_new [rows, Hkv, D], v_new) -> [rows, Hq,
@@ -98,12 +100,13 @@ def _join(seqs, device) -> None:
             s.kv["events"], s.kv["joined"] = [], True
 
 
-def _pool_memory_limit(model, seqs, config, device) -> int | None:
+def _pool_memory_limit(model, seqs, config, device, group_tokens: int = 0) -> int | None:
     """Bytes of GPU memory a batched store's pools may take (None: no limit, the CPU): the free
-    memory under the process's cap less a prefill's headroom for the call's longest prompt; with
+    memory under the process's cap less a prefill's headroom for the call's longest prompt (or
+    ``group_tokens``, the most a batched prefill of short prompts may hold, when more); with
     tensor parallelism the smallest over the ranks, so every rank sizes the same pools and admits
     the same sequences."""
-    T = max([s.prompt_len for s in seqs] + [1])
+    T = max([s.prompt_len for s in seqs] + [1, int(group_tokens)])
     limit = _gpu_kv_limit_bytes(device, _prefill_headroom(model, T, config.prefill_chunk))
     tp = getattr(model, "tp", None)
     if tp is not None and limit is not None:
@@ -295,6 +298,16 @@ class BatchKV:
     def sink(self, seq):
         raise NotImplementedError
 
+    #: whether :meth:`batch_sink` serves ``LlamaModel.prefill_batch`` (the runner then prefills
+    #: short admitted prompts together)
+    batch_prefill = False
+
+    def batch_sink(self, seqs):
+        """The sink of one ``LlamaModel.prefill_batch`` over ``seqs`` (each past its
+        :meth:`prefill_start`), with ``starts`` / ``lens`` (the model's arguments); only where
+        ``batch_prefill``."""
+        raise NotImplementedError(f"{type(self).__name__} has no batched prefill")
+
     def prefill_start(self, seq) -> int:
         """Tokens of ``seq``'s prompt whose KV the store already holds (a reused prefix): its
         prefill starts there and its sink attends to them as history. Called once, right before
@@ -385,7 +398,10 @@ class ResidentBatchKV(BatchKV):
         if self.cap_tokens is not None:
             nb = min(nb, self.cap_tokens // blk)
         per_block = blk * self.cfg.kv_bytes_per_token(self.dtype)
-        limit = _pool_memory_limit(model, seqs, config, self.device)
+        from .kv_batch_prefill import GROUP_PREFILL_MAX_TOKENS  # (a module that imports this one)
+
+        group = min(int(config.max_num_batched_tokens or 0), self.max_num_seqs * GROUP_PREFILL_MAX_TOKENS)
+        limit = _pool_memory_limit(model, seqs, config, self.device, group_tokens=group)
         self.memory_limited = limit is not None and limit // per_block < nb
         if self.memory_limited:
             nb = limit // per_block
@@ -429,6 +445,15 @@ class ResidentBatchKV(BatchKV):
             self.pool.v[layer].index_copy_(0, rows, v)
 
         return _StagedSink(self._staging, done)
+
+    batch_prefill = True
+
+    def batch_sink(self, seqs):
+        """:class:`~xoffload.engine.kv_batch_prefill.BatchPrefillSink`: the group's K/V through the
+        staging pair into each member's rows (one ``index_copy_`` per layer for all)."""
+        from .kv_batch_prefill import BatchPrefillSink
+
+        return BatchPrefillSink(self, seqs)
 
     def _staging(self, layer: int, t: int):
         """A prefill's K/V ``[t, Hkv, D]`` staging buffers (one pair, grown to the longest ``t``),

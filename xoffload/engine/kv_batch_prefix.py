@@ -151,6 +151,20 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
 
         return _StagedSink(self._staging, done, history)
 
+    def batch_sink(self, seqs):
+        """The group's sink (:meth:`ResidentBatchKV.batch_sink`; each member's history read in the
+        pool by one launch per layer for the group), registering every member's prompt in the
+        cache, in the group's order, once the last layer is stored (members of one group do not
+        share blocks with each other: the runner flushes a group before a prompt that would reuse
+        a block of it)."""
+        from .kv_batch_prefill import BatchPrefillSink
+
+        def register():
+            for s in seqs:
+                self.cache.insert(s.index, s.req.ids)
+
+        return BatchPrefillSink(self, seqs, on_done=register)
+
     def close(self):
         if self.cache is not None:
             self._blocks._closed = True

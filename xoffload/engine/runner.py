@@ -1,14 +1,28 @@
 """Batched generation (``LLM.generate`` with ``max_num_seqs > 1``): the loop that drives the
 :class:`~.scheduler.Scheduler`, a batched KV store (:mod:`.kv_batch`), the model and sampling.
 
-Each iteration: admit what fits (:meth:`Scheduler.admit`) and prefill each admitted sequence
-alone (layerwise, into its KV) and sample its first token; then one decode step for every running
+Each iteration: admit what fits (:meth:`Scheduler.admit`) and prefill the admitted sequences
+(layerwise, into their KV) and sample each one's first token; then one decode step for every running
 sequence (rows padded to a batch-size bucket, replayed from that bucket's CUDA graph on a GPU,
 :class:`~.cuda_graph.BatchGraphs`), each row sampled with its own :class:`SamplingParams` and
 generator. A sequence leaves the batch as soon as it has ``max_tokens`` tokens (known on the host
 by counting) or the host has read a stop id among them (on a GPU read ``EOS_LAG`` steps late, as
 the one-request loop does, so the host never waits on the step it just launched); its KV is
 released and the next admission fills its place. Outputs come back in submission order.
+
+Prefill groups (a store with ``batch_prefill``: the resident ones; dense prefill, one device):
+the admitted sequences are taken in submission order and each one's tokens to prefill are
+counted against the prefix cache as it is then (``store.prefill_tokens``). A sequence with more
+than :data:`GROUP_PREFILL_MAX_TOKENS` of them is prefilled alone (the pending group first), so a
+long prompt -- a shared document -- is registered before the prompts after it are counted: its
+questions then count only their own tokens and join one group. Short ones are collected into a
+group, prefilled together by one ``LlamaModel.prefill_batch`` (the weights read once, one
+attention launch per layer for the group), unless adding one would take the group past
+``max_num_batched_tokens`` or it shares a whole block of uncached prompt with a member (with
+prefix caching: it would reuse that block once the member is registered, and members of one
+group do not see each other's blocks); then the group is prefilled first and the sequence
+counted again. A group of one takes the one-sequence path. Either way nothing waits on the GPU:
+the token ids go through pinned memory.
 
 Greedy sequences of a batch give the tokens they give alone (tests/engine/test_batch.py; on the
 CPU bit for bit, on a GPU within the rounding of different GEMM shapes); sampled ones draw from
@@ -23,15 +37,24 @@ import torch
 from tqdm.auto import tqdm
 
 from .cuda_graph import BatchGraphs
-from .kv_batch import batch_store_class
+from .kv_batch import _to_device, batch_store_class
+from .kv_batch_prefill import GROUP_PREFILL_MAX_TOKENS
 from .request import EOS_LAG, Clock, Request, RequestOutput, request_timings
 from .sampling import sample
 from .scheduler import Scheduler, Sequence
 
-__all__ = ["BatchRunner", "BatchTokenLog", "sample_rows"]
+__all__ = ["BatchRunner", "BatchTokenLog", "sample_rows", "GROUP_PREFILL_MAX_TOKENS"]
 
 #: a sequence's decode steps before its steady state (as the one-request loop)
 _STEADY_FROM = 2
+
+
+def _device_ids(ids: list, device) -> torch.Tensor:
+    """int64 ``[len(ids)]`` on ``device`` without a host wait (pinned + asynchronous on CUDA: a
+    copy from pageable memory blocks the host until the stream drains)."""
+    out = torch.empty(len(ids), dtype=torch.int64, device=device)
+    _to_device(out, torch.tensor(ids, dtype=torch.int64))
+    return out
 
 
 def sample_rows(logits: torch.Tensor, seqs: list) -> torch.Tensor:
@@ -134,7 +157,7 @@ class BatchRunner:
     def _loop(self, sched, store, graphs, clock, cuda, use_tqdm, total):
         log = BatchTokenLog(cuda)
         lag = EOS_LAG if cuda else 0
-        self._steps, self._prefills = [], []
+        self._steps, self._prefills, self._calls = [], [], 0  # _calls: prefill calls so far (a group is one)
         batch, rows, prev = None, 0, None
         bar = tqdm(total=total, desc="Generating", dynamic_ncols=True) if use_tqdm else None
         host = {"prefill_s": 0.0, "prefill_tok": 0, "decode_s": 0.0, "decode_tok": 0}
@@ -142,8 +165,7 @@ class BatchRunner:
             while not sched.done:
                 done_before = len(sched.finished)
                 t = time.perf_counter()
-                for s in sched.admit():
-                    self._prefill(s, store, log, clock)
+                for s in self._prefill_admitted(sched.admit(), store, log, clock):
                     host["prefill_tok"] += s.prompt_len - s.reused  # what the prefill computed
                 host["prefill_s"] += time.perf_counter() - t
                 log.poll(lag)
@@ -185,6 +207,61 @@ class BatchRunner:
                 bar.close()
         self._host = host
 
+    def _prefill_admitted(self, admitted: list, store, log: BatchTokenLog, clock: Clock) -> list:
+        """Prefill the sequences one :meth:`Scheduler.admit` returned, alone or in groups (module
+        docstring); returns them in the order they were prefilled."""
+        cfg, done = self.config, []
+        if not (getattr(store, "batch_prefill", False) and cfg.policy.dense and self.m.tp is None):
+            for s in admitted:
+                self._prefill(s, store, log, clock)
+                done.append(s)
+            return done
+        group, tokens = [], 0
+
+        def flush():
+            if len(group) == 1:
+                self._prefill(group[0], store, log, clock)
+            elif group:
+                self._prefill_group(list(group), store, log, clock)
+            done.extend(group)
+            group.clear()
+
+        for s in admitted:
+            n = store.prefill_tokens(s)
+            if group and (n > GROUP_PREFILL_MAX_TOKENS or tokens + n > cfg.max_num_batched_tokens
+                          or self._shares_new_block(s, n, group, store)):
+                flush()
+                n = store.prefill_tokens(s)  # the group's prompts are registered now
+            if n > GROUP_PREFILL_MAX_TOKENS:
+                self._prefill(s, store, log, clock)
+                done.append(s)
+                continue
+            if not group:
+                tokens = 0
+            group.append(s)
+            tokens += n
+        flush()
+        return done
+
+    @staticmethod
+    def _shares_new_block(s: Sequence, n: int, group: list, store) -> bool:
+        """With a prefix cache: whether ``s`` (``n`` tokens to prefill) would reuse a whole block
+        of a group member's prompt that is not cached yet (the first block past what ``s``
+        finds cached, its tokens and all before them equal)."""
+        if getattr(store, "cache", None) is None:
+            return False
+        blk = store.block
+        a = (s.prompt_len - n) // blk * blk
+        e = a + blk
+        ids = s.req.ids
+        if e > len(ids) - 1:  # the match leaves out the last token (recomputed for its logits)
+            return False
+        for p in group:
+            pid = p.req.ids
+            if len(pid) >= e and pid[a:e] == ids[a:e] and pid[:a] == ids[:a]:
+                return True
+        return False
+
     def _prefill(self, s: Sequence, store, log: BatchTokenLog, clock: Clock) -> None:
         """Prefill ``s`` alone into its KV and sample its first token."""
         m, cfg = self.m, self.config
@@ -192,15 +269,41 @@ class BatchRunner:
         s.densities = None if cfg.policy.dense else []
         start = store.prefill_start(s)  # a reused prefix
         s.reused = start
-        ids_t = torch.tensor(s.req.ids[start:], dtype=torch.int64).to(m.device)
+        ids_t = _device_ids(s.req.ids[start:], m.device)
         logits = m.prefill(ids_t, store.sink(s), chunk=cfg.prefill_chunk, policy=cfg.policy,
                            densities=s.densities, attn_backend=cfg.prefill_attn, start=start)
         s.marks["prefill"] = b = clock.mark()
         tok = sample(logits, s.req.sp, s.req.gen)
         s.marks["first"] = clock.mark()
         s.last_tok, s.n_out = tok, 1
-        self._prefills.append((s.prompt_len - start, a, b))
+        self._prefills.append((s.prompt_len - start, a, b, 1, self._calls))
+        self._calls += 1
         log.publish(tok, [s])
+
+    def _prefill_group(self, group: list, store, log: BatchTokenLog, clock: Clock) -> None:
+        """Prefill ``group`` (>= 2 sequences) by one ``LlamaModel.prefill_batch`` into their KV
+        (each past its reused prefix) and sample each one's first token with its own parameters
+        and generator. The group shares its timeline marks (``t0``, ``prefill``, ``first``); each
+        member gets a ``prefills`` entry with the group's size and id."""
+        m, cfg = self.m, self.config
+        a = clock.mark()
+        for s in group:
+            s.marks["t0"] = a
+            s.densities = None
+            s.reused = store.prefill_start(s)  # a reused prefix, in order (blocks taken here)
+        sink = store.batch_sink(group)
+        ids = [t for s in group for t in s.req.ids[s.reused:]]
+        logits = m.prefill_batch(_device_ids(ids, m.device), sink.lens, sink.starts, sink,
+                                 chunk=cfg.prefill_chunk, attn_backend=cfg.prefill_attn)
+        b = clock.mark()
+        toks = sample_rows(logits, group)
+        f = clock.mark()
+        for i, s in enumerate(group):
+            s.marks["prefill"], s.marks["first"] = b, f
+            s.last_tok, s.n_out = toks[i:i + 1], 1
+            self._prefills.append((sink.lens[i], a, b, len(group), self._calls))
+        self._calls += 1
+        log.publish(toks, group)
 
     def _retire(self, sched: Scheduler, store, clock: Clock) -> None:
         """Finish every running sequence that has all its tokens or whose stop id was read (its
@@ -227,7 +330,11 @@ class BatchRunner:
 
     def _summarize(self, clock, start, end, sched, graphs) -> None:
         steps = [{"seqs": n, "rows": r, "ms": clock.ms(a, b)} for n, r, a, b in self._steps]
-        pre = [{"tokens": n, "ms": clock.ms(a, b)} for n, a, b in self._prefills]
+        pre = [{"tokens": n, "ms": clock.ms(a, b), "group": g} for n, a, b, g, _ in self._prefills]
+        groups: dict = {}  # one entry per prefill call (a group's members share its marks)
+        for (n, a, b, g, gid), x in zip(self._prefills, pre):
+            e = groups.setdefault(gid, {"seqs": g, "tokens": 0, "ms": x["ms"]})
+            e["tokens"] += n
         dec_ms = sum(x["ms"] for x in steps)
         dec_tok = sum(x["seqs"] for x in steps)
         self.stats = {
@@ -235,7 +342,8 @@ class BatchRunner:
             "decode_steps": steps, "prefills": pre,
             "decode_tokens": dec_tok, "decode_ms": dec_ms,
             "decode_tok_per_s": dec_tok / dec_ms * 1e3 if dec_ms > 0 else None,
-            "prefill_tokens": sum(x["tokens"] for x in pre), "prefill_ms": sum(x["ms"] for x in pre),
+            "prefill_groups": list(groups.values()),
+            "prefill_tokens": sum(x["tokens"] for x in pre), "prefill_ms": sum(x["ms"] for x in groups.values()),
             "max_running": sched.max_running,
             "graph_buckets": graphs.captured if graphs is not None else [],
             "host": dict(self._host),

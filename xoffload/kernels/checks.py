@@ -182,11 +182,12 @@ def check_lengths(name: str, t, batch: int, device) -> None:
         raise ValueError(f"{name} is on {t.device} but q is on {device}")
 
 
-def check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, device) -> None:
+def check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, device, values: bool = True) -> None:
     """Validate an int32 ``cu_seqlens`` of length B+1: starts at 0, non-decreasing, ends at ``total``
     (``total=None``: any end, e.g. key lengths of a paged cache).
 
-    Reads the values on the host (validation only; callers in a hot loop may skip it).
+    Reads the values on the host (a device->host copy that synchronises); ``values=False`` checks
+    only the type, shape and device (nothing is read: the values are then the caller's guarantee).
     """
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu).__name__}")
@@ -196,6 +197,8 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, device) -> 
         raise ValueError(f"{name} must be 1-D of length batch+1, got shape {tuple(cu.shape)}")
     if cu.device != device:
         raise ValueError(f"{name} is on {cu.device} but the inputs are on {device}")
+    if not values:
+        return
     c = cu.cpu()
     if int(c[0]) != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(c[0])}")

@@ -813,13 +813,16 @@ def flash_attn_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         window_size, softcap, alibi_slopes, block_table, seqused_k, check: as for
             :func:`flash_attn_with_lse`, per sequence: positions are bottom-right aligned within
             each sequence (``pos = i + Sk_b - Sq_b``), ``block_table[b]`` lists sequence b's pages,
-            ``seqused_k[b]`` is at most the length cu_seqlens_k gives.
+            ``seqused_k[b]`` is at most the length cu_seqlens_k gives. ``check=False`` on a call
+            without ``block_table`` and ``seqused_k`` reads nothing on the host (no
+            synchronisation: a batched prefill's hot loop): cu_seqlens' values and max_seqlen_*
+            are then the caller's guarantee (only their dtype, shape and device are checked).
 
     Returns:
         ``(out, lse)``: out ``[total_q, Hq, D]`` in q's dtype; lse ``[Hq, total_q]`` fp32 natural
         log; rows that see no key give out 0 and lse -inf.
 
-    Validation reads ``cu_seqlens_*`` on the host.
+    Validation reads ``cu_seqlens_*`` on the host (not with ``check=False``, unpaged, no ``seqused_k``).
 
     Raises:
         TypeError: as :func:`flash_attn_with_lse`; cu_seqlens not int32; max_seqlen not an int.
@@ -835,8 +838,10 @@ def flash_attn_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
         check_tensor("q", q, 3)
     else:
         check_qkv(q, k, v, 3, "[total_k, Hkv, D]")
-    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device)
-    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], q.device)
+    # without check (and unpaged, no seqused_k) nothing is read on the host: no synchronisation
+    host = check or paged or seqused_k is not None
+    check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0], q.device, values=host)
+    check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, None if paged else k.shape[0], q.device, values=host)
     if paged:
         page_size = _check_paged_kv(q, k, v, block_table, cu_seqlens_q.numel() - 1)
     if cu_seqlens_q.numel() != cu_seqlens_k.numel():
@@ -844,8 +849,11 @@ def flash_attn_varlen_with_lse(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
             f"cu_seqlens_q {tuple(cu_seqlens_q.shape)} and cu_seqlens_k {tuple(cu_seqlens_k.shape)} "
             "must have the same length (batch + 1)"
         )
-    max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q, "cu_seqlens_q")
-    max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k, "cu_seqlens_k")
+    if host:
+        max_seqlen_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, cu_seqlens_q, "cu_seqlens_q")
+        max_seqlen_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, cu_seqlens_k, "cu_seqlens_k")
+    else:
+        max_seqlen_q, max_seqlen_k = check_int("max_seqlen_q", max_seqlen_q, 0), check_int("max_seqlen_k", max_seqlen_k, 0)
     total_q, hq, d = q.shape
     batch = cu_seqlens_q.numel() - 1
     scale = default_scale(d, softmax_scale)

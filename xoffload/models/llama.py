@@ -13,7 +13,12 @@ layer's causal attention runs at once over the whole prompt (no LSE needed, so t
 kernel: :func:`xoffload.kernels.causal_attention`), written over q in place; pass 2 runs the output
 projection and the MLP over token chunks, updating the residual rows in place. Whole-prompt
 activations: the residual stream ``[T, hidden]``, q / attention output ``[T, Hq, D]`` and the
-layer's K/V ``[T, Hkv, D]``; the rest is bounded by the chunk.
+layer's K/V ``[T, Hkv, D]``; the rest is bounded by the chunk. :meth:`LlamaModel.prefill_batch` runs
+the same layers over several sequences at once (their tokens concatenated, one varlen attention
+launch per layer, each sequence its own positions and history).
+
+(Over 450 lines on purpose: the one-sequence prefill, the batched prefill and the decode step share
+the layer helpers and the weights; apart they would each re-import and re-document them.)
 """
 from __future__ import annotations
 
@@ -22,7 +27,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..kernels import causal_attention, flash_attn_with_lse, merge_attention_states, qkv_rope, silu_mul
+from ..kernels import (causal_attention, flash_attn_varlen_with_lse, flash_attn_with_lse, merge_attention_states,
+                       qkv_rope, silu_mul)
 from ..kernels import rms_norm as fused_rms_norm
 from .config import ModelConfig, rope_inv_freq
 
@@ -280,6 +286,124 @@ class LlamaModel:
         o_h, lse_h = sink.history(li, q)
         o, _ = merge_attention_states(o, lse, o_h, lse_h, out=q[None])
         return o[0], density
+
+    # ------------------------------------------------------------------ batched prefill
+    def prefill_batch(self, ids: torch.Tensor, lens, starts, sink, *, chunk: int = 4096,
+                      attn_backend: str = "auto") -> torch.Tensor:
+        """Layerwise prefill of ``B`` sequences at once (varlen, cu_seqlens style): e.g. the short
+        prompts a batched generate admits together, each continuing its own reused prefix.
+
+        The norms, the QKV projection, the o-projection and the MLP run over the concatenated
+        tokens (the weights read once for the group; token chunks of ``chunk`` as in
+        :meth:`prefill`); RoPE with one position per token (sequence b's tokens at ``starts[b] ..
+        starts[b] + lens[b] - 1``); attention causal within each sequence by one varlen launch
+        with its LSE (:func:`~xoffload.kernels.flash_attn_varlen_with_lse`, nothing read on the
+        host) and, when some sequence has a history (``starts[b] > 0``), merged by LSE with
+        ``sink.history`` (one call for the group). Activation memory: as :meth:`prefill` of
+        ``T = sum(lens)`` tokens. Every sequence gives the logits its own :meth:`prefill` (with
+        ``start=starts[b]``) gives, within the rounding of other GEMM shapes and kernels.
+
+        Args:
+            ids: int64 ``[T]`` on the model's device: sequence 0's tokens, then sequence 1's, ...
+            lens: ``B >= 1`` ints >= 1 (host): tokens of each sequence in ``ids``.
+            starts: ``B`` ints >= 0 (host): the position of each sequence's first token (the
+                length of the history whose K/V the sink holds; 0: none).
+            sink: ``buffers(layer, T) -> (k, v)`` (``[T, Hkv, D]`` to fill, rows in ``ids``'s
+                order), ``done(layer, k, v)`` (layer ``layer``'s K/V written and attended; the
+                sink stores each sequence's rows), and, when some start is > 0, ``history(layer,
+                q) -> (o, lse)``: the queries ``q [T, Hq, D]`` over their own sequence's history,
+                non-causal, o ``[T, Hq, D]`` in the model dtype and fp32 lse ``[Hq, T]`` (the
+                varlen layout; rows of a sequence without history: lse -inf).
+            chunk: tokens per chunk for the projections and the MLP.
+            attn_backend: ``"auto"`` / ``"xoffload"``: the varlen kernel for every sequence;
+                ``"cudnn"`` / ``"sdpa"``: each sequence as :meth:`prefill` attends it
+                (:func:`~xoffload.kernels.causal_attention` with that backend without a history,
+                ``flash_attn_with_lse`` with one): one launch per sequence, for comparisons.
+        Returns:
+            fp32 logits ``[B, V]`` of each sequence's last token.
+        Raises:
+            ValueError: unknown ``attn_backend``; lens / starts of another length than each other,
+                empty, a length < 1 or a start < 0, or ``sum(lens)`` not ``ids``'s length; a start
+                > 0 with a sink that has no ``history``.
+        """
+        if attn_backend not in ("auto", "cudnn", "xoffload", "sdpa"):
+            raise ValueError(f"attn_backend must be 'auto', 'cudnn', 'xoffload' or 'sdpa', got {attn_backend!r}")
+        lens, starts = [int(n) for n in lens], [int(s) for s in starts]
+        if not lens or len(lens) != len(starts):
+            raise ValueError(f"prefill_batch needs one start per sequence and at least one sequence, got "
+                             f"{len(lens)} lens and {len(starts)} starts")
+        if min(lens) < 1 or min(starts) < 0:
+            raise ValueError(f"prefill_batch needs lens >= 1 and starts >= 0, got lens {lens[:8]} starts {starts[:8]}")
+        T, B = sum(lens), len(lens)
+        if ids.dim() != 1 or int(ids.shape[0]) != T:
+            raise ValueError(f"ids must be [sum(lens)] = [{T}], got shape {tuple(ids.shape)}")
+        hist = any(starts)
+        if hist and not hasattr(sink, "history"):
+            raise ValueError(f"prefill_batch with starts > 0 needs a sink with history(layer, q); "
+                             f"{type(sink).__name__} has none")
+        cfg = self.cfg
+        chunk = max(1, int(chunk))
+        self.rope_tables(max(s + n for s, n in zip(starts, lens)))
+        pos, last, cu = self._segments(lens, starts)
+        per_seq = attn_backend in ("cudnn", "sdpa")
+        bounds = [(sum(lens[:b]), sum(lens[:b + 1])) for b in range(B)] if per_seq else None
+        h = self._embed(ids)  # [T, hidden]
+        for li, lw in enumerate(self.w.layers):
+            k, v = sink.buffers(li, T)
+            q = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
+            for s in range(0, T, chunk):
+                e = min(T, s + chunk)
+                self._qkv(lw, h[s:e], pos[s:e], q[s:e], k[s:e], v[s:e])
+            if per_seq:
+                o = self._attend_segments(li, q, k, v, sink, bounds, starts, attn_backend)
+            else:
+                o, lse = flash_attn_varlen_with_lse(q, k, v, cu, cu, max(lens), max(lens), causal=True,
+                                                    softmax_scale=self.scale, check=False)
+                if hist:
+                    o_h, lse_h = sink.history(li, q)
+                    o, _ = merge_attention_states(o, lse, o_h, lse_h, out=q)
+                    del o_h, lse_h
+                del lse
+            del q
+            sink.done(li, k, v)
+            del k, v
+            for s in range(0, T, chunk):
+                e = min(T, s + chunk)
+                hc = h[s:e]
+                self._add_proj(hc, o[s:e].reshape(e - s, -1), lw.wo)
+                self._mlp_residual(lw, hc)
+            del o
+        return self.logits(h.index_select(0, last))
+
+    def _segments(self, lens, starts):
+        """Device tensors of a batched prefill, from one host buffer in one copy (pinned and
+        asynchronous on CUDA: the host does not wait): int64 positions ``[T]``, int64 index of each
+        sequence's last token ``[B]``, int32 cu_seqlens ``[B + 1]``."""
+        T, B = sum(lens), len(lens)
+        buf = torch.empty(T + 2 * B + 1, dtype=torch.int64)
+        pos = torch.cat([torch.arange(s, s + n, dtype=torch.int64) for s, n in zip(starts, lens)])
+        cu = torch.zeros(B + 1, dtype=torch.int64)
+        cu[1:] = torch.tensor(lens, dtype=torch.int64).cumsum(0)
+        buf[:T], buf[T:T + B], buf[T + B:] = pos, cu[1:] - 1, cu
+        if self.device.type == "cuda":
+            dev = buf.pin_memory().to(self.device, non_blocking=True)
+        else:
+            dev = buf.to(self.device)
+        return dev[:T], dev[T:T + B], dev[T + B:].to(torch.int32)
+
+    def _attend_segments(self, li, q, k, v, sink, bounds, starts, backend):
+        """Attention of a batched prefill one sequence at a time, as :meth:`prefill` attends each
+        (``backend`` ``"cudnn"`` / ``"sdpa"``); the history (one ``sink.history`` call) merged per
+        sequence that has one. Written over q; returns it ``[T, Hq, D]``."""
+        hist = sink.history(li, q) if any(starts) else None
+        for (a, e), st in zip(bounds, starts):
+            qs, ks, vs = q[None, a:e], k[None, a:e], v[None, a:e]
+            if not st:
+                causal_attention(qs, ks, vs, softmax_scale=self.scale, backend=backend, out=qs)
+                continue
+            o, lse = flash_attn_with_lse(qs, ks, vs, causal=True, softmax_scale=self.scale)
+            merge_attention_states(o, lse, hist[0][None, a:e], hist[1][None, :, a:e], out=qs)
+        return q
 
     # ------------------------------------------------------------------ decode
     def decode_step(self, token: torch.Tensor, pos, kv) -> torch.Tensor:
