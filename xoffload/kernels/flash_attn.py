@@ -26,7 +26,10 @@ window; the key tiles outside a query block's window are never visited, :func:`w
 ``softcap`` (``softcap * tanh(s / softcap)``), ``alibi_slopes`` (``-slope * |pos - j|``),
 ``block_table`` (paged K/V ``[num_pages, page_size, Hkv, D]`` read through the table) and
 ``seqused_k`` (keys used per sequence). With a window, softcap, ALiBi or pages each query block
-runs three loops: the masked left edge of its window, the unmasked interior, the masked right edge.
+runs three loops: the masked left edge of its window, the unmasked interior, the masked right edge
+(non-causal ALiBi splits the interior at the diagonal). That option path lives in
+:mod:`xoffload.kernels.flash_attn_opts`, with ALiBi's per-tile bias forms and the knob
+``flash_attn_opts.SOFTCAP_MODE`` (softcap's tanh / exp2 forms, read at every launch).
 """
 from __future__ import annotations
 
@@ -41,6 +44,8 @@ from .checks import (
     check_bool, check_cu_seqlens, check_heads, check_int, check_lengths, check_qkv, check_same, check_tensor,
     default_scale, interpreter_on, is_int, next_pow2, use_triton,
 )
+from . import flash_attn_opts as _opts
+from .flash_attn_opts import _attn_opt_loops, _tanh, _window_tile_bounds  # noqa: F401 (re-exported)
 from .launch import LaunchConfig, override_for
 from .reference import attention_ref, varlen_attention_ref
 
@@ -125,144 +130,6 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, offs_m, offs_n
         v_base += BLOCK_N * stride_vn
     return acc, l_i, m_i
 
-@triton.jit
-def _tanh(x, FAST: tl.constexpr):
-    """tanh in fp32: the GPU's ``tanh.approx.f32`` (one MUFU op, max relative error 2^-11, what
-    flash-attn uses) when ``FAST``, else ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` (the
-    interpreter and fp32 inputs)."""
-    if FAST:
-        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                         is_pure=True, pack=1)
-    else:
-        e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
-        t = (1.0 - e) / (1.0 + e)
-        return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _window_tile_bounds(m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
-                        CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Key-tile bounds ``(lo, full_lo, full_hi, hi)`` of the query block starting at row ``m0``:
-    tiles in ``[lo, full_lo)`` and ``[full_hi, hi)`` need the mask, tiles in ``[full_lo,
-    full_hi)`` are visible to every row of the block; keys outside ``[lo, hi)`` are seen by no row
-    and are skipped. Mirrored in Python by :func:`window_tile_bounds` (tested against it)."""
-    p_lo = m0 + diag_shift  # position of the block's first row (bottom-right aligned)
-    p_hi = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1 + diag_shift  # of its last real row
-    vis_hi = seqlen_k
-    full_hi_key = seqlen_k
-    if CAUSAL:
-        vis_hi = tl.minimum(seqlen_k, tl.maximum(p_hi + 1, 0))
-        full_hi_key = tl.minimum(seqlen_k, tl.maximum(p_lo + 1, 0))
-    elif HAS_RIGHT:
-        vis_hi = tl.minimum(seqlen_k, tl.maximum(p_hi + win_right + 1, 0))
-        full_hi_key = tl.minimum(seqlen_k, tl.maximum(p_lo + win_right + 1, 0))
-    lo = vis_hi * 0
-    full_lo = lo
-    if HAS_LEFT:
-        vis_lo = tl.minimum(tl.maximum(p_lo - win_left, 0), vis_hi)
-        lo = (vis_lo // BLOCK_N) * BLOCK_N
-        full_lo_key = tl.maximum(p_hi - win_left, 0)
-        full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo_key, BLOCK_N) * BLOCK_N, lo), vis_hi)
-    full_hi = tl.maximum((full_hi_key // BLOCK_N) * BLOCK_N, full_lo)
-    return lo, full_lo, full_hi, vis_hi
-
-
-@triton.jit
-def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
-                    offs_m, offs_n, offs_d, d_ok, lo, hi, seqlen_k, diag_shift, win_left, win_right,
-                    qk_scale, cap_in, cap_out, slope2, max_entry,
-                    stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
-                    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                    FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-                    EVEN_D: tl.constexpr, IS_FP32: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The online-softmax loop of the option path (window, softcap, ALiBi, paged K/V) over the key
-    tiles ``[lo, hi)``. Scores are kept in log2 units: ``s = qk * scale * log2(e)``, or with
-    ``SOFTCAP`` ``softcap * tanh(qk * scale / softcap) * log2(e)``; ALiBi subtracts
-    ``slope * log2(e) * |j - (i + Sk - Sq)|``. ``MASKED`` tiles mask keys past ``seqlen_k`` and
-    outside the causal / window bounds. ``PAGED``: key ``j`` is row ``j % PAGE`` of page
-    ``bt_row[j // PAGE]`` (entries clamped to ``[0, max_entry]``); else K/V advance from
-    ``k_base`` / ``v_base`` (which point at key ``lo``) as in :func:`_attn_inner`."""
-    pos = offs_m + diag_shift  # bottom-right aligned query positions
-    if ALIBI:
-        pos_f = pos.to(tl.float32)
-    PAGE_TILE: tl.constexpr = PAGED and (PAGE % BLOCK_N == 0)
-    for start_n in tl.range(lo, hi, BLOCK_N):
-        kidx = start_n + offs_n
-        if MASKED:
-            n_ok = kidx < seqlen_k
-        if PAGED:
-            if PAGE_TILE:  # the tile lies inside one page: one table entry
-                blk = tl.load(bt_row + (start_n // PAGE) * stride_btn)
-                blk = tl.minimum(tl.maximum(blk, 0), max_entry).to(tl.int64)
-                rows = (start_n % PAGE) + offs_n
-                k_ptrs = K + k_head + blk * stride_kp + (rows[:, None] * stride_kn + offs_d[None, :])
-                v_ptrs = V + v_head + blk * stride_vp + (rows[:, None] * stride_vn + offs_d[None, :])
-            else:  # pages smaller than a tile (or not a multiple of it): one entry per key
-                if MASKED:
-                    blk = tl.load(bt_row + (kidx // PAGE) * stride_btn, mask=n_ok, other=0)
-                else:
-                    blk = tl.load(bt_row + (kidx // PAGE) * stride_btn)
-                blk = tl.minimum(tl.maximum(blk, 0), max_entry).to(tl.int64)
-                rows = kidx % PAGE
-                k_ptrs = K + k_head + (blk * stride_kp + rows * stride_kn)[:, None] + offs_d[None, :]
-                v_ptrs = V + v_head + (blk * stride_vp + rows * stride_vn)[:, None] + offs_d[None, :]
-        else:
-            k_ptrs = k_base + k_offs
-            v_ptrs = v_base + v_offs
-        if MASKED:
-            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif EVEN_D:
-            k = tl.load(k_ptrs)
-        else:
-            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
-        if IS_FP32:
-            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            qk = tl.dot(q, tl.trans(k))
-        if SOFTCAP:
-            s = _tanh(qk * cap_in, FAST_TANH) * cap_out
-        else:
-            s = qk * qk_scale
-        if ALIBI:
-            s = s - slope2 * tl.abs(kidx.to(tl.float32)[None, :] - pos_f[:, None])
-        if MASKED:
-            ok = n_ok[None, :]
-            if CAUSAL:
-                ok = ok & (kidx[None, :] <= pos[:, None])
-            elif HAS_RIGHT:
-                ok = ok & (kidx[None, :] <= (pos + win_right)[:, None])
-            if HAS_LEFT:
-                ok = ok & (kidx[None, :] >= (pos - win_left)[:, None])
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            p = tl.exp2(s - m_sub[:, None])
-            alpha = tl.exp2(m_i - m_sub)
-        else:
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if MASKED:
-            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        elif EVEN_D:
-            v = tl.load(v_ptrs)
-        else:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
-        if IS_FP32:
-            acc = tl.dot(p, v, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(v.dtype), v, acc)
-        m_i = m_new
-        if not PAGED:
-            k_base += BLOCK_N * stride_kn
-            v_base += BLOCK_N * stride_vn
-    return acc, l_i, m_i
-
-
 @triton.jit(do_not_specialize=["Sq", "Sk", "win_left", "win_right", "max_entry"])
 def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               stride_qb, stride_qm, stride_qh,
@@ -277,12 +144,14 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
               IS_FP32: tl.constexpr, HAS_SEQUSED: tl.constexpr = False, PAGED: tl.constexpr = False,
               PAGE: tl.constexpr = 16, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
-              SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, FAST_TANH: tl.constexpr = False):
+              SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, FAST_TANH: tl.constexpr = False,
+              SOFTCAP_MODE: tl.constexpr = 0, POLY_QUARTERS: tl.constexpr = 2):
     # Options (all compile-time flags; with none set the code is the plain kernel's):
     # HAS_SEQUSED: key length of item b is SEQUSED[b] (clamped to the keys there are); PAGED: K/V
     # are [num_pages, PAGE, Hkv, D] caches read through the block table BT [B, P] (stride_kb /
     # stride_vb are then the page strides); HAS_LEFT / HAS_RIGHT: sliding window bounds;
-    # SOFTCAP: cap_in = scale / softcap, cap_out = softcap * log2(e); ALIBI: per-(b, h) slopes.
+    # SOFTCAP: cap_in = scale / softcap, cap_out = softcap * log2(e); ALIBI: per-(b, h) slopes;
+    # SOFTCAP_MODE / POLY_QUARTERS: softcap's tanh / exp2 forms (flash_attn_opts.SOFTCAP_MODE).
     # 1-D grid: the (batch, head) index varies fastest, so the first programs launched are
     # the last query block of every head (the longest rows under causal) and programs that
     # run together share K/V heads (GQA) in L2.
@@ -336,40 +205,22 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
         diag_shift = seqlen_k - seqlen_q
         HAS_OPTS: tl.constexpr = PAGED or HAS_LEFT or HAS_RIGHT or SOFTCAP or ALIBI
         if HAS_OPTS:
-            # three loops: masked left edge of the window, unmasked interior, masked right edge
-            # (diagonal / window / Sk tail); tiles outside the window are never visited
-            lo, full_lo, full_hi, hi = _window_tile_bounds(
-                m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
-                CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+            # masked left edge of the window, unmasked interior (split at the diagonal for
+            # non-causal ALiBi), masked right edge; tiles outside the window are never visited
             slope2 = 0.0
             if ALIBI:
                 slope2 = tl.load(ALIBI_SLOPES + b.to(tl.int64) * stride_alb + h * stride_alh) * 1.4426950408889634
             bt_row = BT + b.to(tl.int64) * stride_btb
             k_head = h_kv.to(tl.int64) * stride_kh
             v_head = h_kv.to(tl.int64) * stride_vh
-            acc, l_i, m_i = _attn_inner_opt(
-                acc, l_i, m_i, q, k_base + lo.to(tl.int64) * stride_kn, v_base + lo.to(tl.int64) * stride_vn,
-                k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
-                lo, full_lo, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
-                max_entry, stride_kn, stride_vn, stride_kb, stride_vb, stride_btn,
-                True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE,
-                EVEN_D, IS_FP32, BLOCK_N)
-            acc, l_i, m_i = _attn_inner_opt(
-                acc, l_i, m_i, q, k_base + full_lo.to(tl.int64) * stride_kn,
-                v_base + full_lo.to(tl.int64) * stride_vn,
-                k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
-                full_lo, full_hi, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
-                max_entry, stride_kn, stride_vn, stride_kb, stride_vb, stride_btn,
-                False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE,
-                EVEN_D, IS_FP32, BLOCK_N)
-            acc, l_i, m_i = _attn_inner_opt(
-                acc, l_i, m_i, q, k_base + full_hi.to(tl.int64) * stride_kn,
-                v_base + full_hi.to(tl.int64) * stride_vn,
-                k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
-                full_hi, hi, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
-                max_entry, stride_kn, stride_vn, stride_kb, stride_vb, stride_btn,
-                True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE,
-                EVEN_D, IS_FP32, BLOCK_N)
+            acc, l_i, m_i, alibi_base = _attn_opt_loops(
+                acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
+                offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
+                qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kb, stride_vb, stride_btn,
+                CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS, PAGED, PAGE,
+                EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+            if ALIBI and not IS_FP32:  # the loops carry the per-row shift slope2 * (pos - alibi_base) in m_i
+                m_i = m_i - slope2 * (offs_m + diag_shift - alibi_base).to(tl.float32)
         else:
             if CAUSAL:
                 hi = tl.minimum(seqlen_k, tl.maximum(m0 + BLOCK_M + diag_shift, 0))
@@ -683,6 +534,7 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
         D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, VARLEN=varlen,
         IS_FP32=q.dtype == torch.float32, PAGE=k.shape[1] if paged else 16,
         FAST_TANH=bool(q.is_cuda and q.dtype != torch.float32 and not interpreter_on()),
+        **_opts.kernel_softcap_flags(opts.softcap > 0.0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
 

@@ -1,0 +1,459 @@
+"""The option path of the prefill kernel (:mod:`xoffload.kernels.flash_attn`): sliding window,
+softcap, ALiBi and paged K/V as compile-time branches of one tile loop, and the knob that picks how
+softcap spends the GPU's special-function unit (MUFU).
+
+(Over 450 lines on purpose: the option path's tile loop with the helpers it inlines — window tile
+bounds, the ALiBi tile classes, the three tanh and two exp2 forms of softcap — is one unit; the
+public wrapper stays in flash_attn.py.)
+
+ALiBi (Press et al., "Train Short, Test Long: Attention with Linear Biases Enables Input Length
+Extrapolation", ICLR 2022), flash-attn's convention: the bias of query ``i`` (position ``pos = i +
+Sk - Sq``, bottom-right aligned) and key ``j`` is ``-slope * |pos - j|``. The kernel never forms
+``|pos - j|`` on most tiles. With ``base`` a reference position of the query block (its middle row)
+it adds a per-row constant ``slope * (pos - base)`` to every score of the row (which changes no
+softmax output) and subtracts it from the LSE at the end; then
+
+- a tile whose keys all lie at or left of every row (``j <= pos``; under causal every tile, since
+  keys past ``pos`` are masked anyway) gets ``s + slope * (j - base)``: one add per score (an FMA
+  with the scale), the column term computed once per column;
+- a tile whose keys all lie at or right of every row (non-causal only) gets
+  ``s - slope * (j - base)`` plus ``2 * slope * (pos - base)``, a per-row term folded into the row
+  max that the softmax subtracts anyway: one add per score as well;
+- the few tiles that straddle the diagonal (non-causal) and the masked window edges of a
+  non-causal window use the full ``s - slope * |pos - j| + slope * (pos - base)``.
+
+Distances stay relative to the block (``j - base``, ``pos - base``), never absolute positions, so
+the bias keeps fp32 error proportional to the distance, as the direct formula does.
+
+Softcap (``softcap * tanh(s / softcap)``) costs two MUFU operations per score on the GPU (tanh and
+exp2) where the plain kernel has one; :data:`SOFTCAP_MODE` selects cheaper forms (see there).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import triton
+import triton.language as tl
+
+__all__ = ["EXP2_POLY_COEFFS", "SOFTCAP_MODE", "SOFTCAP_MODES", "SOFTCAP_POLY_QUARTERS", "alibi_tile_classes",
+           "check_softcap_mode", "softcap_mode"]
+
+#: How the option path computes softcap's tanh and the softmax's exp2 (a kernel constexpr, read by
+#: the wrapper at every launch; only calls with ``softcap > 0`` look at it):
+#:
+#: - 0: ``tanh.approx.f32`` (one MUFU op per score) and ``exp2`` on the MUFU (the default until the
+#:   H200 sweep says otherwise);
+#: - 1: tanh through ``tanh.approx.f16x2``: the argument rounded to fp16, two tanh per PTX
+#:   instruction (PTX ISA: max relative error ~2^-10.7 in fp16), back to fp32. Caveat: ptxas for
+#:   sm_90 (Triton 3.9's) issues it as two ``MUFU.TANH.F16`` SASS ops, so the MUFU issue count does
+#:   not halve; whether the fp16 op is cheaper is for the GPU sweep to tell;
+#: - 2: ``tanh.approx.f32``, and the exp2 of :data:`SOFTCAP_POLY_QUARTERS` quarters of each tile's
+#:   columns computed on the FMA pipe by :func:`_exp2_poly` (FlashAttention-4's software exp2);
+#: - 3: both (fp16x2 tanh and the partial polynomial exp2).
+#:
+#: The fp16x2 tanh is GPU-only (inline PTX): the interpreter uses the exact tanh in every mode, so
+#: there modes 1 / 3 compute what 0 / 2 do. fp32 inputs (the accuracy path) ignore the knob: exact
+#: tanh and MUFU exp2. Set it for a whole process, or use :func:`softcap_mode` for a block.
+SOFTCAP_MODE = 0
+SOFTCAP_MODES = (0, 1, 2, 3)
+#: Modes 2 / 3: how many quarters of a tile's columns (1..4) take the polynomial exp2 (2: half).
+SOFTCAP_POLY_QUARTERS = 2
+
+#: 2^f ~ 1 + c1 f + c2 f^2 + c3 f^3 on f in [-0.5, 0.5]: minimax relative error with the constant
+#: term pinned to 1 (so that 2^-127 comes out as +0.0, see :func:`_exp2_poly`), fitted by linear
+#: programming on 20001 points; evaluated in fp32 (Horner) its max relative error is 1.01e-4
+#: (2^-13.3) over [-0.5, 0.5] (measured on 200001 points), below bf16's and fp16's rounding of the
+#: probabilities (2^-9, 2^-11). Degree 4 would give 2.9e-6.
+EXP2_POLY_COEFFS = (0.6932829022407532, 0.24221095442771912, 0.05500892922282219)
+
+
+def check_softcap_mode(mode, quarters=None) -> tuple[int, int]:
+    """``(mode, quarters)`` validated: mode one of :data:`SOFTCAP_MODES`, quarters in 1..4 (default
+    :data:`SOFTCAP_POLY_QUARTERS`). Raises ValueError otherwise (naming the value)."""
+    quarters = SOFTCAP_POLY_QUARTERS if quarters is None else quarters
+    if type(mode) is not int or mode not in SOFTCAP_MODES:
+        raise ValueError(f"SOFTCAP_MODE must be one of {SOFTCAP_MODES}, got {mode!r}")
+    if type(quarters) is not int or quarters not in (1, 2, 3, 4):
+        raise ValueError(f"SOFTCAP_POLY_QUARTERS must be 1, 2, 3 or 4, got {quarters!r}")
+    return int(mode), int(quarters)
+
+
+@contextlib.contextmanager
+def softcap_mode(mode: int, quarters: int | None = None):
+    """Inside the block, softcap prefill calls run with :data:`SOFTCAP_MODE` ``mode`` (and
+    :data:`SOFTCAP_POLY_QUARTERS` ``quarters``; None keeps it); both are restored on exit. Raises
+    ValueError for a mode outside 0..3 or quarters outside 1..4. Not thread-safe (module globals)::
+
+        with softcap_mode(2):
+            out, lse = flash_attn_with_lse(q, k, v, causal=True, softcap=30.0)
+    """
+    global SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS
+    mode, quarters = check_softcap_mode(mode, quarters)
+    old = SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS
+    SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS = mode, quarters
+    try:
+        yield mode
+    finally:
+        SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS = old
+
+
+def kernel_softcap_flags(softcap_on: bool) -> dict:
+    """The kernel constexprs of the current knobs (``SOFTCAP_MODE``, ``POLY_QUARTERS``); a call
+    without softcap always gets mode 0 (no needless recompiles). Raises ValueError for a knob set
+    to a bad value."""
+    if not softcap_on:
+        return {"SOFTCAP_MODE": 0, "POLY_QUARTERS": 2}
+    mode, quarters = check_softcap_mode(SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS)
+    return {"SOFTCAP_MODE": mode, "POLY_QUARTERS": quarters}
+
+
+# ----------------------------------------------------------------------------------------------
+# tanh and exp2 forms
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _tanh(x, FAST: tl.constexpr, F16X2: tl.constexpr = False):
+    """tanh in fp32. ``FAST``: the GPU's ``tanh.approx.f32`` (one MUFU op, max relative error
+    2^-11, what flash-attn uses), or with ``F16X2`` ``tanh.approx.f16x2`` on the argument rounded to
+    fp16 (two elements per MUFU op; |x| past fp16's range rounds to inf, whose tanh is 1). Else
+    ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` (the interpreter and fp32 inputs)."""
+    if FAST:
+        if F16X2:
+            h = tl.inline_asm_elementwise("tanh.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)],
+                                          dtype=tl.float16, is_pure=True, pack=2)
+            return h.to(tl.float32)
+        else:
+            return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                             is_pure=True, pack=1)
+    else:
+        e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
+        t = (1.0 - e) / (1.0 + e)
+        return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _exp2_poly(x):
+    """2^x in fp32 on the FMA / integer pipes, no MUFU: FlashAttention-4's software exp2 (Tri Dao
+    et al., FlashAttention-4, "software emulation of exp2", flash_attn/cute: Cody-Waite range
+    reduction, a polynomial, the exponent added as an integer).
+
+    For x <= 0 (softmax probabilities; -inf allowed). ``x`` is clamped to >= -127; ``n =
+    round(x)`` by the magic-number trick (``x + 1.5 * 2^23`` rounds to an integer in the low
+    mantissa bits: no floor instruction), ``f = x - n`` in [-0.5, 0.5], ``2^f`` by the degree-3
+    polynomial :data:`EXP2_POLY_COEFFS` (Horner, 3 FMA), and ``n`` added to the exponent field as
+    ``bits(x + M) << 23`` (the magic constant's own bits shift out). Max relative error ~1.0e-4 for
+    x in [-126, 0]; x = -127 and -inf give +0.0 exactly (``2^0 = 1`` exactly, exponent field
+    127 - 127 = 0); x in (-127, -126) gives a subnormal of the right order (never negative or NaN).
+    """
+    x = tl.maximum(x, -127.0)
+    t = x + 12582912.0  # 1.5 * 2^23: round-to-nearest integer in the low bits
+    f = x - (t - 12582912.0)
+    p = tl.fma(f, 0.05500892922282219, 0.24221095442771912)  # EXP2_POLY_COEFFS, Horner (explicit FMAs)
+    p = tl.fma(p, f, 0.6932829022407532)
+    p = tl.fma(p, f, 1.0)
+    bits = (t.to(tl.int32, bitcast=True) << 23) + p.to(tl.int32, bitcast=True)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exp2_mixed(x, QUARTERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """2^x of a ``[BLOCK_M, BLOCK_N]`` tile with ``QUARTERS`` quarters of its columns (0..4) by
+    :func:`_exp2_poly` (FMA pipe) and the rest by ``tl.exp2`` (MUFU). Columns are split only along
+    bits of the column index that a Hopper MMA accumulator keeps inside one thread (bit 0: the
+    adjacent pair; bit 3: the next 8-column group), through ``reshape`` + ``split`` (+ ``permute``):
+    the compiled code moves no data between threads (checked in the sm_90 TTGIR: no
+    ``convert_layout``). Half: odd columns on the polynomial; a quarter: columns ``= 7 mod 8`` and
+    ``= 3 mod 8`` split again by bit 3 (``c % 16`` in {9, 11, 13, 15}); three quarters: the
+    complement of that. ``BLOCK_N`` must be a multiple of 16 for 1 and 3."""
+    if QUARTERS == 0:
+        return tl.exp2(x)
+    elif QUARTERS == 4:
+        return _exp2_poly(x)
+    elif QUARTERS == 2:
+        a, b = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_N // 2, 2]))  # column bit 0
+        return tl.reshape(tl.join(tl.exp2(a), _exp2_poly(b)), [BLOCK_M, BLOCK_N])
+    else:
+        # [M, N/16, bit 3, bits 1-2, bit 0]: split on bit 0, then the odd half on bit 3
+        a, b = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_N // 16, 2, 4, 2]))
+        b0, b1 = tl.split(tl.permute(b, [0, 1, 3, 2]))
+        if QUARTERS == 1:
+            a = tl.exp2(a)
+            b0 = tl.exp2(b0)
+            b1 = _exp2_poly(b1)
+        else:
+            a = _exp2_poly(a)
+            b0 = _exp2_poly(b0)
+            b1 = tl.exp2(b1)
+        b = tl.permute(tl.join(b0, b1), [0, 1, 3, 2])
+        return tl.reshape(tl.join(a, b), [BLOCK_M, BLOCK_N])
+
+
+# ----------------------------------------------------------------------------------------------
+# tile bounds
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _window_tile_bounds(m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
+                        CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Key-tile bounds ``(lo, full_lo, full_hi, hi)`` of the query block starting at row ``m0``:
+    tiles in ``[lo, full_lo)`` and ``[full_hi, hi)`` need the mask, tiles in ``[full_lo,
+    full_hi)`` are visible to every row of the block; keys outside ``[lo, hi)`` are seen by no row
+    and are skipped. Mirrored in Python by :func:`window_tile_bounds` (tested against it)."""
+    p_lo = m0 + diag_shift  # position of the block's first row (bottom-right aligned)
+    p_hi = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1 + diag_shift  # of its last real row
+    vis_hi = seqlen_k
+    full_hi_key = seqlen_k
+    if CAUSAL:
+        vis_hi = tl.minimum(seqlen_k, tl.maximum(p_hi + 1, 0))
+        full_hi_key = tl.minimum(seqlen_k, tl.maximum(p_lo + 1, 0))
+    elif HAS_RIGHT:
+        vis_hi = tl.minimum(seqlen_k, tl.maximum(p_hi + win_right + 1, 0))
+        full_hi_key = tl.minimum(seqlen_k, tl.maximum(p_lo + win_right + 1, 0))
+    lo = vis_hi * 0
+    full_lo = lo
+    if HAS_LEFT:
+        vis_lo = tl.minimum(tl.maximum(p_lo - win_left, 0), vis_hi)
+        lo = (vis_lo // BLOCK_N) * BLOCK_N
+        full_lo_key = tl.maximum(p_hi - win_left, 0)
+        full_lo = tl.minimum(tl.maximum(tl.cdiv(full_lo_key, BLOCK_N) * BLOCK_N, lo), vis_hi)
+    full_hi = tl.maximum((full_hi_key // BLOCK_N) * BLOCK_N, full_lo)
+    return lo, full_lo, full_hi, vis_hi
+
+
+@triton.jit
+def _diagonal_split(m0, seqlen_q, diag_shift, full_lo, full_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Split the unmasked tiles ``[full_lo, full_hi)`` of a non-causal query block at its diagonal:
+    ``(d_lo, d_hi)`` with every key of ``[full_lo, d_lo)`` at or left of the block's first row
+    position (ALiBi's left class), every key of ``[d_hi, full_hi)`` at or right of its last real row
+    (the right class) and the straddling tiles between; all three are multiples of ``BLOCK_N`` or
+    clamped to the range (mirrored by :func:`alibi_tile_classes`)."""
+    p_lo = m0 + diag_shift
+    p_hi = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1 + diag_shift
+    d_lo = (tl.maximum(p_lo + 1, 0) // BLOCK_N) * BLOCK_N  # tiles ending at or before key p_lo
+    d_lo = tl.minimum(tl.maximum(d_lo, full_lo), full_hi)
+    d_hi = tl.cdiv(tl.maximum(p_hi, 0), BLOCK_N) * BLOCK_N  # tiles starting at or after key p_hi
+    d_hi = tl.minimum(tl.maximum(d_hi, d_lo), full_hi)
+    return d_lo, d_hi
+
+
+def alibi_tile_classes(m0: int, block_m: int, block_n: int, seqlen_q: int, seqlen_k: int, *, causal: bool = False,
+                       window_size=(-1, -1)) -> list:
+    """The key ranges the kernel walks for the query block of rows ``[m0, m0 + block_m)`` under
+    ALiBi, with the bias form each uses: a list of ``(start, stop, masked, side)``, ``side`` 1 (keys
+    at or left of every row: ``+slope * (j - base)``), 2 (at or right of every row) or 0 (the full
+    ``|pos - j|`` form). Python mirror of the kernel's loop sequence (tested against brute force:
+    each range's keys satisfy its side's condition for every real row)."""
+    from .flash_attn import _normalise_options, window_tile_bounds
+
+    o = _normalise_options(causal, window_size, 0.0, None, None, None, batch=1, hq=1, device="cpu",
+                           max_q=seqlen_q, max_k=seqlen_k)
+    lo, full_lo, full_hi, hi = window_tile_bounds(m0, block_m, block_n, seqlen_q, seqlen_k, causal=causal,
+                                                  window_size=window_size)
+    if o.causal:
+        return [(lo, full_lo, True, 1), (full_lo, full_hi, False, 1), (full_hi, hi, True, 1)]
+    diag = seqlen_k - seqlen_q
+    p_lo, p_hi = m0 + diag, min(m0 + block_m, seqlen_q) - 1 + diag
+    d_lo = min(max((max(p_lo + 1, 0) // block_n) * block_n, full_lo), full_hi)
+    d_hi = min(max(-(-max(p_hi, 0) // block_n) * block_n, d_lo), full_hi)
+    return [(lo, full_lo, True, 0), (full_lo, d_lo, False, 1), (d_lo, d_hi, False, 0), (d_hi, full_hi, False, 2),
+            (full_hi, hi, True, 0)]
+
+
+# ----------------------------------------------------------------------------------------------
+# the tile loop
+# ----------------------------------------------------------------------------------------------
+
+@triton.jit
+def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
+                    offs_m, offs_n, offs_d, d_ok, lo, hi, seqlen_k, diag_shift, win_left, win_right,
+                    qk_scale, cap_in, cap_out, slope2, alibi_base, max_entry,
+                    stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+                    MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
+                    HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SIDE: tl.constexpr,
+                    FAST_TANH: tl.constexpr, SOFTCAP_MODE: tl.constexpr, POLY_QUARTERS: tl.constexpr,
+                    PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The online-softmax loop of the option path (window, softcap, ALiBi, paged K/V) over the key
+    tiles ``[lo, hi)``. Scores are kept in log2 units: ``s = qk * scale * log2(e)``, or with
+    ``SOFTCAP`` ``softcap * tanh(qk * scale / softcap) * log2(e)``. ALiBi (``slope2 = slope *
+    log2(e)``) adds ``-slope2 * |j - pos| + slope2 * (pos - alibi_base)``, the per-row shift that
+    the caller removes from the LSE, in the form ``ALIBI_SIDE`` picks (module docstring): 1 for
+    tiles with every key ``<= pos`` (or masked), 2 for tiles with every key ``>= pos`` of the real
+    rows, 0 anywhere; -1: ``-slope2 * |j - pos|`` without the row shift (fp32 inputs, whose
+    tolerance the shift's rounding, an ulp of ``slope2 * BLOCK_M / 2``, would eat into). ``MASKED`` tiles mask keys past ``seqlen_k`` and outside the causal / window
+    bounds. ``SOFTCAP_MODE`` / ``POLY_QUARTERS``: :data:`SOFTCAP_MODE`. ``PAGED``: key ``j`` is row
+    ``j % PAGE`` of page ``bt_row[j // PAGE]`` (entries clamped to ``[0, max_entry]``); else K/V
+    advance from ``k_base`` / ``v_base`` (which point at key ``lo``)."""
+    pos = offs_m + diag_shift  # bottom-right aligned query positions
+    TANH16: tl.constexpr = SOFTCAP and FAST_TANH and (SOFTCAP_MODE % 2 == 1)
+    EXP_POLY: tl.constexpr = POLY_QUARTERS if (SOFTCAP and SOFTCAP_MODE >= 2 and not IS_FP32) else 0
+    if ALIBI:
+        rel = pos - alibi_base  # the row's shift is slope2 * rel (not with ALIBI_SIDE -1)
+        if ALIBI_SIDE == 2:
+            row_add = 2.0 * slope2 * rel.to(tl.float32)
+    PAGE_TILE: tl.constexpr = PAGED and (PAGE % BLOCK_N == 0)
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        kidx = start_n + offs_n
+        if MASKED:
+            n_ok = kidx < seqlen_k
+        if PAGED:
+            if PAGE_TILE:  # the tile lies inside one page: one table entry
+                blk = tl.load(bt_row + (start_n // PAGE) * stride_btn)
+                blk = tl.minimum(tl.maximum(blk, 0), max_entry).to(tl.int64)
+                rows = (start_n % PAGE) + offs_n
+                k_ptrs = K + k_head + blk * stride_kp + (rows[:, None] * stride_kn + offs_d[None, :])
+                v_ptrs = V + v_head + blk * stride_vp + (rows[:, None] * stride_vn + offs_d[None, :])
+            else:  # pages smaller than a tile (or not a multiple of it): one entry per key
+                if MASKED:
+                    blk = tl.load(bt_row + (kidx // PAGE) * stride_btn, mask=n_ok, other=0)
+                else:
+                    blk = tl.load(bt_row + (kidx // PAGE) * stride_btn)
+                blk = tl.minimum(tl.maximum(blk, 0), max_entry).to(tl.int64)
+                rows = kidx % PAGE
+                k_ptrs = K + k_head + (blk * stride_kp + rows * stride_kn)[:, None] + offs_d[None, :]
+                v_ptrs = V + v_head + (blk * stride_vp + rows * stride_vn)[:, None] + offs_d[None, :]
+        else:
+            k_ptrs = k_base + k_offs
+            v_ptrs = v_base + v_offs
+        if MASKED:
+            k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            k = tl.load(k_ptrs)
+        else:
+            k = tl.load(k_ptrs, mask=d_ok[None, :], other=0.0)
+        if IS_FP32:
+            qk = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            qk = tl.dot(q, tl.trans(k))
+        # s = raw * sc (log2 units), sc > 0: without ALiBi the row max is taken on raw and the
+        # scale joins the exponent's FMA, as in the plain kernel (one multiply per score saved)
+        if SOFTCAP:
+            raw = _tanh(qk * cap_in, FAST_TANH, TANH16)
+            sc = cap_out
+        else:
+            raw = qk
+            sc = qk_scale
+        if ALIBI:
+            if ALIBI_SIDE == 1:  # every key <= pos: -slope2 (pos - j) + slope2 (pos - base)
+                raw = tl.fma(raw, sc, (slope2 * (kidx - alibi_base).to(tl.float32))[None, :])
+            elif ALIBI_SIDE == 2:  # every key >= pos: the row term 2 slope2 (pos - base) joins m below
+                raw = tl.fma(raw, sc, -(slope2 * (kidx - alibi_base).to(tl.float32))[None, :])
+            elif ALIBI_SIDE == 0:
+                raw = tl.fma(raw, sc, slope2 * (rel[:, None] - tl.abs(kidx[None, :] - pos[:, None])).to(tl.float32))
+            else:  # -1: the direct form, no row shift (fp32 inputs)
+                raw = tl.fma(raw, sc, -slope2 * tl.abs(kidx[None, :] - pos[:, None]).to(tl.float32))
+        if MASKED:
+            ok = n_ok[None, :]
+            if CAUSAL:
+                ok = ok & (kidx[None, :] <= pos[:, None])
+            elif HAS_RIGHT:
+                ok = ok & (kidx[None, :] <= (pos + win_right)[:, None])
+            if HAS_LEFT:
+                ok = ok & (kidx[None, :] >= (pos - win_left)[:, None])
+            raw = tl.where(ok, raw, float("-inf"))
+        if ALIBI:
+            row_max = tl.max(raw, 1)
+            if ALIBI_SIDE == 2:
+                row_max = row_max + row_add
+        else:
+            row_max = tl.max(raw, 1) * sc
+        m_new = tl.maximum(m_i, row_max)
+        if MASKED:
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        alpha = tl.exp2(m_i - m_sub)
+        if ALIBI:
+            if ALIBI_SIDE == 2:
+                m_sub = m_sub - row_add
+            x = raw - m_sub[:, None]
+        else:
+            x = tl.fma(raw, sc, -m_sub[:, None])
+        p = _exp2_mixed(x, EXP_POLY, BLOCK_M, BLOCK_N)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        if MASKED:
+            v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if IS_FP32:
+            acc = tl.dot(p, v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+        if not PAGED:
+            k_base += BLOCK_N * stride_kn
+            v_base += BLOCK_N * stride_vn
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
+                    offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
+                    qk_scale, cap_in, cap_out, slope2, max_entry,
+                    stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                    ALIBI: tl.constexpr, FAST_TANH: tl.constexpr, SOFTCAP_MODE: tl.constexpr,
+                    POLY_QUARTERS: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
+                    IS_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """All key tiles of one query block on the option path: the masked left edge of its window,
+    the unmasked interior, the masked right edge (diagonal / window / Sk tail); tiles outside the
+    window are never visited. Non-causal ALiBi splits the interior at the diagonal
+    (:func:`_diagonal_split`) into the left class, the straddling tiles and the right class. Returns
+    ``(acc, l_i, m_i, alibi_base)``: with ALiBi (16-bit inputs) ``m_i`` carries the per-row shift
+    ``slope2 * (pos - alibi_base)``, which the caller subtracts from the LSE; fp32 inputs take the
+    direct form on every tile (no shift, no split)."""
+    lo, full_lo, full_hi, hi = _window_tile_bounds(m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
+                                                   CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
+    alibi_base = m0 + diag_shift + BLOCK_M // 2  # the block's middle row: shifts within +-slope2 * BLOCK_M / 2
+    # fp32 inputs (the accuracy path) keep the direct form (-1); causal: every visible key is <= pos
+    EDGE: tl.constexpr = -1 if IS_FP32 else (1 if CAUSAL else 0)
+    acc, l_i, m_i = _attn_inner_opt(
+        acc, l_i, m_i, q, k_base + lo.to(tl.int64) * stride_kn, v_base + lo.to(tl.int64) * stride_vn,
+        k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+        lo, full_lo, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2, alibi_base,
+        max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+        True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+        PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+    if ALIBI and not CAUSAL and not IS_FP32:
+        d_lo, d_hi = _diagonal_split(m0, seqlen_q, diag_shift, full_lo, full_hi, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _attn_inner_opt(
+            acc, l_i, m_i, q, k_base + full_lo.to(tl.int64) * stride_kn, v_base + full_lo.to(tl.int64) * stride_vn,
+            k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+            full_lo, d_lo, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
+            alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 1, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _attn_inner_opt(
+            acc, l_i, m_i, q, k_base + d_lo.to(tl.int64) * stride_kn, v_base + d_lo.to(tl.int64) * stride_vn,
+            k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+            d_lo, d_hi, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
+            alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 0, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+        acc, l_i, m_i = _attn_inner_opt(
+            acc, l_i, m_i, q, k_base + d_hi.to(tl.int64) * stride_kn, v_base + d_hi.to(tl.int64) * stride_vn,
+            k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+            d_hi, full_hi, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
+            alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 2, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+    else:
+        acc, l_i, m_i = _attn_inner_opt(
+            acc, l_i, m_i, q, k_base + full_lo.to(tl.int64) * stride_kn, v_base + full_lo.to(tl.int64) * stride_vn,
+            k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+            full_lo, full_hi, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
+            alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+    acc, l_i, m_i = _attn_inner_opt(
+        acc, l_i, m_i, q, k_base + full_hi.to(tl.int64) * stride_kn, v_base + full_hi.to(tl.int64) * stride_vn,
+        k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+        full_hi, hi, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2, alibi_base,
+        max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+        True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+        PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+    return acc, l_i, m_i, alibi_base
