@@ -1,5 +1,8 @@
 """Benchmark: dense prefill attention (flash_attn_with_lse) against its peers, bf16, batch 1.
 
+(Over 450 lines on purpose: one script per kernel, as every benchmark; its dense suite and its
+options suite share the shapes, peers, launch-config sweep and JSON rows.)
+
 Shapes: D=128 with 32 query / 8 KV heads (Llama-3.1-8B) and D=64 with 9 / 3 heads (SmolLM2);
 sequence lengths 4K..128K (Sq = Sk), causal and not. Peers in the same run:
 
@@ -34,7 +37,13 @@ runs the 32K cases and puts the numbers into ``benchmark.extra_info``. Skips wit
 
 ``--quick`` with ``--suite options``: 32K only, D=128 only; ``--sweep`` with it: the window,
 softcap and ALiBi calls also run under each launch config of :data:`SWEEP` (``"sweep"`` in each
-record; the timed rows stay the library's default).
+record; the timed rows stay the library's default), and each softcap case under every softcap form
+of :data:`SOFTCAP_SWEEP` (``flash_attn_opts.SOFTCAP_MODE`` / ``SOFTCAP_POLY_QUARTERS``, at the
+default launch config: ``"softcap_modes"`` in the record, each entry with its mode, quarters,
+TFLOP/s, ratio to the plain kernel and max |diff| against mode 0; a mode that fails to compile or
+run records its error and the sweep goes on). Every softcap / ALiBi record names the softcap form
+its timed row ran (``"softcap_mode"``) and the ALiBi bias form (``"alibi_form"``). ``--cases
+softcap,alibi`` runs only those kinds of case (window, softcap, alibi, paged).
 """
 from __future__ import annotations
 
@@ -53,6 +62,7 @@ from _common import bench_ms, bench_parser, env_record, fmt_table, parse_gpu_arg
 
 SHAPES = {"d128_h32_kv8": (32, 8, 128), "d64_h9_kv3": (9, 3, 64)}
 SEQS = (4096, 8192, 16384, 32768, 65536, 131072)
+DTYPE = torch.bfloat16  # the inputs' dtype (a CPU dry run under the interpreter sets fp16)
 
 
 # Launch configs the --sweep times, keyed on BLOCK_D (16-bit inputs): (block_m, block_n, warps,
@@ -72,10 +82,11 @@ def attn_flops(b, hq, sq, sk, d, causal):
 
 
 def _make(s, hq, hkv, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(1, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k = torch.randn(1, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
-    v = torch.randn(1, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    dev = DEVICE
+    g = torch.Generator(device=dev).manual_seed(seed)
+    q = torch.randn(1, s, hq, d, device=dev, dtype=DTYPE, generator=g)
+    k = torch.randn(1, s, hkv, d, device=dev, dtype=DTYPE, generator=g)
+    v = torch.randn(1, s, hkv, d, device=dev, dtype=DTYPE, generator=g)
     return q, k, v
 
 
@@ -259,8 +270,14 @@ def _rows(records):
 WINDOW = 4096
 WINDOW_SEQS = (32768, 131072)
 SOFTCAP = 50.0  # Gemma 2's attention logit cap
+SCORE_SEQ = 32768  # sequence length of the softcap / ALiBi cases
 PAGES = (16, 256, 1024)
 DEVICE = "cuda"  # the options suite's device (a CPU dry run under the interpreter sets "cpu")
+OPTION_KINDS = ("window", "softcap", "alibi", "paged")
+#: (SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS) pairs the options suite's --sweep times for each softcap
+#: case (flash_attn_opts: 0 tanh.approx.f32 + MUFU exp2; 1 fp16x2 tanh; 2 polynomial exp2 on
+#: quarters / 4 of the columns; 3 both)
+SOFTCAP_SWEEP = [(0, 2), (1, 2), (2, 1), (2, 2), (2, 3), (2, 4), (3, 2), (3, 3)]
 
 
 def window_area(s: int, w: int) -> int:
@@ -331,8 +348,41 @@ def run_window_case(shape, s, window=WINDOW, *, with_flex=True, sweep=False):
     return rec
 
 
+def sweep_softcap_modes(fn, flops: float, plain_ms=None, pairs=None) -> list:
+    """Time ``fn`` (a softcap call) under each ``(mode, quarters)`` of :data:`SOFTCAP_SWEEP`
+    (through ``flash_attn_opts.softcap_mode``), at the library's default launch config:
+    ``[{"mode", "quarters", "ms", "tflops", "ratio_vs_plain", "max_abs_diff_vs_mode0"}]``, or
+    ``{"mode", "quarters", "error"}`` for a form that fails (the sweep goes on; an error that
+    poisons the CUDA context, such as an illegal instruction, fails the later ones too)."""
+    from xoffload.kernels.flash_attn_opts import softcap_mode
+
+    ref = None
+    try:
+        with softcap_mode(0):
+            ref = fn()[0].float()
+    except Exception:
+        pass
+    tried = []
+    for mode, quarters in (SOFTCAP_SWEEP if pairs is None else pairs):
+        row = {"mode": mode, "quarters": quarters}
+        try:
+            with softcap_mode(mode, quarters):
+                out = fn()[0]
+                ms = bench_ms(fn, warmup=10, rep=40)
+            row.update(ms=ms, tflops=tflops(flops, ms))
+            if plain_ms:
+                row["ratio_vs_plain"] = plain_ms / ms  # TFLOP/s ratio, target >= 0.9
+            if ref is not None:
+                row["max_abs_diff_vs_mode0"] = float((out.float() - ref).abs().max())
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        tried.append(row)
+    return tried
+
+
 def run_score_case(kind, shape, s, causal, *, with_flex=True, sweep=False):
     """softcap or ALiBi against our plain kernel (same shape, same FLOPs) and FlexAttention's score_mod."""
+    from xoffload.kernels import flash_attn_opts as fo
     from xoffload.kernels import flash_attn_with_lse
 
     hq, hkv, d = SHAPES[shape]
@@ -340,8 +390,13 @@ def run_score_case(kind, shape, s, causal, *, with_flex=True, sweep=False):
     fl = attn_flops(1, hq, s, s, d, causal)
     slopes = alibi_slopes(hq)
     opt = {"softcap": {"softcap": SOFTCAP}, "alibi": {"alibi_slopes": slopes}}[kind]
-    rec = {"case": kind, "shape": shape, "S": s, "causal": causal, "Hq": hq, "Hkv": hkv, "D": d, "dtype": "bf16",
-           "flops": fl, "impl": {}}
+    rec = {"case": kind, "shape": shape, "S": s, "causal": causal, "Hq": hq, "Hkv": hkv, "D": d,
+           "dtype": str(DTYPE).replace("torch.", "").replace("bfloat16", "bf16"), "flops": fl, "impl": {}}
+    if kind == "softcap":
+        rec["softcap_mode"] = {"mode": fo.SOFTCAP_MODE, "quarters": fo.SOFTCAP_POLY_QUARTERS}
+    else:
+        rec["alibi_form"] = ("per-column bias with a per-row shift off the diagonal, |pos - j| on it "
+                             "(flash_attn_opts)")
     impls = {
         "ours_plain": ((lambda: flash_attn_with_lse(q, k, v, causal=causal)), "flash_attn_with_lse"),
         f"ours_{kind}": ((lambda: flash_attn_with_lse(q, k, v, causal=causal, **opt)),
@@ -363,6 +418,8 @@ def run_score_case(kind, shape, s, causal, *, with_flex=True, sweep=False):
     _time_impls(rec, impls, {n: fl for n in impls})
     if sweep:
         rec["sweep"] = sweep_configs(impls[f"ours_{kind}"][0], d, fl)
+        if kind == "softcap":
+            rec["softcap_modes"] = sweep_softcap_modes(impls["ours_softcap"][0], fl, rec["impl"]["ours_plain"]["ms"])
     t = {n: x["ms"] for n, x in rec["impl"].items()}
     rec["ratios"] = {}
     if t.get(f"ours_{kind}") and t.get("ours_plain"):
@@ -415,16 +472,30 @@ def run_paged_case(shape, s, page):
     return rec
 
 
-def option_cases(quick: bool, window: int, seqs=None):
-    """(function, args, kwargs) of every case of the options suite."""
+def option_cases(quick: bool, window: int, seqs=None, kinds=OPTION_KINDS):
+    """(function, args, kwargs) of every case of the options suite (of the ``kinds`` named)."""
     shapes = ["d128_h32_kv8"] if quick else list(SHAPES)
     wseqs = seqs or ((32768,) if quick else WINDOW_SEQS)
-    cases = [(run_window_case, (sh, s, window), {}) for sh in shapes for s in wseqs]
+    cases = [(run_window_case, (sh, s, window), {}) for sh in shapes for s in wseqs] if "window" in kinds else []
     for kind in ("softcap", "alibi"):
-        causals = (True,) if quick else (True, False)
-        cases += [(run_score_case, (kind, sh, 32768, c), {}) for sh in shapes for c in causals]
-    cases += [(run_paged_case, ("d128_h32_kv8", 32768, p), {}) for p in PAGES]
+        if kind in kinds:
+            causals = (True,) if quick else (True, False)
+            cases += [(run_score_case, (kind, sh, SCORE_SEQ, c), {}) for sh in shapes for c in causals]
+    if "paged" in kinds:
+        cases += [(run_paged_case, ("d128_h32_kv8", 32768, p), {}) for p in PAGES]
     return cases
+
+
+def _kinds(text: str) -> tuple:
+    """``--cases`` value: comma-separated kinds of :data:`OPTION_KINDS`."""
+    import argparse
+
+    kinds = tuple(x.strip() for x in text.split(",") if x.strip())
+    bad = [x for x in kinds if x not in OPTION_KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"unknown case kind {bad[0] if bad else text!r}; "
+                                         f"choose from {', '.join(OPTION_KINDS)}")
+    return kinds
 
 
 def _option_rows(records):
@@ -448,7 +519,7 @@ def main_options(args, no_flex: bool):
         out = os.path.join(os.path.dirname(out), "attention_options.json")
     records = []
     seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else None
-    for fn, a, kw in option_cases(args.quick, args.window, seqs):
+    for fn, a, kw in option_cases(args.quick, args.window, seqs, getattr(args, "cases", OPTION_KINDS)):
         if fn is not run_paged_case:
             kw = {**kw, "with_flex": not no_flex, "sweep": args.sweep}
         try:
@@ -464,6 +535,8 @@ def main_options(args, no_flex: bool):
         print(fmt_table(rows, list(rows[0].keys())), flush=True)
         for t in rec.get("sweep", []):
             print("   sweep", t, flush=True)
+        for t in rec.get("softcap_modes", []):
+            print("   softcap mode", t, flush=True)
     path = write_json(out, {"benchmark": "attention_options", "env": env_record(),
                             "flops_rule": "4*Hq*D per visible (query, key) pair", "batch": 1, "records": records})
     print(f"wrote {path}")
@@ -472,7 +545,8 @@ def main_options(args, no_flex: bool):
 
 def main(argv=None):
     ap = bench_parser(__doc__, "attention", quick_help="only 32K causal, both shapes")
-    ap.add_argument("--sweep", action="store_true", help="also time every config in SWEEP (recorded in the JSON)")
+    ap.add_argument("--sweep", action="store_true", help="also time every config in SWEEP (recorded in the JSON); "
+                    "options suite: and each softcap case under every softcap form of SOFTCAP_SWEEP")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compile time)")
     ap.add_argument("--seqs", type=str, default=None, help="comma-separated sequence lengths (options suite: "
                     "of the window cases)")
@@ -480,6 +554,8 @@ def main(argv=None):
                     help="dense: the plain kernel vs its peers (attention.json); options: sliding window, softcap, "
                          "ALiBi, paged K/V (attention_options.json); all: both")
     ap.add_argument("--window", type=int, default=WINDOW, help="sliding window of the options suite's window cases")
+    ap.add_argument("--cases", type=_kinds, default=OPTION_KINDS,
+                    help=f"options suite: comma-separated kinds of case to run ({', '.join(OPTION_KINDS)}; default all)")
     args = parse_gpu_args(ap, argv)
     if args is None:
         return 0
