@@ -3,7 +3,9 @@ its lowering and ptxas run on the CPU for a named target, so an error the interp
 (a type that does not unify across a branch, a shape Triton refuses) fails here, in CI, instead of
 on the device. Each variant a wrapper launches is compiled: the page-cache lookup one-request
 (with / without block table and hit counters) and batched, the fill, the channel score kernel at
-the tiles ``bench_quest_score.py --sweep`` times, the top-k with and without per-row counts. Runtime behaviour is tested elsewhere (the
+the tiles ``bench_quest_score.py --sweep`` times, the top-k with and without per-row counts, the prefill
+kernel's option path in every softcap mode (``flash_attn_opts.SOFTCAP_MODE``: the fp16x2 tanh's inline
+PTX must pass ptxas) and every ALiBi tile class, on the H200's tiles. Runtime behaviour is tested elsewhere (the
 interpreter, and the GPU suite).
 
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (with it, Triton's own library
@@ -45,12 +47,57 @@ def _channel_types():
     return t
 
 
+def _attn_types(ptr="*bf16"):
+    """Types of the prefill kernel's runtime arguments (flash_attn._attn_fwd): tensors of ``ptr``,
+    the LSE and slopes fp32, tables int32, scales fp32, every other argument an int32."""
+    import inspect
+
+    from xoffload.kernels.flash_attn import _attn_fwd
+
+    t = {p: "i32" for p in inspect.signature(_attn_fwd.fn).parameters}
+    t.update(Q=ptr, K=ptr, V=ptr, O=ptr, LSE="*fp32", CU_Q="*i32", CU_K="*i32", BT="*i32", SEQUSED="*i32",
+             ALIBI_SLOPES="*fp32", qk_scale="fp32", cap_in="fp32", cap_out="fp32")
+    return t
+
+
+def _attn(d, bm, bn, *, causal=True, fp32=False, **flags):
+    """The prefill kernel's constexprs for head dim ``d`` and ``bm x bn`` tiles, option flags set."""
+    c = dict(D=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, VARLEN=False, IS_FP32=fp32, HAS_SEQUSED=False,
+             PAGED=False, PAGE=16, HAS_LEFT=False, HAS_RIGHT=False, SOFTCAP=False, ALIBI=False, FAST_TANH=not fp32,
+             SOFTCAP_MODE=0, POLY_QUARTERS=2)
+    c.update(flags)
+    return c
+
+
+#: the prefill option path's softcap modes and ALiBi tile classes, on the H200 tiles (_gpu_config):
+#: name -> (constexprs, launch options)
+_ATTN_VARIANTS = {
+    **{f"flash_attn softcap mode={m} quarters={qq} d={d}": (_attn(d, 128, bn, SOFTCAP=True, SOFTCAP_MODE=m,
+                                                                  POLY_QUARTERS=qq), {"num_warps": 8, "num_stages": 3})
+       for m, qq, d, bn in ((0, 2, 128, 128), (1, 2, 128, 128), (2, 2, 128, 128), (3, 2, 128, 128), (2, 1, 128, 128),
+                            (2, 3, 128, 128), (2, 4, 128, 128), (3, 4, 128, 128), (2, 2, 64, 64), (3, 2, 64, 64))},
+    "flash_attn alibi causal d=64 (left class)": (_attn(64, 128, 64, ALIBI=True), {"num_warps": 4, "num_stages": 3}),
+    "flash_attn alibi non-causal d=64 (left, diagonal, right)": (_attn(64, 128, 64, causal=False, ALIBI=True),
+                                                                 {"num_warps": 4, "num_stages": 3}),
+    "flash_attn alibi non-causal d=128 (left, diagonal, right)": (_attn(128, 128, 128, causal=False, ALIBI=True),
+                                                                  {"num_warps": 8, "num_stages": 3}),
+    "flash_attn alibi non-causal window d=128": (_attn(128, 64, 64, causal=False, ALIBI=True, HAS_LEFT=True,
+                                                       HAS_RIGHT=True), {"num_warps": 4, "num_stages": 3}),
+    "flash_attn alibi softcap mode=3 causal window paged d=128": (
+        _attn(128, 128, 64, ALIBI=True, SOFTCAP=True, SOFTCAP_MODE=3, HAS_LEFT=True, PAGED=True, PAGE=16),
+        {"num_warps": 8, "num_stages": 3}),
+    "flash_attn alibi fp32 non-causal (direct form)": (_attn(128, 32, 16, causal=False, fp32=True, ALIBI=True,
+                                                             SOFTCAP=True, SOFTCAP_MODE=2),
+                                                       {"num_warps": 4, "num_stages": 2}),
+}
+
+
 def _topk_types():
     return {"S": "*fp32", "Out": "*i32", "Prefer": "*i32", "KR": "*i32", "N": "i32", "K": "i32", "s_sr": "i32",
             "s_or": "i32", "s_pr": "i32", "bonus": "fp32"}
 
 
-#: name -> (module, kernel, types, constexprs)
+#: name -> (module, kernel, types, constexprs[, launch options])
 VARIANTS = {
     **{f"lookup batched={b} bt={bt} hits={h}": ("page_cache", "_lookup_kernel", "lookup",
                                                dict(HKV=8, PAGE=32, BLOCK_K=64, BLOCK_C=1024, HAS_BT=bt,
@@ -63,6 +110,8 @@ VARIANTS = {
        for bn in (16, 32, 64)},
     **{f"topk prefer={p} k_rows={kr}": ("topk", "_topk_kernel", "topk", dict(BLOCK_N=1024, HAS_PREFER=p, HAS_KR=kr))
        for p, kr in ((False, False), (True, False), (True, True), (False, True))},
+    **{name: ("flash_attn", "_attn_fwd", "attn_fp32" if c["IS_FP32"] else "attn", c, o)
+       for name, (c, o) in _ATTN_VARIANTS.items()},
 }
 
 
@@ -70,12 +119,13 @@ def _compile_all() -> dict:
     """Compile every named variant for sm_90 (in this process: no interpreter); name -> "ok" / the error."""
     import importlib
 
-    types = {"lookup": _lookup_types(), "fill": _fill_types(), "channel": _channel_types(), "topk": _topk_types()}
+    types = {"lookup": _lookup_types(), "fill": _fill_types(), "channel": _channel_types(), "topk": _topk_types(),
+             "attn": _attn_types(), "attn_fp32": _attn_types("*fp32")}
     out = {}
-    for name, (mod, kern, tkey, consts) in VARIANTS.items():
+    for name, (mod, kern, tkey, consts, *opts) in VARIANTS.items():
         module = f"xoffload.kernels.{mod}"
         params = inspect.signature(getattr(importlib.import_module(module), kern).fn).parameters
-        spec = {"module": module, "name": kern, "constexprs": consts, "options": {},
+        spec = {"module": module, "name": kern, "constexprs": consts, "options": opts[0] if opts else {},
                 "signature": {p: "constexpr" if p in consts else types[tkey][p] for p in params}}
         fails = _compile_specs([spec])
         out[name] = fails[0][1] if fails else "ok"
