@@ -296,6 +296,12 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
         rel = pos - alibi_base  # the row's shift is slope2 * rel (not with ALIBI_SIDE -1)
         if ALIBI_SIDE == 2:
             row_add = 2.0 * slope2 * rel.to(tl.float32)
+        if ALIBI_SIDE == 1 or ALIBI_SIDE == 2:
+            # the column term slope2 * (j - base) = slope2 * offs_n + slope2 * (start_n - base): a
+            # loop-invariant vector plus one scalar per tile (one add per column, not three)
+            col_vec = slope2 * offs_n.to(tl.float32)
+            if ALIBI_SIDE == 2:
+                col_vec = -col_vec
     PAGE_TILE: tl.constexpr = PAGED and (PAGE % BLOCK_N == 0)
     for start_n in tl.range(lo, hi, BLOCK_N):
         kidx = start_n + offs_n
@@ -340,9 +346,11 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
             sc = qk_scale
         if ALIBI:
             if ALIBI_SIDE == 1:  # every key <= pos: -slope2 (pos - j) + slope2 (pos - base)
-                raw = tl.fma(raw, sc, (slope2 * (kidx - alibi_base).to(tl.float32))[None, :])
+                tile_c = slope2 * (start_n - alibi_base).to(tl.float32)
+                raw = tl.fma(raw, sc, (col_vec + tile_c)[None, :])
             elif ALIBI_SIDE == 2:  # every key >= pos: the row term 2 slope2 (pos - base) joins m below
-                raw = tl.fma(raw, sc, -(slope2 * (kidx - alibi_base).to(tl.float32))[None, :])
+                tile_c = slope2 * (start_n - alibi_base).to(tl.float32)
+                raw = tl.fma(raw, sc, (col_vec - tile_c)[None, :])
             elif ALIBI_SIDE == 0:
                 raw = tl.fma(raw, sc, slope2 * (rel[:, None] - tl.abs(kidx[None, :] - pos[:, None])).to(tl.float32))
             else:  # -1: the direct form, no row shift (fp32 inputs)
