@@ -328,7 +328,7 @@ def run_window_case(shape, s, window=WINDOW, *, with_flex=True, sweep=False):
         except Exception as e:
             impls["flex_window"] = (None, f"unavailable: {type(e).__name__}: {str(e)[:200]}")
     _time_impls(rec, impls, {"ours_window": fl_w, "ours_causal": fl_c, "flex_window": fl_w})
-    if sweep:
+    if sweep and sweep != "modes":
         rec["sweep"] = sweep_configs(impls["ours_window"][0], d, fl_w)
     tw, tc = rec["impl"]["ours_window"]["ms"], rec["impl"]["ours_causal"]["ms"]
     rec["ratios"] = {}
@@ -417,7 +417,8 @@ def run_score_case(kind, shape, s, causal, *, with_flex=True, sweep=False):
             impls[f"flex_{kind}"] = (None, f"unavailable: {type(e).__name__}: {str(e)[:200]}")
     _time_impls(rec, impls, {n: fl for n in impls})
     if sweep:
-        rec["sweep"] = sweep_configs(impls[f"ours_{kind}"][0], d, fl)
+        if sweep != "modes":  # "modes": the softcap forms only, at the default launch config
+            rec["sweep"] = sweep_configs(impls[f"ours_{kind}"][0], d, fl)
         if kind == "softcap":
             rec["softcap_modes"] = sweep_softcap_modes(impls["ours_softcap"][0], fl, rec["impl"]["ours_plain"]["ms"])
     t = {n: x["ms"] for n, x in rec["impl"].items()}
@@ -521,7 +522,7 @@ def main_options(args, no_flex: bool):
     seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else None
     for fn, a, kw in option_cases(args.quick, args.window, seqs, getattr(args, "cases", OPTION_KINDS)):
         if fn is not run_paged_case:
-            kw = {**kw, "with_flex": not no_flex, "sweep": args.sweep}
+            kw = {**kw, "with_flex": not no_flex, "sweep": "modes" if args.sweep_modes else args.sweep}
         try:
             rec = fn(*a, **kw)
         except Exception as e:
@@ -547,6 +548,9 @@ def main(argv=None):
     ap = bench_parser(__doc__, "attention", quick_help="only 32K causal, both shapes")
     ap.add_argument("--sweep", action="store_true", help="also time every config in SWEEP (recorded in the JSON); "
                     "options suite: and each softcap case under every softcap form of SOFTCAP_SWEEP")
+    ap.add_argument("--sweep-modes", action="store_true",
+                    help="options suite: time each softcap case under every softcap form of SOFTCAP_SWEEP, at the "
+                    "default launch config (no config sweep)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compile time)")
     ap.add_argument("--seqs", type=str, default=None, help="comma-separated sequence lengths (options suite: "
                     "of the window cases)")
