@@ -51,6 +51,8 @@ CAP_BYTES = 24 * 2**30
 REUSE_BIAS = None
 #: QuestDecode.dense_layers of the offload + Quest runs (``--dense-layers``; None: the library default)
 DENSE_LAYERS = None
+#: QuestDecode.exact_channels of the offload + Quest runs (``--exact-channels``; 0: Quest's bound alone)
+EXACT_CHANNELS = 0
 
 
 def _quest(budget: int):
@@ -59,6 +61,8 @@ def _quest(budget: int):
     from xoffload.sparse import QuestDecode
 
     kw = {} if DENSE_LAYERS is None else {"dense_layers": DENSE_LAYERS}
+    if EXACT_CHANNELS:  # the "quest-ch" preset's scoring (xoffload.sparse.policy)
+        kw.update(exact_channels=EXACT_CHANNELS, bound_scale=0.25, fit_channels=True)
     return QuestDecode(token_budget=budget, reuse_bias=REUSE_BIAS, **kw)
 
 
@@ -398,6 +402,9 @@ def main(argv=None):
     ap.add_argument("--dense-layers", type=_dense_layers, default=None,
                     help="QuestDecode.dense_layers of the offload + Quest runs: comma-separated layers or 'none' "
                     "(every layer sparse; default: the library's)")
+    ap.add_argument("--exact-channels", type=int, default=0,
+                    help="offload + Quest runs score pages with this many exact key channels, as the 'quest-ch' "
+                    "preset (16; bound_scale 0.25, fitted channels); 0: Quest's min/max bound alone")
     ap.add_argument("--long-batches", default=None,
                     help="batch sizes of the long part besides the largest that fit (comma-separated; 'max': "
                     "only the largest; default 1,2,4,8,16)")
@@ -421,8 +428,8 @@ def main(argv=None):
     a = parse_gpu_args(ap, argv)
     if a is None:
         return 0
-    global REUSE_BIAS, DENSE_LAYERS
-    REUSE_BIAS, DENSE_LAYERS = a.reuse_bias, a.dense_layers
+    global REUSE_BIAS, DENSE_LAYERS, EXACT_CHANNELS
+    REUSE_BIAS, DENSE_LAYERS, EXACT_CHANNELS = a.reuse_bias, a.dense_layers, int(a.exact_channels)
     long_batches = None if a.long_batches is None else \
         (() if a.long_batches.strip() == "max" else tuple(int(x) for x in a.long_batches.split(",") if x.strip()))
     from xoffload.models import random_model
@@ -436,7 +443,7 @@ def main(argv=None):
     # reuse_bias None is the library default, which changed (2, then 8 since session 10): record its value
     res = {"name": "batch", "preset": PRESET, "ctx": a.ctx, "new": new, "reuse_bias": a.reuse_bias,
            "reuse_factor": QuestDecode(reuse_bias=a.reuse_bias).reuse_factor,
-           "dense_layers": list(_quest(a.budget).dense_layers), "results": {}, "errors": {}, "tracebacks": {},
+           "dense_layers": list(_quest(a.budget).dense_layers), "exact_channels": EXACT_CHANNELS, "results": {}, "errors": {}, "tracebacks": {},
            "env": env_record(), "hbm_GBps": hbm_copy_gbps(), "h2d_GBps": h2d_bandwidth_gbps()}
     print(f"HBM copy {res['hbm_GBps']:.0f} GB/s, H2D {res['h2d_GBps']:.1f} GB/s", flush=True)
     model = random_model(PRESET, dtype=torch.bfloat16, device="cuda", seed=0)
