@@ -28,8 +28,7 @@ window; the key tiles outside a query block's window are never visited, :func:`w
 ``seqused_k`` (keys used per sequence). With a window, softcap, ALiBi or pages each query block
 runs three loops: the masked left edge of its window, the unmasked interior, the masked right edge
 (non-causal ALiBi splits the interior at the diagonal). That option path lives in
-:mod:`xoffload.kernels.flash_attn_opts`, with ALiBi's per-tile bias forms and the knob
-``flash_attn_opts.SOFTCAP_MODE`` (softcap's tanh / exp2 forms, read at every launch).
+:mod:`xoffload.kernels.flash_attn_opts`, with ALiBi's per-tile bias forms.
 """
 from __future__ import annotations
 
@@ -44,7 +43,6 @@ from .checks import (
     check_bool, check_cu_seqlens, check_heads, check_int, check_lengths, check_qkv, check_same, check_tensor,
     default_scale, interpreter_on, is_int, next_pow2, use_triton,
 )
-from . import flash_attn_opts as _opts
 from .flash_attn_opts import _attn_opt_loops, _tanh, _window_tile_bounds  # noqa: F401 (re-exported)
 from .launch import LaunchConfig, override_for
 from .reference import attention_ref, varlen_attention_ref
@@ -144,14 +142,12 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, VARLEN: tl.constexpr,
               IS_FP32: tl.constexpr, HAS_SEQUSED: tl.constexpr = False, PAGED: tl.constexpr = False,
               PAGE: tl.constexpr = 16, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
-              SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, FAST_TANH: tl.constexpr = False,
-              SOFTCAP_MODE: tl.constexpr = 0, POLY_QUARTERS: tl.constexpr = 2):
+              SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, FAST_TANH: tl.constexpr = False):
     # Options (all compile-time flags; with none set the code is the plain kernel's):
     # HAS_SEQUSED: key length of item b is SEQUSED[b] (clamped to the keys there are); PAGED: K/V
     # are [num_pages, PAGE, Hkv, D] caches read through the block table BT [B, P] (stride_kb /
     # stride_vb are then the page strides); HAS_LEFT / HAS_RIGHT: sliding window bounds;
     # SOFTCAP: cap_in = scale / softcap, cap_out = softcap * log2(e); ALIBI: per-(b, h) slopes;
-    # SOFTCAP_MODE / POLY_QUARTERS: softcap's tanh / exp2 forms (flash_attn_opts.SOFTCAP_MODE).
     # 1-D grid: the (batch, head) index varies fastest, so the first programs launched are
     # the last query block of every head (the longest rows under causal) and programs that
     # run together share K/V heads (GQA) in L2.
@@ -217,7 +213,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
                 acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
                 offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
                 qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kb, stride_vb, stride_btn,
-                CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS, PAGED, PAGE,
+                CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE,
                 EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
             if ALIBI and not IS_FP32:  # the loops carry the per-row shift slope2 * (pos - alibi_base) in m_i
                 m_i = m_i - slope2 * (offs_m + diag_shift - alibi_base).to(tl.float32)
@@ -534,7 +530,6 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
         D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, VARLEN=varlen,
         IS_FP32=q.dtype == torch.float32, PAGE=k.shape[1] if paged else 16,
         FAST_TANH=bool(q.is_cuda and q.dtype != torch.float32 and not interpreter_on()),
-        **_opts.kernel_softcap_flags(opts.softcap > 0.0),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
 

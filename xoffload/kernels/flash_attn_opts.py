@@ -1,10 +1,8 @@
 """The option path of the prefill kernel (:mod:`xoffload.kernels.flash_attn`): sliding window,
-softcap, ALiBi and paged K/V as compile-time branches of one tile loop, and the knob that picks how
-softcap spends the GPU's special-function unit (MUFU).
+softcap, ALiBi and paged K/V as compile-time branches of one tile loop.
 
-(Over 450 lines on purpose: the option path's tile loop with the helpers it inlines — window tile
-bounds, the ALiBi tile classes, the three tanh and two exp2 forms of softcap — is one unit; the
-public wrapper stays in flash_attn.py.)
+(The option path's tile loop with the helpers it inlines — window tile bounds, the ALiBi tile
+classes, softcap's tanh — is one unit; the public wrapper stays in flash_attn.py.)
 
 ALiBi (Press et al., "Train Short, Test Long: Attention with Linear Biases Enables Input Length
 Extrapolation", ICLR 2022), flash-attn's convention: the bias of query ``i`` (position ``pos = i +
@@ -29,167 +27,34 @@ score carries the row shift, so its fp32 rounding is that of ``|s| + slope * log
 measured 4e-6 vs 5e-7 for the direct form at slope 1, BLOCK_M 128, within the tests' LSE
 tolerance); outputs in 16 bits do not see it. fp32 inputs, the accuracy path, keep the direct form.
 
-Softcap (``softcap * tanh(s / softcap)``) costs two MUFU operations per score on the GPU (tanh and
-exp2) where the plain kernel has one; :data:`SOFTCAP_MODE` selects cheaper forms (see there).
+Softcap (``softcap * tanh(s / softcap)``) costs two MUFU operations per score on the GPU
+(``tanh.approx.f32`` and exp2) where the plain kernel has one. Cheaper forms (an fp16x2 tanh, a
+polynomial exp2 on part of the columns) were measured on the H200 and removed (docs/DESIGN.md).
 """
 from __future__ import annotations
-
-import contextlib
 
 import triton
 import triton.language as tl
 
-__all__ = ["EXP2_POLY_COEFFS", "SOFTCAP_MODE", "SOFTCAP_MODES", "SOFTCAP_POLY_QUARTERS", "alibi_tile_classes",
-           "check_softcap_mode", "softcap_mode"]
-
-#: How the option path computes softcap's tanh and the softmax's exp2 (a kernel constexpr, read by
-#: the wrapper at every launch; only calls with ``softcap > 0`` look at it):
-#:
-#: - 0: ``tanh.approx.f32`` (one MUFU op per score) and ``exp2`` on the MUFU (the default until the
-#:   H200 sweep says otherwise);
-#: - 1: tanh through ``tanh.approx.f16x2``: the argument rounded to fp16, two tanh per PTX
-#:   instruction (PTX ISA: max relative error ~2^-10.7 in fp16), back to fp32. Caveat: ptxas for
-#:   sm_90 (Triton 3.9's) issues it as two ``MUFU.TANH.F16`` SASS ops, so the MUFU issue count does
-#:   not halve; whether the fp16 op is cheaper is for the GPU sweep to tell;
-#: - 2: ``tanh.approx.f32``, and the exp2 of :data:`SOFTCAP_POLY_QUARTERS` quarters of each tile's
-#:   columns computed on the FMA pipe by :func:`_exp2_poly` (FlashAttention-4's software exp2);
-#: - 3: both (fp16x2 tanh and the partial polynomial exp2).
-#:
-#: The fp16x2 tanh is GPU-only (inline PTX): the interpreter uses the exact tanh in every mode, so
-#: there modes 1 / 3 compute what 0 / 2 do. fp32 inputs (the accuracy path) ignore the knob: exact
-#: tanh and MUFU exp2. Set it for a whole process, or use :func:`softcap_mode` for a block.
-SOFTCAP_MODE = 0
-SOFTCAP_MODES = (0, 1, 2, 3)
-#: Modes 2 / 3: how many quarters of a tile's columns (1..4) take the polynomial exp2 (2: half).
-SOFTCAP_POLY_QUARTERS = 2
-
-#: 2^f ~ 1 + c1 f + c2 f^2 + c3 f^3 on f in [-0.5, 0.5]: minimax relative error with the constant
-#: term pinned to 1 (so that 2^-127 comes out as +0.0, see :func:`_exp2_poly`), fitted by linear
-#: programming on 20001 points; evaluated in fp32 (Horner) its max relative error is 1.01e-4
-#: (2^-13.3) over [-0.5, 0.5] (measured on 200001 points), below bf16's and fp16's rounding of the
-#: probabilities (2^-9, 2^-11). Degree 4 would give 2.9e-6.
-EXP2_POLY_COEFFS = (0.6932829022407532, 0.24221095442771912, 0.05500892922282219)
-
-
-def check_softcap_mode(mode, quarters=None) -> tuple[int, int]:
-    """``(mode, quarters)`` validated: mode one of :data:`SOFTCAP_MODES`, quarters in 1..4 (default
-    :data:`SOFTCAP_POLY_QUARTERS`). Raises ValueError otherwise (naming the value)."""
-    quarters = SOFTCAP_POLY_QUARTERS if quarters is None else quarters
-    if type(mode) is not int or mode not in SOFTCAP_MODES:
-        raise ValueError(f"SOFTCAP_MODE must be one of {SOFTCAP_MODES}, got {mode!r}")
-    if type(quarters) is not int or quarters not in (1, 2, 3, 4):
-        raise ValueError(f"SOFTCAP_POLY_QUARTERS must be 1, 2, 3 or 4, got {quarters!r}")
-    return int(mode), int(quarters)
-
-
-@contextlib.contextmanager
-def softcap_mode(mode: int, quarters: int | None = None):
-    """Inside the block, softcap prefill calls run with :data:`SOFTCAP_MODE` ``mode`` (and
-    :data:`SOFTCAP_POLY_QUARTERS` ``quarters``; None keeps it); both are restored on exit. Raises
-    ValueError for a mode outside 0..3 or quarters outside 1..4. Not thread-safe (module globals)::
-
-        with softcap_mode(2):
-            out, lse = flash_attn_with_lse(q, k, v, causal=True, softcap=30.0)
-    """
-    global SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS
-    mode, quarters = check_softcap_mode(mode, quarters)
-    old = SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS
-    SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS = mode, quarters
-    try:
-        yield mode
-    finally:
-        SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS = old
-
-
-def kernel_softcap_flags(softcap_on: bool) -> dict:
-    """The kernel constexprs of the current knobs (``SOFTCAP_MODE``, ``POLY_QUARTERS``); a call
-    without softcap always gets mode 0 (no needless recompiles). Raises ValueError for a knob set
-    to a bad value."""
-    if not softcap_on:
-        return {"SOFTCAP_MODE": 0, "POLY_QUARTERS": 2}
-    mode, quarters = check_softcap_mode(SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS)
-    return {"SOFTCAP_MODE": mode, "POLY_QUARTERS": quarters}
+__all__ = ["alibi_tile_classes"]
 
 
 # ----------------------------------------------------------------------------------------------
-# tanh and exp2 forms
+# tanh
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _tanh(x, FAST: tl.constexpr, F16X2: tl.constexpr = False):
+def _tanh(x, FAST: tl.constexpr):
     """tanh in fp32. ``FAST``: the GPU's ``tanh.approx.f32`` (one MUFU op, max relative error
-    2^-11, what flash-attn uses), or with ``F16X2`` ``tanh.approx.f16x2`` on the argument rounded to
-    fp16 (two elements per MUFU op; |x| past fp16's range rounds to inf, whose tanh is 1). Else
-    ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` (the interpreter and fp32 inputs)."""
+    2^-11, what flash-attn uses); else ``(1 - e) / (1 + e)`` with ``e = exp(-2|x|)`` (the
+    interpreter and fp32 inputs)."""
     if FAST:
-        if F16X2:
-            h = tl.inline_asm_elementwise("tanh.approx.f16x2 $0, $1;", "=r,r", [x.to(tl.float16)],
-                                          dtype=tl.float16, is_pure=True, pack=2)
-            return h.to(tl.float32)
-        else:
-            return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
-                                             is_pure=True, pack=1)
+        return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32,
+                                         is_pure=True, pack=1)
     else:
         e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # exp(-2|x|)
         t = (1.0 - e) / (1.0 + e)
         return tl.where(x < 0, -t, t)
-
-
-@triton.jit
-def _exp2_poly(x):
-    """2^x in fp32 on the FMA / integer pipes, no MUFU: FlashAttention-4's software exp2 (Tri Dao
-    et al., FlashAttention-4, "software emulation of exp2", flash_attn/cute: Cody-Waite range
-    reduction, a polynomial, the exponent added as an integer).
-
-    For x <= 0 (softmax probabilities; -inf allowed). ``x`` is clamped to >= -127; ``n =
-    round(x)`` by the magic-number trick (``x + 1.5 * 2^23`` rounds to an integer in the low
-    mantissa bits: no floor instruction), ``f = x - n`` in [-0.5, 0.5], ``2^f`` by the degree-3
-    polynomial :data:`EXP2_POLY_COEFFS` (Horner, 3 FMA), and ``n`` added to the exponent field as
-    ``bits(x + M) << 23`` (the magic constant's own bits shift out). Max relative error ~1.0e-4 for
-    x in [-126, 0]; x = -127 and -inf give +0.0 exactly (``2^0 = 1`` exactly, exponent field
-    127 - 127 = 0); x in (-127, -126) gives a subnormal of the right order (never negative or NaN).
-    """
-    x = tl.maximum(x, -127.0)
-    t = x + 12582912.0  # 1.5 * 2^23: round-to-nearest integer in the low bits
-    f = x - (t - 12582912.0)
-    p = tl.fma(f, 0.05500892922282219, 0.24221095442771912)  # EXP2_POLY_COEFFS, Horner (explicit FMAs)
-    p = tl.fma(p, f, 0.6932829022407532)
-    p = tl.fma(p, f, 1.0)
-    bits = (t.to(tl.int32, bitcast=True) << 23) + p.to(tl.int32, bitcast=True)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _exp2_mixed(x, QUARTERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """2^x of a ``[BLOCK_M, BLOCK_N]`` tile with ``QUARTERS`` quarters of its columns (0..4) by
-    :func:`_exp2_poly` (FMA pipe) and the rest by ``tl.exp2`` (MUFU). Columns are split only along
-    bits of the column index that a Hopper MMA accumulator keeps inside one thread (bit 0: the
-    adjacent pair; bit 3: the next 8-column group), through ``reshape`` + ``split`` (+ ``permute``):
-    the compiled code moves no data between threads (checked in the sm_90 TTGIR: no
-    ``convert_layout``). Half: odd columns on the polynomial; a quarter: columns ``= 7 mod 8`` and
-    ``= 3 mod 8`` split again by bit 3 (``c % 16`` in {9, 11, 13, 15}); three quarters: the
-    complement of that. ``BLOCK_N`` must be a multiple of 16 for 1 and 3."""
-    if QUARTERS == 0:
-        return tl.exp2(x)
-    elif QUARTERS == 4:
-        return _exp2_poly(x)
-    elif QUARTERS == 2:
-        a, b = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_N // 2, 2]))  # column bit 0
-        return tl.reshape(tl.join(tl.exp2(a), _exp2_poly(b)), [BLOCK_M, BLOCK_N])
-    else:
-        # [M, N/16, bit 3, bits 1-2, bit 0]: split on bit 0, then the odd half on bit 3
-        a, b = tl.split(tl.reshape(x, [BLOCK_M, BLOCK_N // 16, 2, 4, 2]))
-        b0, b1 = tl.split(tl.permute(b, [0, 1, 3, 2]))
-        if QUARTERS == 1:
-            a = tl.exp2(a)
-            b0 = tl.exp2(b0)
-            b1 = _exp2_poly(b1)
-        else:
-            a = _exp2_poly(a)
-            b0 = _exp2_poly(b0)
-            b1 = tl.exp2(b1)
-        b = tl.permute(tl.join(b0, b1), [0, 1, 3, 2])
-        return tl.reshape(tl.join(a, b), [BLOCK_M, BLOCK_N])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,8 +140,7 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
                     stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SIDE: tl.constexpr,
-                    FAST_TANH: tl.constexpr, SOFTCAP_MODE: tl.constexpr, POLY_QUARTERS: tl.constexpr,
-                    PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
+                    FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The online-softmax loop of the option path (window, softcap, ALiBi, paged K/V) over the key
     tiles ``[lo, hi)``. Scores are kept in log2 units: ``s = qk * scale * log2(e)``, or with
@@ -286,12 +150,10 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
     tiles with every key ``<= pos`` (or masked), 2 for tiles with every key ``>= pos`` of the real
     rows, 0 anywhere; -1: ``-slope2 * |j - pos|`` without the row shift (fp32 inputs, whose
     tolerance the shift's rounding, an ulp of ``slope2 * BLOCK_M / 2``, would eat into). ``MASKED`` tiles mask keys past ``seqlen_k`` and outside the causal / window
-    bounds. ``SOFTCAP_MODE`` / ``POLY_QUARTERS``: :data:`SOFTCAP_MODE`. ``PAGED``: key ``j`` is row
+    bounds. ``PAGED``: key ``j`` is row
     ``j % PAGE`` of page ``bt_row[j // PAGE]`` (entries clamped to ``[0, max_entry]``); else K/V
     advance from ``k_base`` / ``v_base`` (which point at key ``lo``)."""
     pos = offs_m + diag_shift  # bottom-right aligned query positions
-    TANH16: tl.constexpr = SOFTCAP and FAST_TANH and (SOFTCAP_MODE % 2 == 1)
-    EXP_POLY: tl.constexpr = POLY_QUARTERS if (SOFTCAP and SOFTCAP_MODE >= 2 and not IS_FP32) else 0
     if ALIBI:
         rel = pos - alibi_base  # the row's shift is slope2 * rel (not with ALIBI_SIDE -1)
         if ALIBI_SIDE == 2:
@@ -339,7 +201,7 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
         # s = raw * sc (log2 units), sc > 0: without ALiBi the row max is taken on raw and the
         # scale joins the exponent's FMA, as in the plain kernel (one multiply per score saved)
         if SOFTCAP:
-            raw = _tanh(qk * cap_in, FAST_TANH, TANH16)
+            raw = _tanh(qk * cap_in, FAST_TANH)
             sc = cap_out
         else:
             raw = qk
@@ -382,7 +244,7 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
             x = raw - m_sub[:, None]
         else:
             x = tl.fma(raw, sc, -m_sub[:, None])
-        p = _exp2_mixed(x, EXP_POLY, BLOCK_M, BLOCK_N)
+        p = tl.exp2(x)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         if MASKED:
@@ -408,8 +270,7 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
                     qk_scale, cap_in, cap_out, slope2, max_entry,
                     stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                    ALIBI: tl.constexpr, FAST_TANH: tl.constexpr, SOFTCAP_MODE: tl.constexpr,
-                    POLY_QUARTERS: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
+                    ALIBI: tl.constexpr, FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
                     IS_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """All key tiles of one query block on the option path: the masked left edge of its window,
     the unmasked interior, the masked right edge (diagonal / window / Sk tail); tiles outside the
@@ -428,7 +289,7 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
         k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
         lo, full_lo, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2, alibi_base,
         max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-        True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+        True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
         PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
     if ALIBI and not CAUSAL and not IS_FP32:
         d_lo, d_hi = _diagonal_split(m0, seqlen_q, diag_shift, full_lo, full_hi, BLOCK_M, BLOCK_N)
@@ -437,21 +298,21 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             full_lo, d_lo, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 1, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 1, FAST_TANH,
             PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base + d_lo.to(tl.int64) * stride_kn, v_base + d_lo.to(tl.int64) * stride_vn,
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             d_lo, d_hi, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 0, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 0, FAST_TANH,
             PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base + d_hi.to(tl.int64) * stride_kn, v_base + d_hi.to(tl.int64) * stride_vn,
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             d_hi, full_hi, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 2, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 2, FAST_TANH,
             PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
     else:
         acc, l_i, m_i = _attn_inner_opt(
@@ -459,13 +320,13 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             full_lo, full_hi, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
             PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _attn_inner_opt(
         acc, l_i, m_i, q, k_base + full_hi.to(tl.int64) * stride_kn, v_base + full_hi.to(tl.int64) * stride_vn,
         k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
         full_hi, hi, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2, alibi_base,
         max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-        True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH, SOFTCAP_MODE, POLY_QUARTERS,
+        True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
         PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
     return acc, l_i, m_i, alibi_base
