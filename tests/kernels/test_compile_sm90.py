@@ -4,8 +4,8 @@ its lowering and ptxas run on the CPU for a named target, so an error the interp
 on the device. Each variant a wrapper launches is compiled: the page-cache lookup one-request
 (with / without block table and hit counters) and batched, the fill, the channel score kernel at
 the tiles ``bench_quest_score.py --sweep`` times, the top-k with and without per-row counts, the prefill
-kernel's option path in every softcap mode (``flash_attn_opts.SOFTCAP_MODE``: the fp16x2 tanh's inline
-PTX must pass ptxas) and every ALiBi tile class, on the H200's tiles. Runtime behaviour is tested elsewhere (the
+kernel's option path with softcap (the ``tanh.approx.f32`` inline PTX must pass ptxas) and every ALiBi
+tile class, on the H200's tiles. Runtime behaviour is tested elsewhere (the
 interpreter, and the GPU suite).
 
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (with it, Triton's own library
@@ -63,19 +63,16 @@ def _attn_types(ptr="*bf16"):
 def _attn(d, bm, bn, *, causal=True, fp32=False, **flags):
     """The prefill kernel's constexprs for head dim ``d`` and ``bm x bn`` tiles, option flags set."""
     c = dict(D=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, VARLEN=False, IS_FP32=fp32, HAS_SEQUSED=False,
-             PAGED=False, PAGE=16, HAS_LEFT=False, HAS_RIGHT=False, SOFTCAP=False, ALIBI=False, FAST_TANH=not fp32,
-             SOFTCAP_MODE=0, POLY_QUARTERS=2)
+             PAGED=False, PAGE=16, HAS_LEFT=False, HAS_RIGHT=False, SOFTCAP=False, ALIBI=False, FAST_TANH=not fp32)
     c.update(flags)
     return c
 
 
-#: the prefill option path's softcap modes and ALiBi tile classes, on the H200 tiles (_gpu_config):
+#: the prefill option path's softcap and ALiBi tile classes, on the H200 tiles (_gpu_config):
 #: name -> (constexprs, launch options)
 _ATTN_VARIANTS = {
-    **{f"flash_attn softcap mode={m} quarters={qq} d={d}": (_attn(d, 128, bn, SOFTCAP=True, SOFTCAP_MODE=m,
-                                                                  POLY_QUARTERS=qq), {"num_warps": 8, "num_stages": 3})
-       for m, qq, d, bn in ((0, 2, 128, 128), (1, 2, 128, 128), (2, 2, 128, 128), (3, 2, 128, 128), (2, 1, 128, 128),
-                            (2, 3, 128, 128), (2, 4, 128, 128), (3, 4, 128, 128), (2, 2, 64, 64), (3, 2, 64, 64))},
+    **{f"flash_attn softcap d={d}": (_attn(d, 128, bn, SOFTCAP=True), {"num_warps": 8, "num_stages": 3})
+       for d, bn in ((128, 128), (64, 64))},
     "flash_attn alibi causal d=64 (left class)": (_attn(64, 128, 64, ALIBI=True), {"num_warps": 4, "num_stages": 3}),
     "flash_attn alibi non-causal d=64 (left, diagonal, right)": (_attn(64, 128, 64, causal=False, ALIBI=True),
                                                                  {"num_warps": 4, "num_stages": 3}),
@@ -83,11 +80,11 @@ _ATTN_VARIANTS = {
                                                                   {"num_warps": 8, "num_stages": 3}),
     "flash_attn alibi non-causal window d=128": (_attn(128, 64, 64, causal=False, ALIBI=True, HAS_LEFT=True,
                                                        HAS_RIGHT=True), {"num_warps": 4, "num_stages": 3}),
-    "flash_attn alibi softcap mode=3 causal window paged d=128": (
-        _attn(128, 128, 64, ALIBI=True, SOFTCAP=True, SOFTCAP_MODE=3, HAS_LEFT=True, PAGED=True, PAGE=16),
+    "flash_attn alibi softcap causal window paged d=128": (
+        _attn(128, 128, 64, ALIBI=True, SOFTCAP=True, HAS_LEFT=True, PAGED=True, PAGE=16),
         {"num_warps": 8, "num_stages": 3}),
     "flash_attn alibi fp32 non-causal (direct form)": (_attn(128, 32, 16, causal=False, fp32=True, ALIBI=True,
-                                                             SOFTCAP=True, SOFTCAP_MODE=2),
+                                                             SOFTCAP=True),
                                                        {"num_warps": 4, "num_stages": 2}),
 }
 

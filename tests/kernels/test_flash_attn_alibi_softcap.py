@@ -1,4 +1,4 @@
-"""The option path's ALiBi tile classes and softcap's tanh / exp2 forms (``xoffload.kernels.flash_attn_opts``).
+"""The option path's ALiBi tile classes, and softcap through it (``xoffload.kernels.flash_attn_opts``).
 
 ALiBi: most tiles add only a per-column term (a per-row shift, removed from the LSE at the end);
 tiles straddling the diagonal use the full ``|pos - j|`` form. The cases here put query blocks
@@ -8,13 +8,11 @@ and check out and LSE against the fp32 reference (``xoffload.kernels.reference``
 in-dtype tolerance rule of ``test_flash_attn_options`` (``check_options``). The Python mirror of
 the tile classes is checked by brute force, and against the kernel's jit function.
 
-Softcap: the polynomial exp2 (FlashAttention-4's software exp2) against ``torch.exp2`` over
-[-126, 0] and at -inf, the column split of the mixed exp2, and every ``SOFTCAP_MODE`` /
-``SOFTCAP_POLY_QUARTERS`` through the kernel (under the interpreter the fp16x2 tanh is the exact
-formula, so modes 1 / 3 run the code of 0 / 2); ``@pytest.mark.cuda`` tests run every mode on a GPU
-(bf16 / fp16, the inline PTX included) with the same tolerance rule.
+Softcap (``tanh.approx.f32`` + ``tl.exp2`` on the GPU, the exact tanh formula under the
+interpreter and for fp32) against the reference with the same rule, in the interpreter and
+(``@pytest.mark.cuda``) on a GPU in bf16 / fp16, alone and with a window and ALiBi; the other
+option combinations with softcap are in ``test_flash_attn_options``.
 """
-import math
 import random
 
 import pytest
@@ -25,10 +23,7 @@ import triton.language as tl
 from helpers import assert_lse_match, max_err
 from test_flash_attn_options import _cu, _paged, _rand, _slopes, check_options, check_varlen_options
 from xoffload.kernels import flash_attn_with_lse, launch_override
-from xoffload.kernels import flash_attn_opts as fo
-from xoffload.kernels.flash_attn_opts import (
-    EXP2_POLY_COEFFS, _diagonal_split, _exp2_mixed, _exp2_poly, alibi_tile_classes, softcap_mode,
-)
+from xoffload.kernels.flash_attn_opts import _diagonal_split, alibi_tile_classes
 from xoffload.kernels.reference import attention_ref, window_mask
 
 
@@ -213,146 +208,33 @@ def test_causal_alibi_uses_only_the_column_form():
 
 
 # ---------------------------------------------------------------------------------------------
-# softcap: the polynomial exp2 and the modes
+# softcap
 # ---------------------------------------------------------------------------------------------
 
-@triton.jit
-def _probe_exp2_poly(X, Y, N: tl.constexpr):
-    o = tl.program_id(0) * N + tl.arange(0, N)
-    tl.store(Y + o, _exp2_poly(tl.load(X + o)))
-
-
-@triton.jit
-def _probe_exp2_mixed(X, Y, Q: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-    r = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
-    tl.store(Y + r, _exp2_mixed(tl.load(X + r), Q, BM, BN))
-
-
-def _exp2_poly_of(x):
-    n = x.numel()
-    chunk = 65536
-    pad = -(-n // chunk) * chunk
-    xx = torch.full((pad,), -1.0, device=x.device)
-    xx[:n] = x
-    y = torch.empty_like(xx)
-    _probe_exp2_poly[(pad // chunk,)](xx, y, N=chunk)
-    return y[:n]
-
-
-#: the accuracy the softmax probabilities need: half an fp16 ulp (fp16 keeps the most mantissa of
-#: the kernel's 16-bit P operand)
-_POLY_TOL = torch.finfo(torch.float16).eps / 2
-
-
-def test_exp2_poly_accuracy(device):
-    x = torch.linspace(-126.0, 0.0, 1 << 20, device=device)
-    x = torch.cat([x, -torch.rand(1 << 16, generator=torch.Generator().manual_seed(0)).to(device)])
-    y = _exp2_poly_of(x).double()
-    ref = torch.exp2(x.double())
-    rel = float(((y - ref).abs() / ref).max())
-    assert rel <= _POLY_TOL, f"max relative error {rel:.3g} (log2 {math.log2(rel):.2f}) > {_POLY_TOL:.3g}"
-    # the polynomial itself, exactly as documented (fp32 Horner of EXP2_POLY_COEFFS)
-    f = torch.linspace(-0.5, 0.5, 10001, dtype=torch.float64)
-    c1, c2, c3 = EXP2_POLY_COEFFS
-    poly = 1 + f * (c1 + f * (c2 + f * c3))
-    assert float((poly / torch.exp2(f) - 1).abs().max()) <= _POLY_TOL
-    # -inf, -127 and anything below give +0.0 exactly; (-127, -126) a subnormal, never negative / NaN
-    low = torch.tensor([float("-inf"), -1e30, -1000.0, -127.0, -126.9, -126.5, -126.01, -0.0], device=device)
-    got = _exp2_poly_of(low)
-    assert got[:4].tolist() == [0.0, 0.0, 0.0, 0.0] and not torch.signbit(got[:4]).any()
-    assert ((got[4:7] >= 0) & (got[4:7] <= 2.0 ** -126)).all() and float(got[7]) == 1.0
-    assert torch.isfinite(got).all()
-
-
-@pytest.mark.parametrize("quarters", [0, 1, 2, 3, 4])
-def test_exp2_mixed_splits_the_documented_columns(device, quarters):
-    g = torch.Generator().manual_seed(quarters)
-    bm, bn = 16, 64
-    x = (-torch.rand(bm, bn, generator=g) * 40).to(device)
-    x[0, :] = float("-inf")
-    y = torch.empty_like(x)
-    _probe_exp2_mixed[(1,)](x, y, Q=quarters, BM=bm, BN=bn)
-    poly = _exp2_poly_of(x.flatten()).view(bm, bn)
-    col = torch.arange(bn, device=device)
-    want_poly = {0: col < 0, 4: col >= 0, 2: col % 2 == 1, 1: (col % 2 == 1) & (col % 16 >= 8),
-                 3: (col % 2 == 0) | (col % 16 < 8)}[quarters]
-    assert int(want_poly.sum()) == bn * quarters // 4
-    assert torch.equal(y[:, want_poly], poly[:, want_poly])
-    rel = ((y[1:].double() - torch.exp2(x[1:].double())).abs() / torch.exp2(x[1:].double())).max()
-    assert float(rel) <= _POLY_TOL and (y[0] == 0).all()
-
-
-_SOFTCAP_MODE_CASES = [(0, 2), (1, 2), (2, 1), (2, 2), (2, 3), (2, 4), (3, 2)]
-
-
-@pytest.mark.parametrize("mode,quarters", _SOFTCAP_MODE_CASES)
 @pytest.mark.parametrize("causal,dtype,d", [(True, torch.float16, 64), (False, torch.float16, 80),
                                             (True, torch.float32, 64)])
-def test_softcap_modes(device, mode, quarters, causal, dtype, d):
+def test_softcap(device, causal, dtype, d):
     q, k, v = _qkv(1, 70, 90, 4, 2, d, dtype, device, 50 + d, q_scale=3.0)
-    with softcap_mode(mode, quarters):
-        out, _, _, _ = check_options(q, k, v, causal=causal, softcap=5.0)
+    out, _, _, _ = check_options(q, k, v, causal=causal, softcap=5.0)
     plain, _ = flash_attn_with_lse(q, k, v, causal=causal)
     assert max_err(out, plain) > 1e-2  # the cap changes the answer
 
 
-@pytest.mark.parametrize("mode", [2, 3])
-def test_softcap_modes_with_window_alibi_paged(device, mode):
-    q, k, v = _qkv(2, 77, 145, 6, 3, 64, torch.float16, device, 51, q_scale=2.0)
-    g = torch.Generator().manual_seed(52)
-    kc, vc, table = _paged(k, v, 16, g)
-    used = torch.tensor([145, 99], dtype=torch.int32, device=device)
-    with softcap_mode(mode):
-        check_options(q, k, v, causal=True, window_size=(50, -1), softcap=10.0, alibi_slopes=_slopes((2, 6), device))
-        check_options(q, k, v, window_size=(20, 30), softcap=10.0, alibi_slopes=_slopes((6,), device))
-        with launch_override("flash_attn", (16, 16, 4, 1)):
-            check_options(q, kc, vc, softcap=10.0, alibi_slopes=_slopes((6,), device), block_table=table,
-                          seqused_k=used)
-
-
-def test_softcap_mode_knob():
-    assert fo.SOFTCAP_MODE == 0 and fo.SOFTCAP_POLY_QUARTERS == 2  # the defaults until the GPU sweep
-    with softcap_mode(3, 4):
-        assert (fo.SOFTCAP_MODE, fo.SOFTCAP_POLY_QUARTERS) == (3, 4)
-        assert fo.kernel_softcap_flags(True) == {"SOFTCAP_MODE": 3, "POLY_QUARTERS": 4}
-        assert fo.kernel_softcap_flags(False) == {"SOFTCAP_MODE": 0, "POLY_QUARTERS": 2}  # no recompiles
-        with softcap_mode(1):
-            assert (fo.SOFTCAP_MODE, fo.SOFTCAP_POLY_QUARTERS) == (1, 4)
-        assert fo.SOFTCAP_MODE == 3
-    assert (fo.SOFTCAP_MODE, fo.SOFTCAP_POLY_QUARTERS) == (0, 2)
-    for bad, kw in ((4, {}), (-1, {}), (True, {}), (2.0, {}), (2, {"quarters": 0}), (2, {"quarters": 5}),
-                    (2, {"quarters": 2.0})):
-        with pytest.raises(ValueError, match="SOFTCAP_MODE must be one of|SOFTCAP_POLY_QUARTERS must be"):
-            with softcap_mode(bad, **kw):
-                pass
-    assert (fo.SOFTCAP_MODE, fo.SOFTCAP_POLY_QUARTERS) == (0, 2)
-
-
-def test_bad_global_softcap_mode_raises_at_the_call(device, monkeypatch):
-    q, k, v = _qkv(1, 8, 8, 2, 1, 32, torch.float16, device, 53)
-    monkeypatch.setattr(fo, "SOFTCAP_MODE", 7)
-    with pytest.raises(ValueError, match=r"SOFTCAP_MODE must be one of \(0, 1, 2, 3\), got 7"):
-        flash_attn_with_lse(q, k, v, softcap=5.0)
-    flash_attn_with_lse(q, k, v)  # without softcap the knob is not read
-
-
 # ---------------------------------------------------------------------------------------------
-# GPU: every mode with the inline PTX, bf16 / fp16
+# GPU: softcap with the inline PTX tanh, the ALiBi tile classes; bf16 / fp16
 # ---------------------------------------------------------------------------------------------
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode,quarters", [(1, 2), (2, 1), (2, 2), (2, 3), (2, 4), (3, 2), (3, 4)])
 @pytest.mark.parametrize("dtype,d,causal", [(torch.bfloat16, 128, True), (torch.bfloat16, 64, False),
                                             (torch.float16, 128, False), (torch.float16, 64, True)])
-def test_gpu_softcap_modes(mode, quarters, dtype, d, causal):
-    torch.manual_seed(mode * 10 + quarters)
+def test_gpu_softcap(dtype, d, causal):
+    torch.manual_seed(d + causal)
     b, sq, sk, hq, hkv = 1, 1500, 2000, 8, 2
     q = (torch.randn(b, sq, hq, d, device="cuda") * 2.0).to(dtype)
     k = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
     v = torch.randn(b, sk, hkv, d, device="cuda", dtype=dtype)
-    with softcap_mode(mode, quarters):
-        check_options(q, k, v, causal=causal, softcap=30.0)
-        check_options(q, k, v, causal=True, softcap=30.0, window_size=(300, -1), alibi_slopes=_slopes((hq,), "cuda"))
+    check_options(q, k, v, causal=causal, softcap=30.0)
+    check_options(q, k, v, causal=True, softcap=30.0, window_size=(300, -1), alibi_slopes=_slopes((hq,), "cuda"))
 
 
 @pytest.mark.cuda
