@@ -37,13 +37,9 @@ runs the 32K cases and puts the numbers into ``benchmark.extra_info``. Skips wit
 
 ``--quick`` with ``--suite options``: 32K only, D=128 only; ``--sweep`` with it: the window,
 softcap and ALiBi calls also run under each launch config of :data:`SWEEP` (``"sweep"`` in each
-record; the timed rows stay the library's default), and each softcap case under every softcap form
-of :data:`SOFTCAP_SWEEP` (``flash_attn_opts.SOFTCAP_MODE`` / ``SOFTCAP_POLY_QUARTERS``, at the
-default launch config: ``"softcap_modes"`` in the record, each entry with its mode, quarters,
-TFLOP/s, ratio to the plain kernel and max |diff| against mode 0; a mode that fails to compile or
-run records its error and the sweep goes on). Every softcap / ALiBi record names the softcap form
-its timed row ran (``"softcap_mode"``) and the ALiBi bias form (``"alibi_form"``). ``--cases
-softcap,alibi`` runs only those kinds of case (window, softcap, alibi, paged).
+record; the timed rows stay the library's default). Every ALiBi record names the bias form
+(``"alibi_form"``). ``--cases softcap,alibi`` runs only those kinds of case (window, softcap,
+alibi, paged).
 """
 from __future__ import annotations
 
@@ -274,10 +270,6 @@ SCORE_SEQ = 32768  # sequence length of the softcap / ALiBi cases
 PAGES = (16, 256, 1024)
 DEVICE = "cuda"  # the options suite's device (a CPU dry run under the interpreter sets "cpu")
 OPTION_KINDS = ("window", "softcap", "alibi", "paged")
-#: (SOFTCAP_MODE, SOFTCAP_POLY_QUARTERS) pairs the options suite's --sweep times for each softcap
-#: case (flash_attn_opts: 0 tanh.approx.f32 + MUFU exp2; 1 fp16x2 tanh; 2 polynomial exp2 on
-#: quarters / 4 of the columns; 3 both)
-SOFTCAP_SWEEP = [(0, 2), (1, 2), (2, 1), (2, 2), (2, 3), (2, 4), (3, 2), (3, 3)]
 
 
 def window_area(s: int, w: int) -> int:
@@ -328,7 +320,7 @@ def run_window_case(shape, s, window=WINDOW, *, with_flex=True, sweep=False):
         except Exception as e:
             impls["flex_window"] = (None, f"unavailable: {type(e).__name__}: {str(e)[:200]}")
     _time_impls(rec, impls, {"ours_window": fl_w, "ours_causal": fl_c, "flex_window": fl_w})
-    if sweep and sweep != "modes":
+    if sweep:
         rec["sweep"] = sweep_configs(impls["ours_window"][0], d, fl_w)
     tw, tc = rec["impl"]["ours_window"]["ms"], rec["impl"]["ours_causal"]["ms"]
     rec["ratios"] = {}
@@ -348,41 +340,8 @@ def run_window_case(shape, s, window=WINDOW, *, with_flex=True, sweep=False):
     return rec
 
 
-def sweep_softcap_modes(fn, flops: float, plain_ms=None, pairs=None) -> list:
-    """Time ``fn`` (a softcap call) under each ``(mode, quarters)`` of :data:`SOFTCAP_SWEEP`
-    (through ``flash_attn_opts.softcap_mode``), at the library's default launch config:
-    ``[{"mode", "quarters", "ms", "tflops", "ratio_vs_plain", "max_abs_diff_vs_mode0"}]``, or
-    ``{"mode", "quarters", "error"}`` for a form that fails (the sweep goes on; an error that
-    poisons the CUDA context, such as an illegal instruction, fails the later ones too)."""
-    from xoffload.kernels.flash_attn_opts import softcap_mode
-
-    ref = None
-    try:
-        with softcap_mode(0):
-            ref = fn()[0].float()
-    except Exception:
-        pass
-    tried = []
-    for mode, quarters in (SOFTCAP_SWEEP if pairs is None else pairs):
-        row = {"mode": mode, "quarters": quarters}
-        try:
-            with softcap_mode(mode, quarters):
-                out = fn()[0]
-                ms = bench_ms(fn, warmup=10, rep=40)
-            row.update(ms=ms, tflops=tflops(flops, ms))
-            if plain_ms:
-                row["ratio_vs_plain"] = plain_ms / ms  # TFLOP/s ratio, target >= 0.9
-            if ref is not None:
-                row["max_abs_diff_vs_mode0"] = float((out.float() - ref).abs().max())
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
-        tried.append(row)
-    return tried
-
-
 def run_score_case(kind, shape, s, causal, *, with_flex=True, sweep=False):
     """softcap or ALiBi against our plain kernel (same shape, same FLOPs) and FlexAttention's score_mod."""
-    from xoffload.kernels import flash_attn_opts as fo
     from xoffload.kernels import flash_attn_with_lse
 
     hq, hkv, d = SHAPES[shape]
@@ -392,9 +351,7 @@ def run_score_case(kind, shape, s, causal, *, with_flex=True, sweep=False):
     opt = {"softcap": {"softcap": SOFTCAP}, "alibi": {"alibi_slopes": slopes}}[kind]
     rec = {"case": kind, "shape": shape, "S": s, "causal": causal, "Hq": hq, "Hkv": hkv, "D": d,
            "dtype": str(DTYPE).replace("torch.", "").replace("bfloat16", "bf16"), "flops": fl, "impl": {}}
-    if kind == "softcap":
-        rec["softcap_mode"] = {"mode": fo.SOFTCAP_MODE, "quarters": fo.SOFTCAP_POLY_QUARTERS}
-    else:
+    if kind == "alibi":
         rec["alibi_form"] = ("per-column bias with a per-row shift off the diagonal, |pos - j| on it "
                              "(flash_attn_opts)")
     impls = {
@@ -417,10 +374,7 @@ def run_score_case(kind, shape, s, causal, *, with_flex=True, sweep=False):
             impls[f"flex_{kind}"] = (None, f"unavailable: {type(e).__name__}: {str(e)[:200]}")
     _time_impls(rec, impls, {n: fl for n in impls})
     if sweep:
-        if sweep != "modes":  # "modes": the softcap forms only, at the default launch config
-            rec["sweep"] = sweep_configs(impls[f"ours_{kind}"][0], d, fl)
-        if kind == "softcap":
-            rec["softcap_modes"] = sweep_softcap_modes(impls["ours_softcap"][0], fl, rec["impl"]["ours_plain"]["ms"])
+        rec["sweep"] = sweep_configs(impls[f"ours_{kind}"][0], d, fl)
     t = {n: x["ms"] for n, x in rec["impl"].items()}
     rec["ratios"] = {}
     if t.get(f"ours_{kind}") and t.get("ours_plain"):
@@ -522,7 +476,7 @@ def main_options(args, no_flex: bool):
     seqs = [int(x) for x in args.seqs.split(",")] if args.seqs else None
     for fn, a, kw in option_cases(args.quick, args.window, seqs, getattr(args, "cases", OPTION_KINDS)):
         if fn is not run_paged_case:
-            kw = {**kw, "with_flex": not no_flex, "sweep": "modes" if args.sweep_modes else args.sweep}
+            kw = {**kw, "with_flex": not no_flex, "sweep": args.sweep}
         try:
             rec = fn(*a, **kw)
         except Exception as e:
@@ -536,8 +490,6 @@ def main_options(args, no_flex: bool):
         print(fmt_table(rows, list(rows[0].keys())), flush=True)
         for t in rec.get("sweep", []):
             print("   sweep", t, flush=True)
-        for t in rec.get("softcap_modes", []):
-            print("   softcap mode", t, flush=True)
     path = write_json(out, {"benchmark": "attention_options", "env": env_record(),
                             "flops_rule": "4*Hq*D per visible (query, key) pair", "batch": 1, "records": records})
     print(f"wrote {path}")
@@ -546,11 +498,7 @@ def main_options(args, no_flex: bool):
 
 def main(argv=None):
     ap = bench_parser(__doc__, "attention", quick_help="only 32K causal, both shapes")
-    ap.add_argument("--sweep", action="store_true", help="also time every config in SWEEP (recorded in the JSON); "
-                    "options suite: and each softcap case under every softcap form of SOFTCAP_SWEEP")
-    ap.add_argument("--sweep-modes", action="store_true",
-                    help="options suite: time each softcap case under every softcap form of SOFTCAP_SWEEP, at the "
-                    "default launch config (no config sweep)")
+    ap.add_argument("--sweep", action="store_true", help="also time every config in SWEEP (recorded in the JSON)")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (compile time)")
     ap.add_argument("--seqs", type=str, default=None, help="comma-separated sequence lengths (options suite: "
                     "of the window cases)")
