@@ -81,6 +81,36 @@ def _dense_layers(text: str) -> tuple:
         raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
 
 
+def _exact_channels(text: str) -> int:
+    """``--exact-channels``: a count QuestDecode takes (0 .. 64), checked when the command line is
+    read (else the record's QuestDecode raised after the GPU check, a traceback)."""
+    import argparse
+
+    from xoffload.sparse import QuestDecode
+
+    try:
+        return QuestDecode(exact_channels=int(text)).exact_channels
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
+def _long_batches(text: str) -> tuple:
+    """``--long-batches``: comma-separated batch sizes >= 1, or ``max`` (``()``: only the largest
+    that fits), checked when the command line is read."""
+    import argparse
+
+    t = text.strip()
+    if t == "max":
+        return ()
+    try:
+        sizes = tuple(int(x) for x in t.split(",") if x.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated batch sizes >= 1 or 'max'")
+    return sizes
+
+
 def _reuse_bias(text: str) -> float:
     """``--reuse-bias``: a value QuestDecode takes (a number >= 1), checked when the command line is
     read (else every offload + Quest run of the part would record the same ValueError)."""
@@ -402,10 +432,10 @@ def main(argv=None):
     ap.add_argument("--dense-layers", type=_dense_layers, default=None,
                     help="QuestDecode.dense_layers of the offload + Quest runs: comma-separated layers or 'none' "
                     "(every layer sparse; default: the library's)")
-    ap.add_argument("--exact-channels", type=int, default=0,
+    ap.add_argument("--exact-channels", type=_exact_channels, default=0,
                     help="offload + Quest runs score pages with this many exact key channels, as the 'quest-ch' "
                     "preset (16; bound_scale 0.25, fitted channels); 0: Quest's min/max bound alone")
-    ap.add_argument("--long-batches", default=None,
+    ap.add_argument("--long-batches", type=_long_batches, default=None,
                     help="batch sizes of the long part besides the largest that fit (comma-separated; 'max': "
                     "only the largest; default 1,2,4,8,16)")
     ap.add_argument("--cap-resident", type=int, default=None,
@@ -430,8 +460,7 @@ def main(argv=None):
         return 0
     global REUSE_BIAS, DENSE_LAYERS, EXACT_CHANNELS
     REUSE_BIAS, DENSE_LAYERS, EXACT_CHANNELS = a.reuse_bias, a.dense_layers, int(a.exact_channels)
-    long_batches = None if a.long_batches is None else \
-        (() if a.long_batches.strip() == "max" else tuple(int(x) for x in a.long_batches.split(",") if x.strip()))
+    long_batches = a.long_batches  # None: the default sizes; (): only the largest that fits
     from xoffload.models import random_model
 
     parts = set(a.part.split(","))

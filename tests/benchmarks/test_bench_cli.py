@@ -22,6 +22,10 @@ no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip w
 @no_gpu
 @pytest.mark.parametrize("mod,argv", [(bench_topk, ["--quick"]), (bench_session, ["--quick", "--part", "prefix_batch"]),
                                       (bench_batch, ["--quick", "--reuse-bias", "4"]),
+                                      (bench_batch, ["--quick", "--dense-layers", "none", "--long-batches", "max",
+                                                     "--exact-channels", "16"]),
+                                      (bench_batch, ["--quick", "--dense-layers", "0,-1", "--long-batches", "1, 2"]),
+                                      (bench_session, ["--quick", "--part", "prefix_batch_profile"]),
                                       (diag_decode_profile, ["--config", "offload+quest-ch", "--lengths", "4096"])])
 def test_skips_cleanly_without_a_gpu(mod, argv, capsys):
     assert mod.main(argv) == 0
@@ -37,6 +41,15 @@ def test_skips_cleanly_without_a_gpu(mod, argv, capsys):
     (bench_batch, ["--reuse-bias", "0.5"], "'0.5'"),  # QuestDecode refuses < 1: at parse, not in every run
     (bench_batch, ["--reuse-bias", "inf"], "'inf'"),
     (bench_batch, ["--replot-cap", "no-equals-sign"], "'no-equals-sign'"),
+    (bench_batch, ["--dense-layers", "abc"], "'abc'"),
+    # refused at parse (not after the GPU check, where a bad value was a traceback or a batch of 0)
+    (bench_batch, ["--long-batches", "abc"], "'abc'"),
+    (bench_batch, ["--long-batches", "4,0"], "'4,0'"),
+    (bench_batch, ["--long-batches", "-2"], "'-2'"),
+    (bench_batch, ["--long-batches", ","], "','"),
+    (bench_batch, ["--exact-channels", "-1"], "'-1'"),
+    (bench_batch, ["--exact-channels", "100000"], "'100000'"),
+    (bench_batch, ["--exact-channels", "x"], "'x'"),
 ])
 def test_bad_options_are_one_line_naming_the_value(mod, argv, named, capsys):
     with pytest.raises(SystemExit) as e:

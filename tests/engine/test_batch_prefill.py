@@ -338,6 +338,39 @@ def test_two_new_prompts_sharing_an_uncached_block_are_not_grouped(monkeypatch):
     assert seen[-1]["cached"] == [len(p) for p in prompts] and seen[-1]["free"] == seen[-1]["blocks"]
 
 
+def test_group_member_whose_cached_prefix_an_earlier_member_evicts(monkeypatch):
+    """The group is counted against the cache before its blocks are taken: a member's allocation
+    (a fresh prompt, the pool short) evicts the cached document a later member counted on, which
+    then has more to prefill. The group keeps to max_num_batched_tokens (and
+    GROUP_PREFILL_MAX_TOKENS): that member is prefilled by itself; tokens equal alone."""
+    from xoffload.engine import runner
+    from xoffload.models.llama import LlamaModel
+
+    monkeypatch.setattr(runner, "GROUP_PREFILL_MAX_TOKENS", 40)
+    calls = []
+    orig = LlamaModel.prefill_batch
+
+    def prefill_batch(self, ids, lens, starts, sink, **kw):
+        calls.append(list(lens))
+        return orig(self, ids, lens, starts, sink, **kw)
+
+    monkeypatch.setattr(LlamaModel, "prefill_batch", prefill_batch)
+    m = tiny_random()
+    doc, a, other, fresh, b = _prompts([64, 4, 64, 38, 4], seed=50)
+    prompts = [doc + a, other, fresh, doc + b]
+    sp = SamplingParams(max_tokens=2, ignore_eos=True)
+    want = _alone(m, prompts, sp, 256)
+    llm = LLM(m, mode="resident", kv_block_size=16, max_model_len=256, max_num_seqs=2, prefix_caching=True,
+              max_num_batched_tokens=48, kv_cache_tokens=160)
+    outs = llm.generate(prompts, sp)
+    assert [o.token_ids for o in outs] == want
+    reused = [o.timings.get("prefix_reused_tokens", 0) for o in outs]
+    assert 0 < reused[3] < 64, reused  # the eviction happened: part of the document is gone
+    for lens in calls:  # (was one group of [38, 20]: 58 tokens past the budget of 48)
+        assert sum(lens) <= 48 and max(lens) <= 40, calls
+    assert sum(x["seqs"] for x in llm.batch_stats["prefill_groups"]) == 4
+
+
 # ------------------------------------------------------------------ GPU (marked)
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -372,3 +372,30 @@ def test_decode_op_inside_cuda_graph_via_custom_op():
         ref2 = torch.ops.xoffload.decode_attn_with_lse(q, kc, vc, lens, None)
     assert torch.equal(out[0], ref2[0]) and torch.equal(out[1], ref2[1])
     assert not torch.equal(ref[1], ref2[1])  # the replay saw the new lengths
+
+
+@pytest.mark.parametrize("cu_q,max_q,match", [
+    ([0, 2], 4, "cu_seqlens_q\\[-1\\] = 2 must equal the packed length 6"),  # rows 2..5 never written
+    # (cu_seqlens_q [0, 7] -- a row past q -- corrupted the heap under the interpreter: not run here)
+    ([0, 4, 3, 6], 4, "non-decreasing"),
+    ([0, 6], 2, "max_seqlen_q = 2 is smaller than the longest sequence"),  # query blocks never launched
+])
+def test_varlen_op_still_checks_cu_seqlens(cu_q, max_q, match):
+    """The varlen custom op (what torch.compile traces flash_attn_varlen_func into) runs the kernel
+    with check=False, which since the batched prefill reads nothing on the host without a block
+    table or seqused_k; the op itself must still refuse cu_seqlens / max_seqlen that do not fit
+    the tensors (a user's input: silently unwritten rows, or reads and writes past q), eagerly and
+    compiled."""
+    q, k, v = _t(6, 4, 16), _t(10, 2, 16, seed=1), _t(10, 2, 16, seed=2)
+    cq = torch.tensor(cu_q, dtype=torch.int32)
+    ck = torch.tensor([0, 10] if len(cu_q) == 2 else [0, 4, 7, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match=match):
+        torch.ops.xoffload.flash_attn_varlen_with_lse(q, k, v, cq, ck, max_q, 10, True, None)
+
+    def f(q, k, v):
+        return flash_api.flash_attn_varlen_func(q, k, v, cq, ck, max_q, 10, causal=True)
+
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match=match):
+        torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v)
+    torch._dynamo.reset()

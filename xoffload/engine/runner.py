@@ -21,7 +21,10 @@ attention launch per layer for the group), unless adding one would take the grou
 ``max_num_batched_tokens`` or it shares a whole block of uncached prompt with a member (with
 prefix caching: it would reuse that block once the member is registered, and members of one
 group do not see each other's blocks); then the group is prefilled first and the sequence
-counted again. A group of one takes the one-sequence path. Either way nothing waits on the GPU:
+counted again. A group of one takes the one-sequence path. The counts are taken before the
+group's blocks are: when a member's allocation evicts cached blocks a later member counted on
+(the pool short), that member is counted again once its prefix is matched and, past those
+bounds, prefilled by itself after the group. Either way nothing waits on the GPU:
 the token ids go through pinned memory.
 
 Greedy sequences of a batch give the tokens they give alone (tests/engine/test_batch.py; on the
@@ -262,12 +265,13 @@ class BatchRunner:
                 return True
         return False
 
-    def _prefill(self, s: Sequence, store, log: BatchTokenLog, clock: Clock) -> None:
-        """Prefill ``s`` alone into its KV and sample its first token."""
+    def _prefill(self, s: Sequence, store, log: BatchTokenLog, clock: Clock, started: bool = False) -> None:
+        """Prefill ``s`` alone into its KV and sample its first token (``started``: its
+        :meth:`prefill_start` was taken already, ``s.reused``)."""
         m, cfg = self.m, self.config
         s.marks["t0"] = a = clock.mark()
         s.densities = None if cfg.policy.dense else []
-        start = store.prefill_start(s)  # a reused prefix
+        start = s.reused if started else store.prefill_start(s)  # a reused prefix
         s.reused = start
         ids_t = _device_ids(s.req.ids[start:], m.device)
         logits = m.prefill(ids_t, store.sink(s), chunk=cfg.prefill_chunk, policy=cfg.policy,
@@ -287,10 +291,31 @@ class BatchRunner:
         member gets a ``prefills`` entry with the group's size and id."""
         m, cfg = self.m, self.config
         a = clock.mark()
+        fit, alone, tokens = [], [], 0
         for s in group:
             s.marks["t0"] = a
             s.densities = None
             s.reused = store.prefill_start(s)  # a reused prefix, in order (blocks taken here)
+            # the group was counted against the cache before any of its blocks were taken: a
+            # member's allocation may evict cached blocks a later one counted on, which then
+            # prefills more; one that no longer fits the group's bounds is prefilled by itself
+            n = s.prompt_len - s.reused
+            if fit and (n > GROUP_PREFILL_MAX_TOKENS or tokens + n > cfg.max_num_batched_tokens):
+                alone.append(s)
+            else:
+                fit.append(s)
+                tokens += n
+        if len(fit) == 1:
+            self._prefill(fit[0], store, log, clock, started=True)
+        else:
+            self._prefill_fit(fit, a, store, log, clock)
+        for s in alone:
+            self._prefill(s, store, log, clock, started=True)
+
+    def _prefill_fit(self, group: list, a, store, log: BatchTokenLog, clock: Clock) -> None:
+        """The batched prefill of :meth:`_prefill_group`'s members that fit (each started; ``a``:
+        the group's first mark)."""
+        m, cfg = self.m, self.config
         sink = store.batch_sink(group)
         ids = [t for s in group for t in s.req.ids[s.reused:]]
         logits = m.prefill_batch(_device_ids(ids, m.device), sink.lens, sink.starts, sink,
