@@ -209,14 +209,14 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
             bt_row = BT + b.to(tl.int64) * stride_btb
             k_head = h_kv.to(tl.int64) * stride_kh
             v_head = h_kv.to(tl.int64) * stride_vh
-            acc, l_i, m_i, alibi_base = _attn_opt_loops(
+            acc, l_i, m_i, alibi_base, shift2 = _attn_opt_loops(
                 acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
                 offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
                 qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kb, stride_vb, stride_btn,
                 CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE,
                 EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
-            if ALIBI and not IS_FP32:  # the loops carry the per-row shift slope2 * (pos - alibi_base) in m_i
-                m_i = m_i - slope2 * (offs_m + diag_shift - alibi_base).to(tl.float32)
+            if ALIBI and not IS_FP32:  # the loops carry the per-row shift shift2 * (pos - alibi_base) in m_i
+                m_i = m_i - shift2 * (offs_m + diag_shift - alibi_base).to(tl.float32)
         else:
             if CAUSAL:
                 hi = tl.minimum(seqlen_k, tl.maximum(m0 + BLOCK_M + diag_shift, 0))

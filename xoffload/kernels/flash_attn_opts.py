@@ -38,7 +38,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["alibi_tile_classes"]
+__all__ = ["ALIBI_SHIFT_MAX", "alibi_tile_classes"]
+
+#: the largest per-row ALiBi shift, ``slope * log2(e) * BLOCK_M / 2`` in log2 units, of the
+#: per-column form: a larger one would round the scores by more than an fp32 ulp of 2^-17 of
+#: their own (so the LSE past the tests' tolerance at slope 8); such a (b, h) takes the direct
+#: form on every tile (slower, exact). 96: slopes up to ~1.04 with the GPU's 128-row blocks (the
+#: ALiBi paper's geometric slopes are at most 2^-0.25 for 32 heads)
+ALIBI_SHIFT_MAX = tl.constexpr(96.0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -278,14 +285,29 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
     the unmasked interior, the masked right edge (diagonal / window / Sk tail); tiles outside the
     window are never visited. Non-causal ALiBi splits the interior at the diagonal
     (:func:`_diagonal_split`) into the left class, the straddling tiles and the right class. Returns
-    ``(acc, l_i, m_i, alibi_base)``: with ALiBi (16-bit inputs) ``m_i`` carries the per-row shift
-    ``slope2 * (pos - alibi_base)``, which the caller subtracts from the LSE; fp32 inputs take the
-    direct form on every tile (no shift, no split)."""
+    ``(acc, l_i, m_i, alibi_base, shift2)``: with ALiBi (16-bit inputs) ``m_i`` carries the per-row
+    shift ``shift2 * (pos - alibi_base)``, which the caller subtracts from the LSE (``shift2`` is
+    ``slope2``, or 0 for a slope past :data:`ALIBI_SHIFT_MAX`, which takes the direct form on every
+    tile); fp32 inputs take the direct form on every tile (no shift, no split)."""
     lo, full_lo, full_hi, hi = _window_tile_bounds(m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
                                                    CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
     alibi_base = m0 + diag_shift + BLOCK_M // 2  # the block's middle row: shifts within +-slope2 * BLOCK_M / 2
     # fp32 inputs (the accuracy path) keep the direct form (-1); causal: every visible key is <= pos
     EDGE: tl.constexpr = -1 if IS_FP32 else (1 if CAUSAL else 0)
+    SHIFTED: tl.constexpr = ALIBI and not IS_FP32
+    shift2 = slope2  # the slope of the per-row shift the caller takes out of the LSE (0: none)
+    hi0 = hi
+    d_from = hi  # big slopes: the tiles [d_from, hi0) in the direct form (else none)
+    if SHIFTED:
+        # a slope whose shift slope2 * BLOCK_M / 2 passes ALIBI_SHIFT_MAX (log2 units) would cost
+        # the scores more than an fp32 ulp of 2^-17 of their own: that (b, h) takes the direct form
+        # on every tile, masked (one loop; the others get empty ranges), and no shift
+        big = slope2 * (BLOCK_M // 2) > ALIBI_SHIFT_MAX
+        d_from = tl.where(big, lo, hi0)
+        full_lo = tl.where(big, lo, full_lo)
+        full_hi = tl.where(big, lo, full_hi)
+        hi = tl.where(big, lo, hi)
+        shift2 = tl.where(big, 0.0, slope2)
     acc, l_i, m_i = _attn_inner_opt(
         acc, l_i, m_i, q, k_base + lo.to(tl.int64) * stride_kn, v_base + lo.to(tl.int64) * stride_vn,
         k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
@@ -331,4 +353,12 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
         max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
         True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
         PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
-    return acc, l_i, m_i, alibi_base
+    if SHIFTED:
+        acc, l_i, m_i = _attn_inner_opt(
+            acc, l_i, m_i, q, k_base + d_from.to(tl.int64) * stride_kn, v_base + d_from.to(tl.int64) * stride_vn,
+            k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+            d_from, hi0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out,
+            slope2, alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+            True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, -1, FAST_TANH,
+            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+    return acc, l_i, m_i, alibi_base, shift2
