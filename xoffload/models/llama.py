@@ -157,6 +157,17 @@ class LlamaModel:
         else:
             h.add_(self.tp.all_reduce(x @ w.t()))
 
+    def _out_mlp(self, lw: LayerWeights, h: torch.Tensor, o: torch.Tensor, chunk: int) -> None:
+        """A prefill layer's second half over token chunks, in place on the residual ``h [T,
+        hidden]``: output projection of the attention output ``o [T, Hq, D]`` + residual, MLP +
+        residual."""
+        T = h.shape[0]
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            hc = h[s:e]
+            self._add_proj(hc, o[s:e].reshape(e - s, -1), lw.wo)
+            self._mlp_residual(lw, hc)
+
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp is None:
             return F.embedding(ids, self.w.embed)
@@ -264,11 +275,7 @@ class LlamaModel:
                 densities.append(density)
             sink.done(li, k, v)
             del k, v
-            for s in range(0, T, chunk):
-                e = min(T, s + chunk)
-                hc = h[s:e]
-                self._add_proj(hc, o[s:e].reshape(e - s, -1), lw.wo)
-                self._mlp_residual(lw, hc)
+            self._out_mlp(lw, h, o, chunk)
             del o
         if all_logits:
             return torch.cat([self.logits(h[s:s + chunk]) for s in range(0, T, chunk)])
@@ -367,11 +374,7 @@ class LlamaModel:
             del q
             sink.done(li, k, v)
             del k, v
-            for s in range(0, T, chunk):
-                e = min(T, s + chunk)
-                hc = h[s:e]
-                self._add_proj(hc, o[s:e].reshape(e - s, -1), lw.wo)
-                self._mlp_residual(lw, hc)
+            self._out_mlp(lw, h, o, chunk)
             del o
         return self.logits(h.index_select(0, last))
 
