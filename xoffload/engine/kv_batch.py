@@ -189,9 +189,9 @@ class RowPool:
         if self.alloc.has(sid):
             self.alloc.free(sid)
 
-    def rows(self, table, n_tokens: int) -> torch.Tensor:
-        """int64 ``[n_tokens]`` (host) row of each of the first ``n_tokens`` tokens."""
-        t = torch.arange(n_tokens, dtype=torch.int64)
+    def rows(self, table, n_tokens: int, start: int = 0) -> torch.Tensor:
+        """int64 ``[n_tokens - start]`` (host) row of each token ``start .. n_tokens - 1``."""
+        t = torch.arange(start, n_tokens, dtype=torch.int64)
         bt = torch.tensor(table, dtype=torch.int64)
         return bt[t // self.block] * self.block + t % self.block
 
@@ -774,8 +774,7 @@ class OffloadQuestBatchKV(BatchKV):
                     break
         self.run_limit = S
         self.memory_limited, nsb = mem["memory_limited"], mem["nsb"]
-        want = self.DENSE_ON_GPU
-        self.dense_on_gpu = bool(self.dense) and self.N > 0 and (mem["dense_fits"] if want is None else bool(want))
+        self.dense_on_gpu = mem["dense_on"]
         self.dpool = None
         if self.dense_on_gpu:
             dcfg = SimpleNamespace(num_layers=len(self.dense), num_kv_heads=hkv, head_dim=d)
@@ -783,13 +782,9 @@ class OffloadQuestBatchKV(BatchKV):
         # per-sequence page caches (kv_batch_cache): what the policy gives each plan alone, cut to
         # the memory left after the tails, summaries and dense pool; none when a step's pages do not fit
         self.pcache = None
-        if cmax:
-            free = None if limit is None else limit - self.tail.nbytes - nsb * per_sb - \
-                (self.dpool.nbytes if self.dpool is not None else 0)
-            c = BatchPageCache.slots_that_fit(cmax, S, sb, free)
-            if c >= self.K:
-                self.pcache = BatchPageCache(len(self.sparse), hkv, d, S, c, max(self.N, 1), self.K, R,
-                                            P, pol.reuse_bonus(self.scale), self.dtype, self.device)
+        if cmax and mem["slots"] >= self.K:
+            self.pcache = BatchPageCache(len(self.sparse), hkv, d, S, mem["slots"], max(self.N, 1), self.K, R,
+                                        P, pol.reuse_bonus(self.scale), self.dtype, self.device)
         self.sum_alloc = BlockAllocator(nsb, SUMMARY_BLOCK)
         self.summ_scratch = nsb * SUMMARY_BLOCK  # the scratch page (padding entries of the index)
         self.summ = PageSummaries(max(1, len(self.sparse)), hkv, d, self.summ_scratch + 1, P, self.dtype,
@@ -818,8 +813,9 @@ class OffloadQuestBatchKV(BatchKV):
 
     def _plan_memory(self, S, sneed, dneed, per_sb, per_db, slot_bytes, cmax, limit) -> dict:
         """The pools' sizes for ``S`` sequences at once (no allocation): ``nsb`` summary blocks
-        (``memory_limited``: cut to the free memory), ``ndb`` dense blocks and whether they fit
-        (``dense_fits``), and the cache ``slots`` per sequence that fit after them."""
+        (``memory_limited``: cut to the free memory), ``ndb`` dense blocks and whether they go on
+        the GPU (``dense_on``: they fit, or :attr:`DENSE_ON_GPU`), and the cache ``slots`` per
+        sequence that fit after them (``>= pages_per_step``: a cache; fewer: none)."""
         nsb = _top_sum(sneed, S)
         tail = self.tail.nbytes
         limited = limit is not None and (limit - tail) // per_sb < nsb
@@ -832,7 +828,7 @@ class OffloadQuestBatchKV(BatchKV):
         dense_on = bool(self.dense) and self.N > 0 and (fits if self.DENSE_ON_GPU is None else bool(self.DENSE_ON_GPU))
         free = None if limit is None else left - ((ndb + 1) * per_db if dense_on else 0)
         slots = BatchPageCache.slots_that_fit(cmax, S, slot_bytes, free) if cmax else 0
-        return {"nsb": nsb, "memory_limited": limited, "ndb": ndb, "dense_fits": fits, "slots": slots}
+        return {"nsb": nsb, "memory_limited": limited, "ndb": ndb, "dense_on": dense_on, "slots": slots}
 
     @property
     def summary_bytes(self) -> int:

@@ -40,12 +40,6 @@ __all__ = ["BatchPrefillSink", "GROUP_PREFILL_MAX_TOKENS"]
 GROUP_PREFILL_MAX_TOKENS = 512
 
 
-def _rows(table, a: int, b: int, blk: int) -> torch.Tensor:
-    """int64 ``[b - a]`` (host): the pool row of each token ``a .. b-1`` of a sequence with block table ``table``."""
-    t = torch.arange(a, b, dtype=torch.int64)
-    return torch.tensor(table, dtype=torch.int64)[t // blk] * blk + t % blk
-
-
 class BatchPrefillSink:
     """The sink of ``LlamaModel.prefill_batch`` for ``seqs`` of a resident batched ``store``.
 
@@ -75,7 +69,7 @@ class BatchPrefillSink:
             raise ValueError(f"every member of a batched prefill needs a token to prefill, got lens {self.lens}")
         self.T = sum(self.lens)
         self._L = store.cfg.num_layers
-        rows = torch.cat([_rows(s.kv["table"], st, s.prompt_len, blk) for s, st in zip(seqs, self.starts)])
+        rows = torch.cat([store.pool.rows(s.kv["table"], s.prompt_len, st) for s, st in zip(seqs, self.starts)])
         self._rows = torch.empty(self.T, dtype=torch.int64, device=store.device)
         _to_device(self._rows, rows)
         if any(self.starts):

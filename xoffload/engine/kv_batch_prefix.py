@@ -119,7 +119,7 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
     def sink(self, seq):
         table, T, start = seq.kv["table"], seq.prompt_len, seq.kv["start"]
         rows = torch.empty(T - start, dtype=torch.int64, device=self.device)
-        _to_device(rows, self.pool.rows(table, T)[start:])
+        _to_device(rows, self.pool.rows(table, T, start))
         L = self.cfg.num_layers
 
         def done(layer, k, v):

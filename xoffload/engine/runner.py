@@ -289,7 +289,7 @@ class BatchRunner:
         (each past its reused prefix) and sample each one's first token with its own parameters
         and generator. The group shares its timeline marks (``t0``, ``prefill``, ``first``); each
         member gets a ``prefills`` entry with the group's size and id."""
-        m, cfg = self.m, self.config
+        cfg = self.config
         a = clock.mark()
         fit, alone, tokens = [], [], 0
         for s in group:

@@ -145,22 +145,6 @@ def _(q, k, v, causal, softmax_scale, window_left=-1, window_right=-1, softcap=0
     return q.new_empty((b, sq, hq, v.shape[-1])), q.new_empty((b, hq, sq), dtype=torch.float32)
 
 
-def _check_varlen_lengths(q, k, cu_q, cu_k, max_q, max_k) -> None:
-    """The varlen op's host checks of a user's ``cu_seqlens`` values and ``max_seqlen`` (unpaged,
-    no ``seqused_k``: the kernel with ``check=False`` then reads nothing on the host and trusts
-    them, and a bad value writes or reads past the packed tensors); skipped while a CUDA graph is
-    captured (no host reads there)."""
-    if _capturing(q):
-        return
-    from ..kernels.checks import check_cu_seqlens
-    from ..kernels.flash_attn import _check_max_seqlen
-
-    check_cu_seqlens("cu_seqlens_q", cu_q, q.shape[0], q.device)
-    check_cu_seqlens("cu_seqlens_k", cu_k, k.shape[0], q.device)
-    _check_max_seqlen("max_seqlen_q", max_q, cu_q, "cu_seqlens_q")
-    _check_max_seqlen("max_seqlen_k", max_k, cu_k, "cu_seqlens_k")
-
-
 @torch.library.custom_op("xoffload::flash_attn_varlen_with_lse", mutates_args=())
 def _flash_attn_varlen_with_lse_op(
     q: Tensor,
@@ -179,11 +163,13 @@ def _flash_attn_varlen_with_lse_op(
     block_table: Optional[Tensor] = None,
     seqused_k: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
-    if block_table is None and seqused_k is None:
-        _check_varlen_lengths(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    kw = _prefill_kwargs(window_left, window_right, softcap, alibi_slopes, block_table, seqused_k)
+    # unpaged without seqused_k the kernel trusts cu_seqlens / max_seqlen (check=False reads
+    # nothing): a user's values are checked on the host here, except under CUDA-graph capture
+    kw["check"] = block_table is None and seqused_k is None and not _capturing(q)
     out, lse = _K.flash_attn_varlen_with_lse(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal, softmax_scale=softmax_scale,
-        **_prefill_kwargs(window_left, window_right, softcap, alibi_slopes, block_table, seqused_k),
+        **kw,
     )
     ins = (q, k, v)
     return _fresh(out, ins), _fresh(lse, ins)

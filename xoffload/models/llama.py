@@ -81,6 +81,11 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return w * xf.to(x.dtype)
 
 
+def _check_backend(attn_backend) -> None:
+    if attn_backend not in ("auto", "cudnn", "xoffload", "sdpa"):
+        raise ValueError(f"attn_backend must be 'auto', 'cudnn', 'xoffload' or 'sdpa', got {attn_backend!r}")
+
+
 def _rotate_half(x):
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
@@ -156,6 +161,19 @@ class LlamaModel:
             h.addmm_(x, w.t())  # residual add fused into the GEMM (beta=1)
         else:
             h.add_(self.tp.all_reduce(x @ w.t()))
+
+    def _layer_qkv(self, lw: LayerWeights, h: torch.Tensor, pos, k: torch.Tensor, v: torch.Tensor,
+                   chunk: int) -> torch.Tensor:
+        """A prefill layer's first half over token chunks: norm + QKV + RoPE of the residual rows
+        ``h [T, hidden]`` into a new q ``[T, Hq, D]`` (returned) and the sink's ``k`` / ``v`` ``[T,
+        Hkv, D]``; ``pos``: the first token's position (int: consecutive positions) or int64 ``[T]``
+        on the device (each token's own)."""
+        T = h.shape[0]
+        q = torch.empty(T, self.cfg.num_heads, self.cfg.head_dim, dtype=self.dtype, device=self.device)
+        for s in range(0, T, chunk):
+            e = min(T, s + chunk)
+            self._qkv(lw, h[s:e], pos + s if isinstance(pos, int) else pos[s:e], q[s:e], k[s:e], v[s:e])
+        return q
 
     def _out_mlp(self, lw: LayerWeights, h: torch.Tensor, o: torch.Tensor, chunk: int) -> None:
         """A prefill layer's second half over token chunks, in place on the residual ``h [T,
@@ -241,8 +259,7 @@ class LlamaModel:
             ValueError: unknown ``attn_backend``, a negative ``start``, or ``start > 0`` with a sink
                 that has no ``history``.
         """
-        if attn_backend not in ("auto", "cudnn", "xoffload", "sdpa"):
-            raise ValueError(f"attn_backend must be 'auto', 'cudnn', 'xoffload' or 'sdpa', got {attn_backend!r}")
+        _check_backend(attn_backend)
         start = int(start)
         if start < 0:
             raise ValueError(f"start must be >= 0, got {start}")
@@ -257,10 +274,7 @@ class LlamaModel:
         h = self._embed(ids)  # [T, hidden]
         for li, lw in enumerate(self.w.layers):
             k, v = sink.buffers(li, T)
-            q = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
-            for s in range(0, T, chunk):
-                e = min(T, s + chunk)
-                self._qkv(lw, h[s:e], start + s, q[s:e], k[s:e], v[s:e])
+            q = self._layer_qkv(lw, h, start, k, v, chunk)
             density = None
             if start:
                 o, density = self._attend_with_history(li, q, k, v, sink, policy if li in sparse_layers else None)
@@ -333,8 +347,7 @@ class LlamaModel:
                 empty, a length < 1 or a start < 0, or ``sum(lens)`` not ``ids``'s length; a start
                 > 0 with a sink that has no ``history``.
         """
-        if attn_backend not in ("auto", "cudnn", "xoffload", "sdpa"):
-            raise ValueError(f"attn_backend must be 'auto', 'cudnn', 'xoffload' or 'sdpa', got {attn_backend!r}")
+        _check_backend(attn_backend)
         lens, starts = [int(n) for n in lens], [int(s) for s in starts]
         if not lens or len(lens) != len(starts):
             raise ValueError(f"prefill_batch needs one start per sequence and at least one sequence, got "
@@ -348,7 +361,6 @@ class LlamaModel:
         if hist and not hasattr(sink, "history"):
             raise ValueError(f"prefill_batch with starts > 0 needs a sink with history(layer, q); "
                              f"{type(sink).__name__} has none")
-        cfg = self.cfg
         chunk = max(1, int(chunk))
         self.rope_tables(max(s + n for s, n in zip(starts, lens)))
         pos, last, cu = self._segments(lens, starts)
@@ -357,10 +369,7 @@ class LlamaModel:
         h = self._embed(ids)  # [T, hidden]
         for li, lw in enumerate(self.w.layers):
             k, v = sink.buffers(li, T)
-            q = torch.empty(T, cfg.num_heads, cfg.head_dim, dtype=self.dtype, device=self.device)
-            for s in range(0, T, chunk):
-                e = min(T, s + chunk)
-                self._qkv(lw, h[s:e], pos[s:e], q[s:e], k[s:e], v[s:e])
+            q = self._layer_qkv(lw, h, pos, k, v, chunk)
             if per_seq:
                 o = self._attend_segments(li, q, k, v, sink, bounds, starts, attn_backend)
             else:
