@@ -1,0 +1,256 @@
+"""Diagnostic: the prefill kernel's option forms and launch configs, timed against our plain kernel
+in one run, and the sm_90 SASS size of each form's tile loop.
+
+What it compares (bf16, batch 1, the shapes of ``bench_flash_attn.py``: D=128 32/8 heads, D=64 9/3):
+
+- softcap (50.0) at 32K, causal and not: the running-max form (at its default config) and the
+  static form (a fixed per-row reference, ``flash_attn.SOFTCAP_STATIC_DTYPES``) under several
+  launch configs;
+- ALiBi at 32K, causal and not: the column term added per score (default config) and through the
+  tensor cores (``flash_attn.ALIBI_MMA_DTYPES``, several configs);
+- a causal sliding window (4096) at 128K: the two masked edges of each query block in two loops
+  (default config) or in one (``flash_attn.EDGES_ONE_LOOP``, several configs), against our causal
+  call scaled by the window's share of the causal area (the issue's ``<= 1.15x``).
+
+Each row: ms (median of ``triton.testing.do_bench``), TFLOP/s (``4 * Hq * D`` per visible pair),
+and the ratio to the plain kernel's TFLOP/s at its default config in the same run. The library's
+defaults are what ``bench_flash_attn.py --suite options`` times; this script is how they were
+chosen. ``--sass`` prints, for each form, the instruction count of every loop of the sm_90 SASS
+(compiled on the spot; no GPU needed, Triton's ptxas and nvdisasm), the MUFU and HGMMA counts
+among them.
+
+Run: ``python benchmarks/diag_option_forms.py [--parts softcap,alibi,window] [--out FILE]``
+(writes ``benchmarks/results/option_forms.json``); ``python benchmarks/diag_option_forms.py --sass``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from _common import HAS_CUDA, bench_ms, env_record, tflops, write_json  # noqa: E402
+
+SHAPES = {"d128_h32_kv8": (32, 8, 128), "d64_h9_kv3": (9, 3, 64)}
+SOFTCAP = 50.0
+WINDOW = 4096
+CONFIGS = {  # BLOCK_D -> launch configs the newer form is tried under (None: the library's default)
+    "softcap": {64: [None, (64, 64, 4, 3), (128, 64, 4, 3)], 128: [None, (128, 64, 8, 3)]},
+    "alibi": {64: [None, (128, 64, 8, 3), (64, 64, 4, 3)], 128: [None, (128, 64, 8, 3)]},
+    "window": {64: [None, (64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3)], 128: [None, (128, 64, 8, 3)]},
+}
+
+
+@contextlib.contextmanager
+def form(**attrs):
+    """Set module attributes of ``xoffload.kernels.flash_attn`` (the forms' switches) for a block."""
+    import xoffload.kernels.flash_attn as fa
+
+    old = {k: getattr(fa, k) for k in attrs}
+    for k, v in attrs.items():
+        setattr(fa, k, v)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            setattr(fa, k, v)
+
+
+def _time(fn, flops, cfg):
+    from xoffload.kernels import launch_override
+
+    ctx = launch_override("flash_attn", cfg) if cfg else contextlib.nullcontext()
+    try:
+        with ctx:
+            fn()
+            ms = bench_ms(fn)
+        return {"cfg": list(cfg) if cfg else "default", "ms": ms, "tflops": tflops(flops, ms)}
+    except Exception as e:
+        return {"cfg": list(cfg) if cfg else "default", "error": f"{type(e).__name__}: {e}"[:300]}
+
+
+def _inputs(s, hq, hkv, d, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    return tuple(torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
+
+
+def run_score(kind, shape, s, causal):
+    from xoffload.kernels import flash_attn_with_lse
+
+    hq, hkv, d = SHAPES[shape]
+    q, k, v = _inputs(s, hq, hkv, d)
+    fl = 4.0 * hq * d * s * s / (2 if causal else 1)
+    rec = {"case": kind, "shape": shape, "S": s, "causal": causal, "rows": []}
+    plain = _time(lambda: flash_attn_with_lse(q, k, v, causal=causal), fl, None)
+    rec["plain"] = plain
+    if kind == "softcap":
+        opt = {"softcap": SOFTCAP}
+        forms = {"running_max": dict(SOFTCAP_STATIC_DTYPES=()), "static": dict(SOFTCAP_STATIC_DTYPES=(torch.bfloat16,))}
+    else:
+        slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / hq) for i in range(hq)], device="cuda")
+        opt = {"alibi_slopes": slopes}
+        forms = {"per_score": dict(ALIBI_MMA_DTYPES=()), "mma": dict(ALIBI_MMA_DTYPES=(torch.bfloat16,))}
+    ref = None
+    for i, (name, attrs) in enumerate(forms.items()):
+        with form(**attrs):
+            out, _ = flash_attn_with_lse(q, k, v, causal=causal, **opt)
+            ref = out if ref is None else ref
+            diff = float((out.float() - ref.float()).abs().max())
+            for cfg in CONFIGS[kind][d] if i else [None]:  # the older form at its default config only
+                row = _time(lambda: flash_attn_with_lse(q, k, v, causal=causal, **opt), fl, cfg)
+                row.update(form=name, max_abs_diff_vs_first_form=diff)
+                if plain.get("tflops") and row.get("tflops"):
+                    row["ratio_to_plain"] = row["tflops"] / plain["tflops"]
+                rec["rows"].append(row)
+                print(kind, shape, "causal" if causal else "full", name, row, flush=True)
+    return rec
+
+
+def run_window(shape, s):
+    from xoffload.kernels import flash_attn_with_lse
+
+    hq, hkv, d = SHAPES[shape]
+    q, k, v = _inputs(s, hq, hkv, d)
+    area = sum(min(i + 1, WINDOW + 1) for i in range(s))
+    causal_area = s * (s + 1) // 2
+    fl_w, fl_c = 4.0 * hq * d * area, 4.0 * hq * d * causal_area
+    rec = {"case": "window", "shape": shape, "S": s, "window": WINDOW, "area_ratio": area / causal_area, "rows": []}
+    causal = _time(lambda: flash_attn_with_lse(q, k, v, causal=True), fl_c, None)
+    rec["plain"] = causal
+    for one_loop in (False, True):
+        with form(EDGES_ONE_LOOP=one_loop):
+            for cfg in CONFIGS["window"][d] if one_loop else CONFIGS["window"][d][:1]:
+                row = _time(lambda: flash_attn_with_lse(q, k, v, causal=True, window_size=(WINDOW, -1)), fl_w, cfg)
+                row["form"] = "edges_one_loop" if one_loop else "edges_two_loops"
+                if causal.get("ms") and row.get("ms"):
+                    row["vs_target(<=1.15)"] = row["ms"] / (rec["area_ratio"] * causal["ms"])
+                    row["ratio_to_plain"] = row["tflops"] / causal["tflops"]
+                rec["rows"].append(row)
+                print("window", shape, row, flush=True)
+    return rec
+
+
+# ------------------------------------------------------------------------------------------ SASS
+def _attn_consts(d, bm, bn, causal=True, **flags):
+    c = dict(D=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, VARLEN=False, IS_FP32=False, HAS_SEQUSED=False,
+             PAGED=False, PAGE=16, HAS_LEFT=False, HAS_RIGHT=False, SOFTCAP=False, ALIBI=False, FAST_TANH=True,
+             SOFTCAP_STATIC=False, ALIBI_MMA=False, EDGES_ONE_LOOP=False)
+    c.update(flags)
+    return c
+
+
+SASS_FORMS = {
+    "plain d64 128x64w8": (_attn_consts(64, 128, 64), 8),
+    "softcap running-max d64 128x64w8": (_attn_consts(64, 128, 64, SOFTCAP=True), 8),
+    "softcap static d64 128x64w8": (_attn_consts(64, 128, 64, SOFTCAP=True, SOFTCAP_STATIC=True), 8),
+    "plain d128 128x128w8": (_attn_consts(128, 128, 128), 8),
+    "softcap running-max d128 128x128w8": (_attn_consts(128, 128, 128, SOFTCAP=True), 8),
+    "softcap static d128 128x128w8": (_attn_consts(128, 128, 128, SOFTCAP=True, SOFTCAP_STATIC=True), 8),
+    "plain d64 128x64w4": (_attn_consts(64, 128, 64), 4),
+    "alibi per-score d64 128x64w4": (_attn_consts(64, 128, 64, ALIBI=True), 4),
+    "alibi mma d64 128x64w4": (_attn_consts(64, 128, 64, ALIBI=True, ALIBI_MMA=True), 4),
+    "window two loops d64 64x64w4": (_attn_consts(64, 64, 64, HAS_LEFT=True), 4),
+    "window one loop d64 64x64w4": (_attn_consts(64, 64, 64, HAS_LEFT=True, EDGES_ONE_LOOP=True), 4),
+}
+
+
+def sass_loops(consts: dict, num_warps: int, num_stages: int = 3) -> list:
+    """Compile ``flash_attn._attn_fwd`` for sm_90 (pointers and strides 16-divisible, as at launch)
+    and return each loop of its SASS as ``{"instructions", "MUFU", "HGMMA"}``, in code order."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from xoffload.kernels.flash_attn import _attn_fwd
+
+    params = list(inspect.signature(_attn_fwd.fn).parameters)
+    types = {p: "i32" for p in params}
+    types.update(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", CU_Q="*i32", CU_K="*i32", BT="*i32",
+                 SEQUSED="*i32", ALIBI_SLOPES="*fp32", qk_scale="fp32", cap_in="fp32", cap_out="fp32")
+    sig = {p: "constexpr" if p in consts else types[p] for p in params}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
+             if p not in consts and (sig[p].startswith("*") or p.startswith("stride_"))}
+    src = ASTSource(fn=_attn_fwd, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                          "num_stages": num_stages})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    ins, labels, pending = [], {}, []
+    for line in text.splitlines():
+        lm = re.match(r"^\s*(\.L_x_\d+):", line)
+        if lm:
+            pending.append(lm.group(1))
+            continue
+        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m:
+            addr = int(m.group(1), 16)
+            for p in pending:
+                labels[p] = addr
+            pending = []
+            ins.append((addr, m.group(2).strip()))
+    out = []
+    for addr, s in ins:
+        b = re.search(r"\bBRA\b.*?\((\.L_x_\d+)\)", s)
+        if b and labels.get(b.group(1), addr) < addr:
+            body = [x for a, x in ins if labels[b.group(1)] <= a <= addr]
+            ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body]
+            out.append({"instructions": len(body), "MUFU": ops.count("MUFU"), "HGMMA": ops.count("HGMMA")})
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--parts", default="softcap,alibi,window", help="comma-separated: softcap, alibi, window")
+    ap.add_argument("--sass", action="store_true", help="print the SASS loop sizes of each form (no GPU needed)")
+    ap.add_argument("--out", default="option_forms", help="a name under benchmarks/results or a .json path")
+    args = ap.parse_args(argv)
+    if args.sass:
+        res = {}
+        for name, (c, w) in SASS_FORMS.items():
+            res[name] = sass_loops(c, w)
+            print(f"{name:40s}", " | ".join(f"{x['instructions']} (MUFU {x['MUFU']}, HGMMA {x['HGMMA']})"
+                                             for x in res[name]), flush=True)
+        if args.out != "option_forms":
+            write_json(args.out, {"benchmark": "option_forms_sass", "env": env_record(), "loops": res})
+        return 0
+    if not HAS_CUDA:
+        print("needs a CUDA GPU (or --sass)")
+        return 0
+    parts = [p.strip() for p in args.parts.split(",") if p.strip()]
+    records = []
+    cases = []
+    for kind in ("softcap", "alibi"):
+        if kind in parts:
+            cases += [(run_score, (kind, sh, 32768, c)) for sh in SHAPES for c in (True, False)]
+    if "window" in parts:
+        cases += [(run_window, (sh, 131072)) for sh in SHAPES]
+    for fn, a in cases:
+        try:
+            records.append(fn(*a))
+        except Exception as e:
+            traceback.print_exc()
+            records.append({"case": fn.__name__, "args": [str(x) for x in a], "error": f"{type(e).__name__}: {e}"[:400]})
+        write_json(args.out, {"benchmark": "option_forms", "env": env_record(), "partial": True, "records": records})
+        torch.cuda.empty_cache()
+    path = write_json(args.out, {"benchmark": "option_forms", "env": env_record(), "records": records})
+    print(f"wrote {path}")
+    print(json.dumps([{k: r.get(k) for k in ("case", "shape", "causal")} for r in records]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
