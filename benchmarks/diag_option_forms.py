@@ -45,8 +45,6 @@ SHAPES = {"d128_h32_kv8": (32, 8, 128), "d64_h9_kv3": (9, 3, 64)}
 SOFTCAP = 50.0
 WINDOW = 4096
 CONFIGS = {  # BLOCK_D -> launch configs the newer form is tried under (None: the library's default)
-    "softcap": {64: [None, (64, 64, 4, 3), (128, 64, 4, 3)], 128: [None, (128, 64, 8, 3)]},
-    "alibi": {64: [None, (128, 64, 8, 3), (64, 64, 4, 3)], 128: [None, (128, 64, 8, 3)]},
     "window": {64: [None, (64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3)], 128: [None, (128, 64, 8, 3)]},
 }
 
@@ -84,6 +82,27 @@ def _inputs(s, hq, hkv, d, seed=0):
     return tuple(torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
 
 
+#: the forms timed per option: name -> module switches of xoffload.kernels.flash_attn, and the
+#: launch configs each is timed under (None: the library's default rule)
+FORMS = {
+    "softcap": {
+        "running_max/two_loops": (dict(SOFTCAP_STATIC_DTYPES=(), EDGES_ONE_LOOP=False), {64: [None], 128: [None]}),
+        "running_max/one_loop": (dict(SOFTCAP_STATIC_DTYPES=(), EDGES_ONE_LOOP=True), {64: [None], 128: [None]}),
+        "static/two_loops": (dict(SOFTCAP_STATIC_DTYPES=(torch.bfloat16,), EDGES_ONE_LOOP=False, STATIC_PIPE=False),
+                             {64: [None, (64, 64, 4, 3)], 128: [None]}),
+        "static_pipelined/two_loops": (dict(SOFTCAP_STATIC_DTYPES=(torch.bfloat16,), EDGES_ONE_LOOP=False,
+                                            STATIC_PIPE=True),
+                                       {64: [None, (64, 64, 4, 3), (128, 64, 4, 3)], 128: [None, (128, 64, 8, 3)]}),
+    },
+    "alibi": {
+        "per_score/two_loops": (dict(ALIBI_MMA_DTYPES=(), EDGES_ONE_LOOP=False), {64: [None], 128: [None]}),
+        "per_score/one_loop": (dict(ALIBI_MMA_DTYPES=(), EDGES_ONE_LOOP=True), {64: [None], 128: [None]}),
+        "mma/two_loops": (dict(ALIBI_MMA_DTYPES=(torch.bfloat16,), EDGES_ONE_LOOP=False),
+                          {64: [None, (64, 64, 4, 3)], 128: [(128, 64, 8, 3)]}),
+    },
+}
+
+
 def run_score(kind, shape, s, causal):
     from xoffload.kernels import flash_attn_with_lse
 
@@ -95,24 +114,24 @@ def run_score(kind, shape, s, causal):
     rec["plain"] = plain
     if kind == "softcap":
         opt = {"softcap": SOFTCAP}
-        forms = {"running_max": dict(SOFTCAP_STATIC_DTYPES=()), "static": dict(SOFTCAP_STATIC_DTYPES=(torch.bfloat16,))}
     else:
-        slopes = torch.tensor([2.0 ** (-8.0 * (i + 1) / hq) for i in range(hq)], device="cuda")
-        opt = {"alibi_slopes": slopes}
-        forms = {"per_score": dict(ALIBI_MMA_DTYPES=()), "mma": dict(ALIBI_MMA_DTYPES=(torch.bfloat16,))}
+        opt = {"alibi_slopes": torch.tensor([2.0 ** (-8.0 * (i + 1) / hq) for i in range(hq)], device="cuda")}
     ref = None
-    for i, (name, attrs) in enumerate(forms.items()):
+    for name, (attrs, cfgs) in FORMS[kind].items():
         with form(**attrs):
             out, _ = flash_attn_with_lse(q, k, v, causal=causal, **opt)
             ref = out if ref is None else ref
             diff = float((out.float() - ref.float()).abs().max())
-            for cfg in CONFIGS[kind][d] if i else [None]:  # the older form at its default config only
+            for cfg in cfgs[d]:
                 row = _time(lambda: flash_attn_with_lse(q, k, v, causal=causal, **opt), fl, cfg)
                 row.update(form=name, max_abs_diff_vs_first_form=diff)
                 if plain.get("tflops") and row.get("tflops"):
                     row["ratio_to_plain"] = row["tflops"] / plain["tflops"]
                 rec["rows"].append(row)
                 print(kind, shape, "causal" if causal else "full", name, row, flush=True)
+    again = _time(lambda: flash_attn_with_lse(q, k, v, causal=causal), fl, None)  # the plain kernel again: noise
+    rec["plain_again"] = again
+    print(kind, shape, "plain", plain.get("tflops"), "again", again.get("tflops"), flush=True)
     return rec
 
 

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from helpers import assert_lse_match, max_err
+from helpers import assert_lse_match, lse_tol, max_err, out_tol
 from test_flash_attn_options import _cu, _paged, _rand, _slopes, check_options, check_varlen_options
 import xoffload.kernels.flash_attn as fa_mod
 from xoffload.kernels import flash_attn_with_lse, launch_override
@@ -338,14 +338,27 @@ def test_gpu_softcap(dtype, d, causal):
 @pytest.mark.cuda
 @pytest.mark.parametrize("big", [250.0, 900.0, 3000.0])
 @pytest.mark.parametrize("d", [64, 128])
-def test_gpu_softcap_static_form_bf16(big, d):
+def test_gpu_softcap_static_form_bf16(monkeypatch, big, d):
     """bf16 (the static form's dtype on the GPU) on the GPU's tiles: a hot key ~``big * |q.u| *
     scale`` above key 0 (cap 50): 250 puts it ~20-40 log2 units above the row's reference (p up
     to ~2^40, kept by the static pass), 900 and 3000 up to ~72 (row sums past 2^64: the running-max
-    pass); causal, non-causal and a window."""
+    pass); causal, non-causal and a window. Out against the fp32 reference (in-dtype rule); LSE
+    against the running-max form, which rounds the same ``tanh.approx`` logits (the reference's
+    exact tanh differs from both by up to ``cap * 2^-11`` per logit), and against the reference
+    within that bound."""
     q, k, v = _spread_qkv(1500, 2100, d, torch.bfloat16, "cuda", big=big * d ** 0.5 / 8, hot=700, seed=d)
     for kw in (dict(causal=True), dict(causal=False), dict(causal=True, window_size=(900, -1))):
-        check_options(q, k, v, softcap=50.0, **kw)
+        out, lse = flash_attn_with_lse(q, k, v, softcap=50.0, **kw)
+        with monkeypatch.context() as m:
+            m.setattr(fa_mod, "SOFTCAP_STATIC_DTYPES", ())
+            out_run, lse_run = flash_attn_with_lse(q, k, v, softcap=50.0, **kw)
+        ref_o, ref_l = attention_ref(q, k, v, softcap=50.0, **kw)
+        base_o, _ = attention_ref(q.float(), k.float(), v.float(), softcap=50.0, **kw)  # fp32 inputs, bf16 out below
+        tol = out_tol(ref_o, base_o.to(torch.bfloat16), torch.bfloat16)
+        assert max_err(out, ref_o) <= tol, (kw, max_err(out, ref_o), tol)
+        assert max_err(out, out_run) <= 4 * torch.finfo(torch.bfloat16).eps * float(out_run.float().abs().max())
+        assert_lse_match(lse, lse_run.cpu())
+        assert float((lse.cpu() - ref_l.cpu()).abs().max()) <= 50.0 * 2.0 ** -11 + lse_tol(ref_l)
 
 
 @pytest.mark.cuda

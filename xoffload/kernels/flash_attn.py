@@ -144,7 +144,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               PAGE: tl.constexpr = 16, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
               SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, FAST_TANH: tl.constexpr = False,
               SOFTCAP_STATIC: tl.constexpr = False, ALIBI_MMA: tl.constexpr = False,
-              EDGES_ONE_LOOP: tl.constexpr = False):
+              EDGES_ONE_LOOP: tl.constexpr = False, STATIC_PIPE: tl.constexpr = False):
     # Options (all compile-time flags; with none set the code is the plain kernel's):
     # HAS_SEQUSED: key length of item b is SEQUSED[b] (clamped to the keys there are); PAGED: K/V
     # are [num_pages, PAGE, Hkv, D] caches read through the block table BT [B, P] (stride_kb /
@@ -218,7 +218,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
                 offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
                 qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kb, stride_vb, stride_btn,
                 CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE,
-                EVEN_D, IS_FP32, SOFTCAP_STATIC, ALIBI_MMA, EDGES_ONE_LOOP, BLOCK_M, BLOCK_N)
+                EVEN_D, IS_FP32, SOFTCAP_STATIC, ALIBI_MMA, EDGES_ONE_LOOP, BLOCK_M, BLOCK_N, STATIC_PIPE)
             if ALIBI and not IS_FP32:  # the loops carry the per-row shift shift2 * (pos - alibi_base) in m_i
                 m_i = m_i - shift2 * (offs_m + diag_shift - alibi_base).to(tl.float32)
         else:
@@ -263,6 +263,8 @@ SOFTCAP_STATIC_DTYPES = (torch.bfloat16,)
 ALIBI_MMA_DTYPES = (torch.bfloat16, torch.float16)
 #: the option path walks both masked edges of a query block's key range in one loop
 EDGES_ONE_LOOP = True
+#: softcap's static form with the interior loop software-pipelined by hand (experiment)
+STATIC_PIPE = False
 
 
 def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window: bool = False,
@@ -543,7 +545,7 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
         IS_FP32=q.dtype == torch.float32, PAGE=k.shape[1] if paged else 16,
         FAST_TANH=bool(q.is_cuda and q.dtype != torch.float32 and not interpreter_on()),
         SOFTCAP_STATIC=q.dtype in SOFTCAP_STATIC_DTYPES, ALIBI_MMA=q.dtype in ALIBI_MMA_DTYPES,
-        EDGES_ONE_LOOP=EDGES_ONE_LOOP,
+        EDGES_ONE_LOOP=EDGES_ONE_LOOP, STATIC_PIPE=STATIC_PIPE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
 

@@ -305,6 +305,61 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
 
 
 @triton.jit
+def _attn_inner_static_pipe(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, offs_m, offs_n, d_ok,
+                            lo, hi, jump_at, jump_by, seqlen_k, diag_shift, win_left, win_right, cap_in, cap_out,
+                            stride_kn, stride_vn, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+                            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, FAST_TANH: tl.constexpr,
+                            EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Softcap's static form, software-pipelined by hand (contiguous K / V): tile t+1's scores are
+    issued on the tensor cores before tile t's softmax, so tanh and exp2 of tile t run while
+    Q K_{t+1}^T does (no running max: nothing waits on P V_t but the next P V)."""
+    pos = offs_m + diag_shift
+    first = lo + tl.where(lo >= jump_at, jump_by, 0)
+    k_base += first.to(tl.int64) * stride_kn
+    v_base += first.to(tl.int64) * stride_vn
+    if MASKED:
+        k = tl.load(k_base + k_offs, mask=((first + offs_n) < seqlen_k)[:, None] & d_ok[None, :], other=0.0)
+    elif EVEN_D:
+        k = tl.load(k_base + k_offs)
+    else:
+        k = tl.load(k_base + k_offs, mask=d_ok[None, :], other=0.0)
+    qk = tl.dot(q, tl.trans(k))
+    for v_n in tl.range(lo, hi, BLOCK_N):
+        start_n = v_n + tl.where(v_n >= jump_at, jump_by, 0)
+        step = BLOCK_N + tl.where(v_n + BLOCK_N == jump_at, jump_by, 0)
+        nxt = start_n + step
+        k_base += step.to(tl.int64) * stride_kn
+        more = (offs_n * 0 + v_n + BLOCK_N) < hi  # a next tile (else its load is masked off)
+        if MASKED:
+            more = more & ((nxt + offs_n) < seqlen_k)
+        k = tl.load(k_base + k_offs, mask=more[:, None] & d_ok[None, :], other=0.0)
+        qk_next = tl.dot(q, tl.trans(k))
+        raw = _tanh(qk * cap_in, FAST_TANH)
+        if MASKED:
+            kidx = start_n + offs_n
+            ok = (kidx < seqlen_k)[None, :]
+            if CAUSAL:
+                ok = ok & (kidx[None, :] <= pos[:, None])
+            elif HAS_RIGHT:
+                ok = ok & (kidx[None, :] <= (pos + win_right)[:, None])
+            if HAS_LEFT:
+                ok = ok & (kidx[None, :] >= (pos - win_left)[:, None])
+            raw = tl.where(ok, raw, float("-inf"))
+        p = tl.exp2(tl.fma(raw, cap_out, -m_i[:, None]))
+        l_i = l_i + tl.sum(p, 1)
+        if MASKED:
+            v = tl.load(v_base + v_offs, mask=((start_n + offs_n) < seqlen_k)[:, None] & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_base + v_offs)
+        else:
+            v = tl.load(v_base + v_offs, mask=d_ok[None, :], other=0.0)
+        acc = tl.dot(p.to(v.dtype), v, acc)
+        v_base += step.to(tl.int64) * stride_vn
+        qk = qk_next
+    return acc, l_i, m_i
+
+
+@triton.jit
 def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
                    offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
                    qk_scale, cap_in, cap_out, slope2, max_entry,
@@ -312,7 +367,7 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
                    IS_FP32: tl.constexpr, STATIC: tl.constexpr, ALIBI_MMA: tl.constexpr, EDGES_ONE_LOOP: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STATIC_PIPE: tl.constexpr = False):
     """One pass over all key tiles of one query block on the option path: the masked left edge of its window,
     the unmasked interior, the masked right edge (diagonal / window / Sk tail); tiles outside the
     window are never visited. Non-causal ALiBi splits the interior at the diagonal
@@ -385,6 +440,11 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             -bias_a, bias_b, False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 2, FAST_TANH,
             PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N)
+    elif STATIC and STATIC_PIPE and not PAGED:
+        acc, l_i, m_i = _attn_inner_static_pipe(
+            acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, offs_m, offs_n, d_ok,
+            full_lo, full_hi, full_hi, 0, seqlen_k, diag_shift, win_left, win_right, cap_in, cap_out,
+            stride_kn, stride_vn, False, CAUSAL, HAS_LEFT, HAS_RIGHT, FAST_TANH, EVEN_D, BLOCK_N)
     else:
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
@@ -490,7 +550,8 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                     ALIBI: tl.constexpr, FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
                     IS_FP32: tl.constexpr, SOFTCAP_STATIC: tl.constexpr, ALIBI_MMA: tl.constexpr,
-                    EDGES_ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    EDGES_ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    STATIC_PIPE: tl.constexpr = False):
     """All key tiles of one query block on the option path (:func:`_attn_opt_pass`); returns
     ``(acc, l_i, m_i, alibi_base, shift2)``.
 
@@ -511,7 +572,7 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
             offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
             qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE, EVEN_D, IS_FP32, True, False,
-            EDGES_ONE_LOOP, BLOCK_M, BLOCK_N)
+            EDGES_ONE_LOOP, BLOCK_M, BLOCK_N, STATIC_PIPE)
         bad = tl.sum((~(l1 <= STATIC_SUM_MAX)).to(tl.int32), 0)
         bad += tl.sum(tl.sum((~(tl.abs(acc1) < float("inf"))).to(tl.int32), 1), 0)
         if bad > 0:  # a key far above the reference (or inf / NaN): the running-max pass
