@@ -44,9 +44,6 @@ from _common import HAS_CUDA, bench_ms, env_record, tflops, write_json  # noqa: 
 SHAPES = {"d128_h32_kv8": (32, 8, 128), "d64_h9_kv3": (9, 3, 64)}
 SOFTCAP = 50.0
 WINDOW = 4096
-CONFIGS = {  # BLOCK_D -> launch configs the newer form is tried under (None: the library's default)
-    "window": {64: [None, (64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 4, 3), (128, 64, 8, 3)], 128: [None, (128, 64, 8, 3)]},
-}
 
 
 @contextlib.contextmanager
@@ -87,19 +84,22 @@ def _inputs(s, hq, hkv, d, seed=0):
 FORMS = {
     "softcap": {
         "running_max/two_loops": (dict(SOFTCAP_STATIC_DTYPES=(), EDGES_ONE_LOOP=False), {64: [None], 128: [None]}),
-        "running_max/one_loop": (dict(SOFTCAP_STATIC_DTYPES=(), EDGES_ONE_LOOP=True), {64: [None], 128: [None]}),
-        "static/two_loops": (dict(SOFTCAP_STATIC_DTYPES=(torch.bfloat16,), EDGES_ONE_LOOP=False, STATIC_PIPE=False),
-                             {64: [None, (64, 64, 4, 3)], 128: [None]}),
-        "static_pipelined/two_loops": (dict(SOFTCAP_STATIC_DTYPES=(torch.bfloat16,), EDGES_ONE_LOOP=False,
-                                            STATIC_PIPE=True),
-                                       {64: [None, (64, 64, 4, 3), (128, 64, 4, 3)], 128: [None, (128, 64, 8, 3)]}),
+        "running_max/two_loops/lazy": (dict(SOFTCAP_STATIC_DTYPES=(), EDGES_ONE_LOOP=False, LAZY_RESCALE=True),
+                                       {64: [None, (64, 64, 4, 3)], 128: [None]}),
+        "running_max/one_loop": (dict(SOFTCAP_STATIC_DTYPES=(), EDGES_ONE_LOOP=True), {64: [None, (64, 64, 4, 3)],
+                                                                                       128: []}),
     },
     "alibi": {
         "per_score/two_loops": (dict(ALIBI_MMA_DTYPES=(), EDGES_ONE_LOOP=False), {64: [None], 128: [None]}),
         "per_score/one_loop": (dict(ALIBI_MMA_DTYPES=(), EDGES_ONE_LOOP=True), {64: [None], 128: [None]}),
-        "mma/two_loops": (dict(ALIBI_MMA_DTYPES=(torch.bfloat16,), EDGES_ONE_LOOP=False),
-                          {64: [None, (64, 64, 4, 3)], 128: [(128, 64, 8, 3)]}),
+        "per_score/one_loop/lazy": (dict(ALIBI_MMA_DTYPES=(), EDGES_ONE_LOOP=True, LAZY_RESCALE=True),
+                                    {64: [None, (128, 64, 8, 3)], 128: [None]}),
     },
+}
+WINDOW_FORMS = {
+    "two_loops": (dict(EDGES_ONE_LOOP=False), {64: [(64, 64, 4, 3)], 128: [(64, 64, 4, 3)]}),
+    "one_loop": (dict(EDGES_ONE_LOOP=True), {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(64, 64, 4, 3), (128, 64, 8, 3)]}),
+    "one_loop/lazy": (dict(EDGES_ONE_LOOP=True, LAZY_RESCALE=True), {64: [(128, 64, 8, 3)], 128: [(128, 64, 8, 3)]}),
 }
 
 
@@ -146,11 +146,11 @@ def run_window(shape, s):
     rec = {"case": "window", "shape": shape, "S": s, "window": WINDOW, "area_ratio": area / causal_area, "rows": []}
     causal = _time(lambda: flash_attn_with_lse(q, k, v, causal=True), fl_c, None)
     rec["plain"] = causal
-    for one_loop in (False, True):
-        with form(EDGES_ONE_LOOP=one_loop):
-            for cfg in CONFIGS["window"][d] if one_loop else CONFIGS["window"][d][:1]:
+    for name, (attrs, cfgs) in WINDOW_FORMS.items():
+        with form(**attrs):
+            for cfg in cfgs[d]:
                 row = _time(lambda: flash_attn_with_lse(q, k, v, causal=True, window_size=(WINDOW, -1)), fl_w, cfg)
-                row["form"] = "edges_one_loop" if one_loop else "edges_two_loops"
+                row["form"] = name
                 if causal.get("ms") and row.get("ms"):
                     row["vs_target(<=1.15)"] = row["ms"] / (rec["area_ratio"] * causal["ms"])
                     row["ratio_to_plain"] = row["tflops"] / causal["tflops"]
@@ -180,6 +180,11 @@ SASS_FORMS = {
     "alibi mma d64 128x64w4": (_attn_consts(64, 128, 64, ALIBI=True, ALIBI_MMA=True), 4),
     "window two loops d64 64x64w4": (_attn_consts(64, 64, 64, HAS_LEFT=True), 4),
     "window one loop d64 64x64w4": (_attn_consts(64, 64, 64, HAS_LEFT=True, EDGES_ONE_LOOP=True), 4),
+    "window two loops d64 128x64w8": (_attn_consts(64, 128, 64, HAS_LEFT=True), 8),
+    "window one loop d64 128x64w8": (_attn_consts(64, 128, 64, HAS_LEFT=True, EDGES_ONE_LOOP=True), 8),
+    "softcap one loop d64 128x64w8": (_attn_consts(64, 128, 64, SOFTCAP=True, EDGES_ONE_LOOP=True), 8),
+    "softcap lazy d64 128x64w8": (_attn_consts(64, 128, 64, SOFTCAP=True, LAZY_RESCALE=True), 8),
+    "alibi lazy d64 128x64w4": (_attn_consts(64, 128, 64, ALIBI=True, LAZY_RESCALE=True), 4),
 }
 
 
@@ -192,7 +197,9 @@ def sass_loops(consts: dict, num_warps: int, num_stages: int = 3) -> list:
 
     from xoffload.kernels.flash_attn import _attn_fwd
 
-    params = list(inspect.signature(_attn_fwd.fn).parameters)
+    sigp = inspect.signature(_attn_fwd.fn).parameters
+    params = list(sigp)
+    consts = {**{p: x.default for p, x in sigp.items() if x.default is not inspect.Parameter.empty}, **consts}
     types = {p: "i32" for p in params}
     types.update(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", CU_Q="*i32", CU_K="*i32", BT="*i32",
                  SEQUSED="*i32", ALIBI_SLOPES="*fp32", qk_scale="fp32", cap_in="fp32", cap_out="fp32")
@@ -227,7 +234,8 @@ def sass_loops(consts: dict, num_warps: int, num_stages: int = 3) -> list:
         if b and labels.get(b.group(1), addr) < addr:
             body = [x for a, x in ins if labels[b.group(1)] <= a <= addr]
             ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body]
-            out.append({"instructions": len(body), "MUFU": ops.count("MUFU"), "HGMMA": ops.count("HGMMA")})
+            out.append({"instructions": len(body), "MUFU": ops.count("MUFU"), "HGMMA": ops.count("HGMMA"),
+                        "spill_ops": ops.count("LDL") + ops.count("STL")})
     return out
 
 
@@ -241,7 +249,8 @@ def main(argv=None):
         res = {}
         for name, (c, w) in SASS_FORMS.items():
             res[name] = sass_loops(c, w)
-            print(f"{name:40s}", " | ".join(f"{x['instructions']} (MUFU {x['MUFU']}, HGMMA {x['HGMMA']})"
+            print(f"{name:40s}", " | ".join(f"{x['instructions']} (MUFU {x['MUFU']}, HGMMA {x['HGMMA']}, "
+                                             f"LDL/STL {x['spill_ops']})"
                                              for x in res[name]), flush=True)
         if args.out != "option_forms":
             write_json(args.out, {"benchmark": "option_forms_sass", "env": env_record(), "loops": res})

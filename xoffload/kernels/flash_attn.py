@@ -144,7 +144,8 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               PAGE: tl.constexpr = 16, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
               SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, FAST_TANH: tl.constexpr = False,
               SOFTCAP_STATIC: tl.constexpr = False, ALIBI_MMA: tl.constexpr = False,
-              EDGES_ONE_LOOP: tl.constexpr = False, STATIC_PIPE: tl.constexpr = False):
+              EDGES_ONE_LOOP: tl.constexpr = False, STATIC_PIPE: tl.constexpr = False,
+              LAZY_RESCALE: tl.constexpr = False):
     # Options (all compile-time flags; with none set the code is the plain kernel's):
     # HAS_SEQUSED: key length of item b is SEQUSED[b] (clamped to the keys there are); PAGED: K/V
     # are [num_pages, PAGE, Hkv, D] caches read through the block table BT [B, P] (stride_kb /
@@ -218,7 +219,8 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
                 offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
                 qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kb, stride_vb, stride_btn,
                 CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE,
-                EVEN_D, IS_FP32, SOFTCAP_STATIC, ALIBI_MMA, EDGES_ONE_LOOP, BLOCK_M, BLOCK_N, STATIC_PIPE)
+                EVEN_D, IS_FP32, SOFTCAP_STATIC, ALIBI_MMA, EDGES_ONE_LOOP, BLOCK_M, BLOCK_N, STATIC_PIPE,
+                LAZY_RESCALE)
             if ALIBI and not IS_FP32:  # the loops carry the per-row shift shift2 * (pos - alibi_base) in m_i
                 m_i = m_i - shift2 * (offs_m + diag_shift - alibi_base).to(tl.float32)
         else:
@@ -265,6 +267,8 @@ ALIBI_MMA_DTYPES = (torch.bfloat16, torch.float16)
 EDGES_ONE_LOOP = True
 #: softcap's static form with the interior loop software-pipelined by hand (experiment)
 STATIC_PIPE = False
+#: the option path's running max moves only when a row passes it by > 8 (log2 units; experiment)
+LAZY_RESCALE = False
 
 
 def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window: bool = False,
@@ -545,7 +549,7 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
         IS_FP32=q.dtype == torch.float32, PAGE=k.shape[1] if paged else 16,
         FAST_TANH=bool(q.is_cuda and q.dtype != torch.float32 and not interpreter_on()),
         SOFTCAP_STATIC=q.dtype in SOFTCAP_STATIC_DTYPES, ALIBI_MMA=q.dtype in ALIBI_MMA_DTYPES,
-        EDGES_ONE_LOOP=EDGES_ONE_LOOP, STATIC_PIPE=STATIC_PIPE,
+        EDGES_ONE_LOOP=EDGES_ONE_LOOP, STATIC_PIPE=STATIC_PIPE, LAZY_RESCALE=LAZY_RESCALE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
 

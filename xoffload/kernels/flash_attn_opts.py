@@ -151,7 +151,8 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SIDE: tl.constexpr,
                     FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
-                    STATIC: tl.constexpr, ALIBI_MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    STATIC: tl.constexpr, ALIBI_MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                    LAZY: tl.constexpr = False):
     """The online-softmax loop of the option path (window, softcap, ALiBi, paged K/V) over the key
     tiles ``[lo, hi)``. Scores are kept in log2 units: ``s = qk * scale * log2(e)``, or with
     ``SOFTCAP`` ``softcap * tanh(qk * scale / softcap) * log2(e)``. ALiBi (``slope2 = slope *
@@ -269,12 +270,24 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
                     row_max = row_max + row_add
             else:
                 row_max = tl.max(raw, 1) * sc
-            m_new = tl.maximum(m_i, row_max)
-            if MASKED:
-                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            if LAZY:  # FlashAttention-4's conditional rescale: m moves only when a row passes it by > LAZY_TAU
+                grow = tl.max((row_max > m_i + LAZY_TAU).to(tl.int32), 0)
+                if grow > 0:
+                    m_new = tl.maximum(m_i, row_max)
+                    alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+                    acc = acc * alpha[:, None]
+                    l_i = l_i * alpha
+                    m_i = m_new
+                m_new = m_i
+                alpha = m_i * 0.0 + 1.0
+                m_sub = tl.where(m_i == float("-inf"), 0.0, m_i)
             else:
-                m_sub = m_new
-            alpha = tl.exp2(m_i - m_sub)
+                m_new = tl.maximum(m_i, row_max)
+                if MASKED:
+                    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+                else:
+                    m_sub = m_new
+                alpha = tl.exp2(m_i - m_sub)
             if MMA_SIDE:
                 x = tl.fma(raw, sc, (tile_c - m_sub)[:, None])
             elif ALIBI:
@@ -284,8 +297,11 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
             else:
                 x = tl.fma(raw, sc, -m_sub[:, None])
             p = tl.exp2(x)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None]
+            if LAZY:
+                l_i = l_i + tl.sum(p, 1)
+            else:
+                l_i = l_i * alpha + tl.sum(p, 1)
+                acc = acc * alpha[:, None]
             m_i = m_new
         if MASKED:
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
@@ -367,7 +383,8 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                    ALIBI: tl.constexpr, FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
                    IS_FP32: tl.constexpr, STATIC: tl.constexpr, ALIBI_MMA: tl.constexpr, EDGES_ONE_LOOP: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STATIC_PIPE: tl.constexpr = False):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STATIC_PIPE: tl.constexpr = False,
+                   LAZY: tl.constexpr = False):
     """One pass over all key tiles of one query block on the option path: the masked left edge of its window,
     the unmasked interior, the masked right edge (diagonal / window / Sk tail); tiles outside the
     window are never visited. Non-causal ALiBi splits the interior at the diagonal
@@ -416,7 +433,7 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
         alibi_base,
         max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
         bias_a, bias_b, True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
-        PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N)
+        PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
     if ALIBI and not CAUSAL and not IS_FP32:
         d_lo, d_hi = _diagonal_split(m0, seqlen_q, diag_shift, full_lo, full_hi, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _attn_inner_opt(
@@ -425,21 +442,21 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
             full_lo, d_lo, d_lo, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             bias_a, bias_b, False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 1, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             d_lo, d_hi, d_hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             bias_a, bias_b, False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 0, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             d_hi, full_hi, full_hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             -bias_a, bias_b, False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 2, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
     elif STATIC and STATIC_PIPE and not PAGED:
         acc, l_i, m_i = _attn_inner_static_pipe(
             acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, offs_m, offs_n, d_ok,
@@ -452,7 +469,7 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
             full_lo, full_hi, full_hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             bias_a, bias_b, False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
     if not EDGES_ONE_LOOP:
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
@@ -460,7 +477,7 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
             full_hi, hi, hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2, alibi_base,
             max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             bias_a, bias_b, True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
     if SHIFTED:
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
@@ -468,7 +485,7 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
             d_from, hi0, hi0, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out,
             slope2, alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             bias_a, bias_b, True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, -1, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
     return acc, l_i, m_i, alibi_base, shift2
 
 
@@ -476,6 +493,8 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
 #: row's reference) is computed again with the running max (2^64: p and sum stay far inside
 #: bf16 / fp32 range; any overflow or NaN also sends the block there)
 STATIC_SUM_MAX = tl.constexpr(1.8446744073709552e19)
+#: the conditional rescale's slack (log2 units): p up to 2^8 (inside every 16-bit range)
+LAZY_TAU = tl.constexpr(8.0)
 
 
 @triton.jit
@@ -551,7 +570,7 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
                     ALIBI: tl.constexpr, FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
                     IS_FP32: tl.constexpr, SOFTCAP_STATIC: tl.constexpr, ALIBI_MMA: tl.constexpr,
                     EDGES_ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    STATIC_PIPE: tl.constexpr = False):
+                    STATIC_PIPE: tl.constexpr = False, LAZY: tl.constexpr = False):
     """All key tiles of one query block on the option path (:func:`_attn_opt_pass`); returns
     ``(acc, l_i, m_i, alibi_base, shift2)``.
 
@@ -581,7 +600,7 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
                 offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
                 qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
                 CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE, EVEN_D, IS_FP32, False, False,
-                EDGES_ONE_LOOP, BLOCK_M, BLOCK_N)
+                EDGES_ONE_LOOP, BLOCK_M, BLOCK_N, False, LAZY)
         return acc1, l1, m1, alibi_base, shift2
     else:
         return _attn_opt_pass(
@@ -589,4 +608,4 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
             offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
             qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE, EVEN_D, IS_FP32, False,
-            ALIBI_MMA and ALIBI and not SOFTCAP and not IS_FP32, EDGES_ONE_LOOP, BLOCK_M, BLOCK_N)
+            ALIBI_MMA and ALIBI and not SOFTCAP and not IS_FP32, EDGES_ONE_LOOP, BLOCK_M, BLOCK_N, False, LAZY)
