@@ -3,21 +3,21 @@ in one run, and the sm_90 SASS size of each form's tile loop.
 
 What it compares (bf16, batch 1, the shapes of ``bench_flash_attn.py``: D=128 32/8 heads, D=64 9/3):
 
-- softcap (50.0) at 32K, causal and not: the running-max form (at its default config) and the
-  static form (a fixed per-row reference, ``flash_attn.SOFTCAP_STATIC_DTYPES``) under several
-  launch configs;
-- ALiBi at 32K, causal and not: the column term added per score (default config) and through the
-  tensor cores (``flash_attn.ALIBI_MMA_DTYPES``, several configs);
-- a causal sliding window (4096) at 128K: the two masked edges of each query block in two loops
-  (default config) or in one (``flash_attn.EDGES_ONE_LOOP``, several configs), against our causal
-  call scaled by the window's share of the causal area (the issue's ``<= 1.15x``).
+- softcap (50.0) and ALiBi at 32K, causal and not, with both masked edges of each query block in
+  one loop or in two (``flash_attn._edges_one_loop``);
+- a causal sliding window (4096) at 128K: the same two edge forms under several launch configs,
+  against our causal call scaled by the window's share of the causal area (the issue's ``<= 1.15x``).
 
 Each row: ms (median of ``triton.testing.do_bench``), TFLOP/s (``4 * Hq * D`` per visible pair),
-and the ratio to the plain kernel's TFLOP/s at its default config in the same run. The library's
-defaults are what ``bench_flash_attn.py --suite options`` times; this script is how they were
-chosen. ``--sass`` prints, for each form, the instruction count of every loop of the sm_90 SASS
-(compiled on the spot; no GPU needed, Triton's ptxas and nvdisasm), the MUFU and HGMMA counts
-among them.
+and the ratio to the plain kernel's TFLOP/s at its default config in the same run (timed twice:
+the spread is the run's noise). The library's defaults are what ``bench_flash_attn.py --suite
+options`` times; this script is how they were chosen. Session 12 also timed forms since removed
+(softcap against a static per-row reference, with and without a hand-pipelined loop; a conditional
+rescale; ALiBi's column term through the tensor cores): their records are
+``benchmarks/results/option_forms_run{1,2,3}.json``, their code is in git at e2ad721, and
+docs/DESIGN.md (session 12) gives the figures. ``--sass`` prints, for each form, the instruction
+count of every loop of the sm_90 SASS (compiled on the spot; no GPU needed: Triton's ptxas and
+nvdisasm), the MUFU, HGMMA and spill (LDL/STL) counts among them.
 
 Run: ``python benchmarks/diag_option_forms.py [--parts softcap,alibi,window] [--out FILE]``
 (writes ``benchmarks/results/option_forms.json``); ``python benchmarks/diag_option_forms.py --sass``.
@@ -47,18 +47,17 @@ WINDOW = 4096
 
 
 @contextlib.contextmanager
-def form(**attrs):
-    """Set module attributes of ``xoffload.kernels.flash_attn`` (the forms' switches) for a block."""
+def edges(one_loop: bool):
+    """Inside the block, the option path walks both masked edges in one loop (or in two) for
+    every call, whatever ``flash_attn._edges_one_loop`` would choose."""
     import xoffload.kernels.flash_attn as fa
 
-    old = {k: getattr(fa, k) for k in attrs}
-    for k, v in attrs.items():
-        setattr(fa, k, v)
+    old = fa._edges_one_loop
+    fa._edges_one_loop = lambda opts: one_loop
     try:
         yield
     finally:
-        for k, v in old.items():
-            setattr(fa, k, v)
+        fa._edges_one_loop = old
 
 
 def _time(fn, flops, cfg):
@@ -81,25 +80,13 @@ def _inputs(s, hq, hkv, d, seed=0):
 
 #: the forms timed per option: name -> module switches of xoffload.kernels.flash_attn, and the
 #: launch configs each is timed under (None: the library's default rule)
-FORMS = {
-    "softcap": {
-        "running_max/two_loops": (dict(SOFTCAP_STATIC_DTYPES=(), EDGES_ONE_LOOP=False), {64: [None], 128: [None]}),
-        "running_max/two_loops/lazy": (dict(SOFTCAP_STATIC_DTYPES=(), EDGES_ONE_LOOP=False, LAZY_RESCALE=True),
-                                       {64: [None, (64, 64, 4, 3)], 128: [None]}),
-        "running_max/one_loop": (dict(SOFTCAP_STATIC_DTYPES=(), EDGES_ONE_LOOP=True), {64: [None, (64, 64, 4, 3)],
-                                                                                       128: []}),
-    },
-    "alibi": {
-        "per_score/two_loops": (dict(ALIBI_MMA_DTYPES=(), EDGES_ONE_LOOP=False), {64: [None], 128: [None]}),
-        "per_score/one_loop": (dict(ALIBI_MMA_DTYPES=(), EDGES_ONE_LOOP=True), {64: [None], 128: [None]}),
-        "per_score/one_loop/lazy": (dict(ALIBI_MMA_DTYPES=(), EDGES_ONE_LOOP=True, LAZY_RESCALE=True),
-                                    {64: [None, (128, 64, 8, 3)], 128: [None]}),
-    },
+FORMS = {  # name -> (masked edges in one loop, the launch configs per BLOCK_D; None: the default)
+    "softcap": {"two_loops": (False, {64: [None], 128: [None]}), "one_loop": (True, {64: [None], 128: [None]})},
+    "alibi": {"two_loops": (False, {64: [None], 128: [None]}), "one_loop": (True, {64: [None], 128: [None]})},
 }
 WINDOW_FORMS = {
-    "two_loops": (dict(EDGES_ONE_LOOP=False), {64: [(64, 64, 4, 3)], 128: [(64, 64, 4, 3)]}),
-    "one_loop": (dict(EDGES_ONE_LOOP=True), {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(64, 64, 4, 3), (128, 64, 8, 3)]}),
-    "one_loop/lazy": (dict(EDGES_ONE_LOOP=True, LAZY_RESCALE=True), {64: [(128, 64, 8, 3)], 128: [(128, 64, 8, 3)]}),
+    "two_loops": (False, {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(64, 64, 4, 3), (128, 64, 8, 3)]}),
+    "one_loop": (True, {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(64, 64, 4, 3), (128, 64, 8, 3)]}),
 }
 
 
@@ -117,8 +104,8 @@ def run_score(kind, shape, s, causal):
     else:
         opt = {"alibi_slopes": torch.tensor([2.0 ** (-8.0 * (i + 1) / hq) for i in range(hq)], device="cuda")}
     ref = None
-    for name, (attrs, cfgs) in FORMS[kind].items():
-        with form(**attrs):
+    for name, (one_loop, cfgs) in FORMS[kind].items():
+        with edges(one_loop):
             out, _ = flash_attn_with_lse(q, k, v, causal=causal, **opt)
             ref = out if ref is None else ref
             diff = float((out.float() - ref.float()).abs().max())
@@ -146,8 +133,8 @@ def run_window(shape, s):
     rec = {"case": "window", "shape": shape, "S": s, "window": WINDOW, "area_ratio": area / causal_area, "rows": []}
     causal = _time(lambda: flash_attn_with_lse(q, k, v, causal=True), fl_c, None)
     rec["plain"] = causal
-    for name, (attrs, cfgs) in WINDOW_FORMS.items():
-        with form(**attrs):
+    for name, (one_loop, cfgs) in WINDOW_FORMS.items():
+        with edges(one_loop):
             for cfg in cfgs[d]:
                 row = _time(lambda: flash_attn_with_lse(q, k, v, causal=True, window_size=(WINDOW, -1)), fl_w, cfg)
                 row["form"] = name
@@ -163,28 +150,24 @@ def run_window(shape, s):
 def _attn_consts(d, bm, bn, causal=True, **flags):
     c = dict(D=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, VARLEN=False, IS_FP32=False, HAS_SEQUSED=False,
              PAGED=False, PAGE=16, HAS_LEFT=False, HAS_RIGHT=False, SOFTCAP=False, ALIBI=False, FAST_TANH=True,
-             SOFTCAP_STATIC=False, ALIBI_MMA=False, EDGES_ONE_LOOP=False)
+             EDGES_ONE_LOOP=False)
     c.update(flags)
     return c
 
 
 SASS_FORMS = {
     "plain d64 128x64w8": (_attn_consts(64, 128, 64), 8),
-    "softcap running-max d64 128x64w8": (_attn_consts(64, 128, 64, SOFTCAP=True), 8),
-    "softcap static d64 128x64w8": (_attn_consts(64, 128, 64, SOFTCAP=True, SOFTCAP_STATIC=True), 8),
+    "softcap d64 128x64w8": (_attn_consts(64, 128, 64, SOFTCAP=True), 8),
+    "softcap one loop d64 128x64w8": (_attn_consts(64, 128, 64, SOFTCAP=True, EDGES_ONE_LOOP=True), 8),
     "plain d128 128x128w8": (_attn_consts(128, 128, 128), 8),
-    "softcap running-max d128 128x128w8": (_attn_consts(128, 128, 128, SOFTCAP=True), 8),
-    "softcap static d128 128x128w8": (_attn_consts(128, 128, 128, SOFTCAP=True, SOFTCAP_STATIC=True), 8),
+    "softcap d128 128x128w8": (_attn_consts(128, 128, 128, SOFTCAP=True), 8),
     "plain d64 128x64w4": (_attn_consts(64, 128, 64), 4),
-    "alibi per-score d64 128x64w4": (_attn_consts(64, 128, 64, ALIBI=True), 4),
-    "alibi mma d64 128x64w4": (_attn_consts(64, 128, 64, ALIBI=True, ALIBI_MMA=True), 4),
+    "alibi d64 128x64w4": (_attn_consts(64, 128, 64, ALIBI=True), 4),
+    "alibi one loop d64 128x64w4": (_attn_consts(64, 128, 64, ALIBI=True, EDGES_ONE_LOOP=True), 4),
     "window two loops d64 64x64w4": (_attn_consts(64, 64, 64, HAS_LEFT=True), 4),
     "window one loop d64 64x64w4": (_attn_consts(64, 64, 64, HAS_LEFT=True, EDGES_ONE_LOOP=True), 4),
     "window two loops d64 128x64w8": (_attn_consts(64, 128, 64, HAS_LEFT=True), 8),
     "window one loop d64 128x64w8": (_attn_consts(64, 128, 64, HAS_LEFT=True, EDGES_ONE_LOOP=True), 8),
-    "softcap one loop d64 128x64w8": (_attn_consts(64, 128, 64, SOFTCAP=True, EDGES_ONE_LOOP=True), 8),
-    "softcap lazy d64 128x64w8": (_attn_consts(64, 128, 64, SOFTCAP=True, LAZY_RESCALE=True), 8),
-    "alibi lazy d64 128x64w4": (_attn_consts(64, 128, 64, ALIBI=True, LAZY_RESCALE=True), 4),
 }
 
 

@@ -63,7 +63,8 @@ def _attn_types(ptr="*bf16"):
 def _attn(d, bm, bn, *, causal=True, fp32=False, **flags):
     """The prefill kernel's constexprs for head dim ``d`` and ``bm x bn`` tiles, option flags set."""
     c = dict(D=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, VARLEN=False, IS_FP32=fp32, HAS_SEQUSED=False,
-             PAGED=False, PAGE=16, HAS_LEFT=False, HAS_RIGHT=False, SOFTCAP=False, ALIBI=False, FAST_TANH=not fp32)
+             PAGED=False, PAGE=16, HAS_LEFT=False, HAS_RIGHT=False, SOFTCAP=False, ALIBI=False, FAST_TANH=not fp32,
+             EDGES_ONE_LOOP=False)
     c.update(flags)
     return c
 
@@ -73,15 +74,19 @@ def _attn(d, bm, bn, *, causal=True, fp32=False, **flags):
 _ATTN_VARIANTS = {
     **{f"flash_attn softcap d={d}": (_attn(d, 128, bn, SOFTCAP=True), {"num_warps": 8, "num_stages": 3})
        for d, bn in ((128, 128), (64, 64))},
-    "flash_attn alibi causal d=64 (left class)": (_attn(64, 128, 64, ALIBI=True), {"num_warps": 4, "num_stages": 3}),
-    "flash_attn alibi non-causal d=64 (left, diagonal, right)": (_attn(64, 128, 64, causal=False, ALIBI=True),
-                                                                 {"num_warps": 4, "num_stages": 3}),
-    "flash_attn alibi non-causal d=128 (left, diagonal, right)": (_attn(128, 128, 128, causal=False, ALIBI=True),
-                                                                  {"num_warps": 8, "num_stages": 3}),
-    "flash_attn alibi non-causal window d=128": (_attn(128, 64, 64, causal=False, ALIBI=True, HAS_LEFT=True,
-                                                       HAS_RIGHT=True), {"num_warps": 4, "num_stages": 3}),
+    "flash_attn alibi causal d=64 (left class)": (_attn(64, 128, 64, ALIBI=True, EDGES_ONE_LOOP=True),
+                                                  {"num_warps": 4, "num_stages": 3}),
+    "flash_attn alibi non-causal d=64 (left, diagonal, right)": (
+        _attn(64, 128, 64, causal=False, ALIBI=True, EDGES_ONE_LOOP=True), {"num_warps": 4, "num_stages": 3}),
+    "flash_attn alibi non-causal d=128 (left, diagonal, right)": (
+        _attn(128, 128, 128, causal=False, ALIBI=True, EDGES_ONE_LOOP=True), {"num_warps": 8, "num_stages": 3}),
+    "flash_attn alibi non-causal window d=128": (_attn(128, 128, 64, causal=False, ALIBI=True, HAS_LEFT=True,
+                                                       HAS_RIGHT=True, EDGES_ONE_LOOP=True),
+                                                 {"num_warps": 8, "num_stages": 3}),
+    **{f"flash_attn causal window d={d} (edges in one loop)": (_attn(d, 128, 64, HAS_LEFT=True, EDGES_ONE_LOOP=True),
+                                                              {"num_warps": 8, "num_stages": 3}) for d in (64, 128)},
     "flash_attn alibi softcap causal window paged d=128": (
-        _attn(128, 128, 64, ALIBI=True, SOFTCAP=True, HAS_LEFT=True, PAGED=True, PAGE=16),
+        _attn(128, 128, 64, ALIBI=True, SOFTCAP=True, HAS_LEFT=True, PAGED=True, PAGE=16, EDGES_ONE_LOOP=True),
         {"num_warps": 8, "num_stages": 3}),
     "flash_attn alibi fp32 non-causal (direct form)": (_attn(128, 32, 16, causal=False, fp32=True, ALIBI=True,
                                                              SOFTCAP=True),

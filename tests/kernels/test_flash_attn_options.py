@@ -217,6 +217,44 @@ def test_window(device, b, sq, sk, hq, hkv, d, causal, window, dtype):
     check_options(q, k, v, causal=causal, window_size=window)
 
 
+@pytest.mark.parametrize("cfg", [None, (16, 16, 4, 1), (64, 16, 4, 1), (32, 64, 4, 1)])
+@pytest.mark.parametrize("sq,sk,causal,window,alibi,paged", [
+    (150, 260, True, (40, -1), False, False),    # left edge and diagonal both masked, interior between
+    (150, 260, True, (3, -1), False, False),     # a window narrower than a tile: no interior
+    (200, 90, False, (-1, 7), False, False),     # Sq > Sk, right bound only: rows with no key
+    (130, 200, False, (30, 20), True, False),    # both bounds, ALiBi's tile classes between the edges
+    (97, 161, True, (-1, -1), True, False),      # causal ALiBi: the diagonal edge only
+    (120, 250, True, (60, -1), False, True),     # pages of 16 through the block table
+])
+def test_masked_edges_in_one_loop_equal_two_loops(device, monkeypatch, cfg, sq, sk, causal, window, alibi, paged):
+    """Both masked edges of a query block walked in one loop (windows, ALiBi: the default) and in
+    two (the masked left edge first, the right edge last): within rounding of each other (only the
+    order of the online softmax's tiles differs) and each within the reference's tolerance."""
+    import xoffload.kernels.flash_attn as fa
+
+    g = torch.Generator().manual_seed(sq + sk)
+    q = _rand((2, sq, 4, 64), torch.float16, device, gen=g)
+    k, v = (_rand((2, sk, 2, 64), torch.float16, device, gen=g) for _ in range(2))
+    kw = dict(causal=causal, window_size=window, alibi_slopes=_slopes((4,), device) if alibi else None)
+    if paged:
+        k, v, table = _paged(k, v, 16, g)
+        kw.update(block_table=table, seqused_k=torch.tensor([sk, sk - 29], dtype=torch.int32, device=device))
+    outs = []
+    for one_loop in (True, False):
+        monkeypatch.setattr(fa, "_edges_one_loop", lambda opts, _v=one_loop: _v)
+        with (launch_override("flash_attn", cfg) if cfg else _null()):
+            outs.append(check_options(q, k, v, **kw)[:2])
+    (o1, l1), (o2, l2) = outs
+    assert max_err(o1, o2) <= 4 * torch.finfo(torch.float16).eps * max(1.0, float(o2.float().abs().max()))
+    assert_lse_match(l1, l2.cpu())
+
+
+def _null():
+    import contextlib
+
+    return contextlib.nullcontext()
+
+
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,d,causal,cap,dtype", [
     (1, 70, 90, 4, 2, 64, False, 5.0, torch.float16),
     (2, 50, 50, 6, 3, 80, True, 30.0, torch.float16),

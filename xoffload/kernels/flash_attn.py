@@ -143,16 +143,13 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               IS_FP32: tl.constexpr, HAS_SEQUSED: tl.constexpr = False, PAGED: tl.constexpr = False,
               PAGE: tl.constexpr = 16, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
               SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, FAST_TANH: tl.constexpr = False,
-              SOFTCAP_STATIC: tl.constexpr = False, ALIBI_MMA: tl.constexpr = False,
-              EDGES_ONE_LOOP: tl.constexpr = False, STATIC_PIPE: tl.constexpr = False,
-              LAZY_RESCALE: tl.constexpr = False):
+              EDGES_ONE_LOOP: tl.constexpr = False):
     # Options (all compile-time flags; with none set the code is the plain kernel's):
     # HAS_SEQUSED: key length of item b is SEQUSED[b] (clamped to the keys there are); PAGED: K/V
     # are [num_pages, PAGE, Hkv, D] caches read through the block table BT [B, P] (stride_kb /
     # stride_vb are then the page strides); HAS_LEFT / HAS_RIGHT: sliding window bounds;
     # SOFTCAP: cap_in = scale / softcap, cap_out = softcap * log2(e); ALIBI: per-(b, h) slopes;
-    # SOFTCAP_STATIC: softcap against a fixed per-row reference (no running max); ALIBI_MMA:
-    # ALiBi's column term through the tensor cores (flash_attn_opts);
+    # EDGES_ONE_LOOP: the option path walks both masked edges of a block in one loop;
     # 1-D grid: the (batch, head) index varies fastest, so the first programs launched are
     # the last query block of every head (the longest rows under causal) and programs that
     # run together share K/V heads (GQA) in L2.
@@ -219,8 +216,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
                 offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
                 qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kb, stride_vb, stride_btn,
                 CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE,
-                EVEN_D, IS_FP32, SOFTCAP_STATIC, ALIBI_MMA, EDGES_ONE_LOOP, BLOCK_M, BLOCK_N, STATIC_PIPE,
-                LAZY_RESCALE)
+                EVEN_D, IS_FP32, EDGES_ONE_LOOP, BLOCK_M, BLOCK_N)
             if ALIBI and not IS_FP32:  # the loops carry the per-row shift shift2 * (pos - alibi_base) in m_i
                 m_i = m_i - shift2 * (offs_m + diag_shift - alibi_base).to(tl.float32)
         else:
@@ -258,18 +254,6 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
 
 _INTERP_CFG = LaunchConfig(64, 32, 4, 1)  # BLOCK_M != BLOCK_N, as on the GPU
 
-#: input dtypes whose softcap runs against a fixed per-row reference instead of a running max
-#: (flash_attn_opts._attn_opt_loops); others keep the running max
-SOFTCAP_STATIC_DTYPES = (torch.bfloat16,)
-#: input dtypes whose ALiBi column term comes out of the tensor cores (flash_attn_opts)
-ALIBI_MMA_DTYPES = (torch.bfloat16, torch.float16)
-#: the option path walks both masked edges of a query block's key range in one loop
-EDGES_ONE_LOOP = True
-#: softcap's static form with the interior loop software-pipelined by hand (experiment)
-STATIC_PIPE = False
-#: the option path's running max moves only when a row passes it by > 8 (log2 units; experiment)
-LAZY_RESCALE = False
-
 
 def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window: bool = False,
                 alibi: bool = False) -> LaunchConfig:
@@ -285,12 +269,13 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
         return LaunchConfig(128, 64, 8, 3)
     if dtype == torch.float32:
         return LaunchConfig(32, 16, 4, 2) if block_d <= 128 else LaunchConfig(16, 16, 4, 1)
-    # H200, bf16, 32K, options suite --sweep (session 10, attention_options_sweep.json): a causal
-    # window of 4096 runs best in 64x64 tiles, 4 warps (D=128: 506 vs 466 TFLOP/s with 128x128;
-    # D=64: 415 vs 319 with 128x64 8 warps: fewer masked edge tiles per row block); ALiBi at D=64
-    # in 128x64 with 4 warps (causal 379 vs 320). softcap: no tile won (within 1%).
+    # H200, bf16, window 4096 at 128K (session 12, diag_option_forms.py, option_forms_run3.json):
+    # with both masked edges in one loop (_edges_one_loop) 128x64 tiles, 8 warps, run best (D=64
+    # 415 TFLOP/s vs 385 in 64x64 / 4 warps; D=128 460 vs 443); with the edges in two loops 8 warps
+    # had lost (session 10's sweep: D=64 319 vs 415). ALiBi at D=64 in 128x64 with 4 warps
+    # (session 10: causal 379 vs 320). softcap: no tile won (within 1%).
     if window and block_d <= 128:
-        return LaunchConfig(64, 64, 4, 3)
+        return LaunchConfig(128, 64, 8, 3)
     if alibi and block_d <= 64:
         return LaunchConfig(128, 64, 4, 3)
     # H200, bf16, causal, 32K (benchmarks/results/attention.json, sweep): D=64 9/3 heads:
@@ -302,6 +287,15 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
     if block_d <= 128:
         return LaunchConfig(128, 128, 8, 3)
     return LaunchConfig(64, 32, 4, 2)
+
+
+def _edges_one_loop(opts) -> bool:
+    """Whether the option path walks both masked edges of a query block in one loop: windows and
+    ALiBi. H200 (session 12, option_forms_run*.json): a 4096 window at 128K 1.10x / 1.04x the
+    area-scaled causal time at D=64 / 128 (two loops: 1.19x / 1.13x in the same run); causal ALiBi
+    at 32K, D=128, 0.98x plain (two loops 0.94-0.95x). Softcap alone keeps two loops (one loop at D=64,
+    causal, 8 warps: 0.60x plain against 0.78x), and so do pages alone (not measured)."""
+    return opts.left >= 0 or (opts.right >= 0 and not opts.causal) or opts.alibi is not None
 
 
 class _Options(NamedTuple):
@@ -548,8 +542,7 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
         D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, VARLEN=varlen,
         IS_FP32=q.dtype == torch.float32, PAGE=k.shape[1] if paged else 16,
         FAST_TANH=bool(q.is_cuda and q.dtype != torch.float32 and not interpreter_on()),
-        SOFTCAP_STATIC=q.dtype in SOFTCAP_STATIC_DTYPES, ALIBI_MMA=q.dtype in ALIBI_MMA_DTYPES,
-        EDGES_ONE_LOOP=EDGES_ONE_LOOP, STATIC_PIPE=STATIC_PIPE, LAZY_RESCALE=LAZY_RESCALE,
+        EDGES_ONE_LOOP=_edges_one_loop(opts),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
 

@@ -31,7 +31,9 @@ fp32 inputs, the accuracy path, keep the direct form.
 
 Softcap (``softcap * tanh(s / softcap)``) costs two MUFU operations per score on the GPU
 (``tanh.approx.f32`` and exp2) where the plain kernel has one. Cheaper forms (an fp16x2 tanh, a
-polynomial exp2 on part of the columns) were measured on the H200 and removed (docs/DESIGN.md).
+polynomial exp2 on part of the columns; a static per-row reference instead of the running max,
+with and without a hand-pipelined loop; a conditional rescale) were measured on the H200 and
+removed, as was ALiBi's column term through the tensor cores (docs/DESIGN.md, sessions 11-12).
 """
 from __future__ import annotations
 
@@ -147,12 +149,10 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
                     offs_m, offs_n, offs_d, d_ok, lo, hi, jump_at, jump_by, seqlen_k, diag_shift, win_left, win_right,
                     qk_scale, cap_in, cap_out, slope2, alibi_base, max_entry,
                     stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-                    bias_a, bias_b,
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SIDE: tl.constexpr,
                     FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
-                    STATIC: tl.constexpr, ALIBI_MMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    LAZY: tl.constexpr = False):
+                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The online-softmax loop of the option path (window, softcap, ALiBi, paged K/V) over the key
     tiles ``[lo, hi)``. Scores are kept in log2 units: ``s = qk * scale * log2(e)``, or with
     ``SOFTCAP`` ``softcap * tanh(qk * scale / softcap) * log2(e)``. ALiBi (``slope2 = slope *
@@ -162,16 +162,12 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
     rows, 0 anywhere; -1: ``-slope2 * |j - pos|`` without the row shift (fp32 inputs, whose
     tolerance the shift's rounding, an ulp of ``slope2 * BLOCK_M / 2``, would eat into). ``MASKED`` tiles mask keys past ``seqlen_k`` and outside the causal / window
     bounds. The tiles start at ``lo, lo + BLOCK_N, ... < hi``, each start at or past ``jump_at``
-    moved on by ``jump_by`` (so one loop can walk two ranges: both masked edges of a window).
-    ``PAGED``: key ``j`` is row ``j % PAGE`` of page ``bt_row[j // PAGE]`` (entries clamped to
-    ``[0, max_entry]``); else key ``j`` of K / V is at ``k_base / v_base + j * stride``.
-
-    ``STATIC`` (softcap without ALiBi): ``m_i`` is a fixed per-row reference (:func:`_softcap_anchor`)
-    and the loop keeps no running max: no row max, no rescale of ``acc`` and ``l_i``. ``ALIBI_MMA``
-    (ALiBi sides 1 and 2, 16-bit inputs, no softcap): the tile's column term ``slope2 * (j -
-    start_n) / scale`` comes out of the tensor cores, one more ``tl.dot(bias_a, bias_b)`` with
-    K = 16 into the scores (:func:`_alibi_mma_operands`), and the per-tile term joins the row's
-    max: no per-score bias add."""
+    moved on by ``jump_by``: one loop walks two ranges (both masked edges of a block, ``[lo,
+    jump_at)`` then ``[jump_at + jump_by, hi + jump_by)``). ``PAGED``: key ``j`` is row ``j % PAGE`` of
+    page ``bt_row[j // PAGE]`` (entries clamped to ``[0, max_entry]``); else key ``j`` of K / V is
+    at ``k_base / v_base + j * stride``, reached by pointer increments (a pointer recomputed from
+    ``start_n * stride`` each tile defeats Triton's load pipelining: waits after every wgmma,
+    seen in the sm_90 SASS)."""
     pos = offs_m + diag_shift  # bottom-right aligned query positions
     if ALIBI:
         rel = pos - alibi_base  # the row's shift is slope2 * rel (not with ALIBI_SIDE -1)
@@ -222,9 +218,6 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
             qk = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
             qk = tl.dot(q, tl.trans(k))
-        MMA_SIDE: tl.constexpr = ALIBI and ALIBI_MMA and (ALIBI_SIDE == 1 or ALIBI_SIDE == 2)
-        if MMA_SIDE:  # + slope2 * (j - start_n) / scale (side 2: minus), from the tensor cores
-            qk = tl.dot(bias_a, bias_b, qk)
         # s = raw * sc (log2 units), sc > 0: without ALiBi the row max is taken on raw and the
         # scale joins the exponent's FMA, as in the plain kernel (one multiply per score saved)
         if SOFTCAP:
@@ -233,12 +226,7 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
         else:
             raw = qk
             sc = qk_scale
-        if MMA_SIDE:  # the tile's term, per row: it joins the row max (below)
-            if ALIBI_SIDE == 2:
-                tile_c = row_add - slope2 * (start_n - alibi_base).to(tl.float32)
-            else:
-                tile_c = slope2 * (start_n - alibi_base).to(tl.float32)
-        elif ALIBI:
+        if ALIBI:
             if ALIBI_SIDE == 1:  # every key <= pos: -slope2 (pos - j) + slope2 (pos - base)
                 tile_c = slope2 * (start_n - alibi_base).to(tl.float32)
                 raw = tl.fma(raw, sc, (col_vec + tile_c)[None, :])
@@ -258,51 +246,27 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
             if HAS_LEFT:
                 ok = ok & (kidx[None, :] >= (pos - win_left)[:, None])
             raw = tl.where(ok, raw, float("-inf"))
-        if STATIC:  # a fixed reference per row: no running max, no rescale
-            p = tl.exp2(tl.fma(raw, sc, -m_i[:, None]))
-            l_i = l_i + tl.sum(p, 1)
+        if ALIBI:
+            row_max = tl.max(raw, 1)
+            if ALIBI_SIDE == 2:
+                row_max = row_max + row_add
         else:
-            if MMA_SIDE:
-                row_max = tl.max(raw, 1) * sc + tile_c
-            elif ALIBI:
-                row_max = tl.max(raw, 1)
-                if ALIBI_SIDE == 2:
-                    row_max = row_max + row_add
-            else:
-                row_max = tl.max(raw, 1) * sc
-            if LAZY:  # FlashAttention-4's conditional rescale: m moves only when a row passes it by > LAZY_TAU
-                grow = tl.max((row_max > m_i + LAZY_TAU).to(tl.int32), 0)
-                if grow > 0:
-                    m_new = tl.maximum(m_i, row_max)
-                    alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
-                    acc = acc * alpha[:, None]
-                    l_i = l_i * alpha
-                    m_i = m_new
-                m_new = m_i
-                alpha = m_i * 0.0 + 1.0
-                m_sub = tl.where(m_i == float("-inf"), 0.0, m_i)
-            else:
-                m_new = tl.maximum(m_i, row_max)
-                if MASKED:
-                    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-                else:
-                    m_sub = m_new
-                alpha = tl.exp2(m_i - m_sub)
-            if MMA_SIDE:
-                x = tl.fma(raw, sc, (tile_c - m_sub)[:, None])
-            elif ALIBI:
-                if ALIBI_SIDE == 2:
-                    m_sub = m_sub - row_add
-                x = raw - m_sub[:, None]
-            else:
-                x = tl.fma(raw, sc, -m_sub[:, None])
-            p = tl.exp2(x)
-            if LAZY:
-                l_i = l_i + tl.sum(p, 1)
-            else:
-                l_i = l_i * alpha + tl.sum(p, 1)
-                acc = acc * alpha[:, None]
-            m_i = m_new
+            row_max = tl.max(raw, 1) * sc
+        m_new = tl.maximum(m_i, row_max)
+        if MASKED:
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        alpha = tl.exp2(m_i - m_sub)
+        if ALIBI:
+            if ALIBI_SIDE == 2:
+                m_sub = m_sub - row_add
+            x = raw - m_sub[:, None]
+        else:
+            x = tl.fma(raw, sc, -m_sub[:, None])
+        p = tl.exp2(x)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         if MASKED:
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
@@ -313,7 +277,8 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
             acc = tl.dot(p, v, acc, input_precision="ieee")
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
-        if not PAGED:  # pointer increments (not start_n * stride: that breaks Triton's pipelining)
+        m_i = m_new
+        if not PAGED:
             step = BLOCK_N + tl.where(v_n + BLOCK_N == jump_at, jump_by, 0)
             k_base += step.to(tl.int64) * stride_kn
             v_base += step.to(tl.int64) * stride_vn
@@ -321,79 +286,22 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
 
 
 @triton.jit
-def _attn_inner_static_pipe(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, offs_m, offs_n, d_ok,
-                            lo, hi, jump_at, jump_by, seqlen_k, diag_shift, win_left, win_right, cap_in, cap_out,
-                            stride_kn, stride_vn, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
-                            HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, FAST_TANH: tl.constexpr,
-                            EVEN_D: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Softcap's static form, software-pipelined by hand (contiguous K / V): tile t+1's scores are
-    issued on the tensor cores before tile t's softmax, so tanh and exp2 of tile t run while
-    Q K_{t+1}^T does (no running max: nothing waits on P V_t but the next P V)."""
-    pos = offs_m + diag_shift
-    first = lo + tl.where(lo >= jump_at, jump_by, 0)
-    k_base += first.to(tl.int64) * stride_kn
-    v_base += first.to(tl.int64) * stride_vn
-    if MASKED:
-        k = tl.load(k_base + k_offs, mask=((first + offs_n) < seqlen_k)[:, None] & d_ok[None, :], other=0.0)
-    elif EVEN_D:
-        k = tl.load(k_base + k_offs)
-    else:
-        k = tl.load(k_base + k_offs, mask=d_ok[None, :], other=0.0)
-    qk = tl.dot(q, tl.trans(k))
-    for v_n in tl.range(lo, hi, BLOCK_N):
-        start_n = v_n + tl.where(v_n >= jump_at, jump_by, 0)
-        step = BLOCK_N + tl.where(v_n + BLOCK_N == jump_at, jump_by, 0)
-        nxt = start_n + step
-        k_base += step.to(tl.int64) * stride_kn
-        more = (offs_n * 0 + v_n + BLOCK_N) < hi  # a next tile (else its load is masked off)
-        if MASKED:
-            more = more & ((nxt + offs_n) < seqlen_k)
-        k = tl.load(k_base + k_offs, mask=more[:, None] & d_ok[None, :], other=0.0)
-        qk_next = tl.dot(q, tl.trans(k))
-        raw = _tanh(qk * cap_in, FAST_TANH)
-        if MASKED:
-            kidx = start_n + offs_n
-            ok = (kidx < seqlen_k)[None, :]
-            if CAUSAL:
-                ok = ok & (kidx[None, :] <= pos[:, None])
-            elif HAS_RIGHT:
-                ok = ok & (kidx[None, :] <= (pos + win_right)[:, None])
-            if HAS_LEFT:
-                ok = ok & (kidx[None, :] >= (pos - win_left)[:, None])
-            raw = tl.where(ok, raw, float("-inf"))
-        p = tl.exp2(tl.fma(raw, cap_out, -m_i[:, None]))
-        l_i = l_i + tl.sum(p, 1)
-        if MASKED:
-            v = tl.load(v_base + v_offs, mask=((start_n + offs_n) < seqlen_k)[:, None] & d_ok[None, :], other=0.0)
-        elif EVEN_D:
-            v = tl.load(v_base + v_offs)
-        else:
-            v = tl.load(v_base + v_offs, mask=d_ok[None, :], other=0.0)
-        acc = tl.dot(p.to(v.dtype), v, acc)
-        v_base += step.to(tl.int64) * stride_vn
-        qk = qk_next
-    return acc, l_i, m_i
-
-
-@triton.jit
-def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
-                   offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
-                   qk_scale, cap_in, cap_out, slope2, max_entry,
-                   stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-                   CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                   ALIBI: tl.constexpr, FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
-                   IS_FP32: tl.constexpr, STATIC: tl.constexpr, ALIBI_MMA: tl.constexpr, EDGES_ONE_LOOP: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STATIC_PIPE: tl.constexpr = False,
-                   LAZY: tl.constexpr = False):
-    """One pass over all key tiles of one query block on the option path: the masked left edge of its window,
+def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
+                    offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
+                    qk_scale, cap_in, cap_out, slope2, max_entry,
+                    stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+                    ALIBI: tl.constexpr, FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
+                    IS_FP32: tl.constexpr, EDGES_ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """All key tiles of one query block on the option path: the masked left edge of its window,
     the unmasked interior, the masked right edge (diagonal / window / Sk tail); tiles outside the
-    window are never visited. Non-causal ALiBi splits the interior at the diagonal
+    window are never visited. ``EDGES_ONE_LOOP``: both masked edges run first, in one loop (one
+    pipeline fill less per block; see :func:`flash_attn._edges_one_loop` for where it is used). Non-causal ALiBi splits the interior at the diagonal
     (:func:`_diagonal_split`) into the left class, the straddling tiles and the right class. Returns
     ``(acc, l_i, m_i, alibi_base, shift2)``: with ALiBi (16-bit inputs) ``m_i`` carries the per-row
     shift ``shift2 * (pos - alibi_base)``, which the caller subtracts from the LSE (``shift2`` is
     ``slope2``, or 0 for a slope past :data:`ALIBI_SHIFT_MAX`, which takes the direct form on every
-    tile); fp32 inputs take the direct form on every tile (no shift, no split). ``STATIC``: ``m_i``
-    holds each row's fixed reference (softcap, :func:`_attn_opt_loops`)."""
+    tile); fp32 inputs take the direct form on every tile (no shift, no split)."""
     lo, full_lo, full_hi, hi = _window_tile_bounds(m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
                                                    CAUSAL, HAS_LEFT, HAS_RIGHT, BLOCK_M, BLOCK_N)
     alibi_base = m0 + diag_shift + BLOCK_M // 2  # the block's middle row: shifts within +-slope2 * BLOCK_M / 2
@@ -401,11 +309,6 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
     EDGE: tl.constexpr = -1 if IS_FP32 else (1 if CAUSAL else 0)
     SHIFTED: tl.constexpr = ALIBI and not IS_FP32
     shift2 = slope2  # the slope of the per-row shift the caller takes out of the LSE (0: none)
-    if ALIBI_MMA:
-        bias_a, bias_b = _alibi_mma_operands(slope2, qk_scale, q.dtype, BLOCK_M, BLOCK_N)
-    else:
-        bias_a = q
-        bias_b = q
     hi0 = hi
     d_from = hi  # big slopes: the tiles [d_from, hi0) in the direct form (else none)
     if SHIFTED:
@@ -413,8 +316,6 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
         # the scores more than an fp32 ulp of 2^-17 of their own: that (b, h) takes the direct form
         # on every tile, masked (one loop; the others get empty ranges), and no shift
         big = slope2 * (BLOCK_M // 2) > ALIBI_SHIFT_MAX
-        if ALIBI_MMA:  # the column term's 16-bit operand holds |slope2| * BLOCK_N / scale <= 2^14
-            big = big | (tl.abs(slope2) * BLOCK_N > 16384.0 * qk_scale)
         d_from = tl.where(big, lo, hi0)
         full_lo = tl.where(big, lo, full_lo)
         full_hi = tl.where(big, lo, full_hi)
@@ -430,10 +331,9 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
         acc, l_i, m_i, q, k_base, v_base,
         k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
         lo, edge_hi, full_lo, edge_jump, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
-        alibi_base,
-        max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-        bias_a, bias_b, True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
-        PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
+        alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+        True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
+        PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
     if ALIBI and not CAUSAL and not IS_FP32:
         d_lo, d_hi = _diagonal_split(m0, seqlen_q, diag_shift, full_lo, full_hi, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _attn_inner_opt(
@@ -441,171 +341,44 @@ def _attn_opt_pass(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_ro
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             full_lo, d_lo, d_lo, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            bias_a, bias_b, False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 1, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 1, FAST_TANH,
+            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             d_lo, d_hi, d_hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            bias_a, bias_b, False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 0, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 0, FAST_TANH,
+            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             d_hi, full_hi, full_hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            -bias_a, bias_b, False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 2, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
-    elif STATIC and STATIC_PIPE and not PAGED:
-        acc, l_i, m_i = _attn_inner_static_pipe(
-            acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, offs_m, offs_n, d_ok,
-            full_lo, full_hi, full_hi, 0, seqlen_k, diag_shift, win_left, win_right, cap_in, cap_out,
-            stride_kn, stride_vn, False, CAUSAL, HAS_LEFT, HAS_RIGHT, FAST_TANH, EVEN_D, BLOCK_N)
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 2, FAST_TANH,
+            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
     else:
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             full_lo, full_hi, full_hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            bias_a, bias_b, False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
+            False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
+            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
     if not EDGES_ONE_LOOP:
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
-            full_hi, hi, hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2, alibi_base,
-            max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            bias_a, bias_b, True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
+            full_hi, hi, hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
+            alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
+            True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
+            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
     if SHIFTED:
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
             k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             d_from, hi0, hi0, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out,
             slope2, alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            bias_a, bias_b, True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, -1, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, STATIC, ALIBI_MMA, BLOCK_M, BLOCK_N, LAZY)
+            True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, -1, FAST_TANH,
+            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
     return acc, l_i, m_i, alibi_base, shift2
-
-
-#: softcap's static reference: a block whose row sum passes this (a key that far above the
-#: row's reference) is computed again with the running max (2^64: p and sum stay far inside
-#: bf16 / fp32 range; any overflow or NaN also sends the block there)
-STATIC_SUM_MAX = tl.constexpr(1.8446744073709552e19)
-#: the conditional rescale's slack (log2 units): p up to 2^8 (inside every 16-bit range)
-LAZY_TAU = tl.constexpr(8.0)
-
-
-@triton.jit
-def _alibi_mma_operands(slope2, qk_scale, dtype: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """ALiBi's column term as a K = 16 product: ``tl.dot(a, b)[i, c] = slope2 * c / qk_scale`` for
-    the tile's column ``c``. ``b`` [16, BLOCK_N] holds the term split into three ``dtype`` parts
-    (rows 0-2, each the rounding rest of the ones above: 24 bits for bf16, 33 for fp16), ``a``
-    [BLOCK_M, 16] is 1 in columns 0-2 and 0 elsewhere, so the tensor cores add the three parts
-    into the fp32 scores exactly (the products by 1 are exact)."""
-    kk = tl.arange(0, 16)
-    col = (slope2 / qk_scale) * tl.arange(0, BLOCK_N).to(tl.float32)
-    hi = col.to(dtype).to(tl.float32)
-    r1 = col - hi
-    mid = r1.to(dtype).to(tl.float32)
-    lo = (r1 - mid).to(dtype).to(tl.float32)
-    part = tl.where(kk[:, None] == 0, hi[None, :], tl.where(kk[:, None] == 1, mid[None, :],
-                                                            tl.where(kk[:, None] == 2, lo[None, :], 0.0)))
-    ones = tl.where(kk < 3, 1.0, 0.0)
-    a = (ones[None, :] + tl.zeros([BLOCK_M, 16], dtype=tl.float32)).to(dtype)
-    return a, part.to(dtype)
-
-
-@triton.jit
-def _row_logit(q, kk, seen, k_base, K, bt_row, k_head, offs_d, d_ok, cap_in, cap_out, max_entry,
-               stride_kn, stride_kp, stride_btn, FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
-    """Softcapped logit (log2 units) of each query row with the key ``kk[row]`` (rows with
-    ``seen`` False: 0): ``cap_out * tanh(cap_in * q . k)``, the dot product in fp32."""
-    if PAGED:
-        blk = tl.load(bt_row + (kk // PAGE) * stride_btn, mask=seen, other=0)
-        blk = tl.minimum(tl.maximum(blk, 0), max_entry).to(tl.int64)
-        ptrs = K + k_head + (blk * stride_kp + (kk % PAGE) * stride_kn)[:, None] + offs_d[None, :]
-    else:
-        ptrs = k_base + kk.to(tl.int64)[:, None] * stride_kn + offs_d[None, :]
-    k = tl.load(ptrs, mask=seen[:, None] & d_ok[None, :], other=0.0)
-    dot = tl.sum(q.to(tl.float32) * k.to(tl.float32), 1)
-    return tl.where(seen, _tanh(dot * cap_in, FAST_TANH) * cap_out, 0.0)
-
-
-@triton.jit
-def _softcap_anchor(q, k_base, K, bt_row, k_head, offs_m, offs_d, d_ok, seqlen_q, seqlen_k, diag_shift,
-                    win_left, win_right, cap_in, cap_out, max_entry, stride_kn, stride_kp, stride_btn,
-                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                    FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr):
-    """Each row's reference for softcap's static form (log2 units): the larger softcapped logit of
-    two keys the row sees, its own position (clamped into its visible range) and the first key it
-    sees (the attention sink under causal). Being a logit of a visible key, it is at most the row's
-    max, so the row's largest ``p`` is at least 1 (nothing the running max would keep can
-    underflow); rows that see no key get 0."""
-    pos = offs_m + diag_shift
-    vhi = tl.zeros_like(pos) + (seqlen_k - 1)
-    if CAUSAL:
-        vhi = tl.minimum(vhi, pos)
-    elif HAS_RIGHT:
-        vhi = tl.minimum(vhi, pos + win_right)
-    vlo = tl.zeros_like(pos)
-    if HAS_LEFT:
-        vlo = tl.maximum(pos - win_left, 0)
-    seen = (vlo <= vhi) & (offs_m < seqlen_q)
-    own = tl.minimum(tl.maximum(pos, vlo), vhi)
-    x_own = _row_logit(q, own, seen, k_base, K, bt_row, k_head, offs_d, d_ok, cap_in, cap_out, max_entry,
-                       stride_kn, stride_kp, stride_btn, FAST_TANH, PAGED, PAGE)
-    x_first = _row_logit(q, vlo, seen, k_base, K, bt_row, k_head, offs_d, d_ok, cap_in, cap_out, max_entry,
-                         stride_kn, stride_kp, stride_btn, FAST_TANH, PAGED, PAGE)
-    return tl.maximum(x_own, x_first)
-
-
-@triton.jit
-def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
-                    offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
-                    qk_scale, cap_in, cap_out, slope2, max_entry,
-                    stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-                    CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-                    ALIBI: tl.constexpr, FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
-                    IS_FP32: tl.constexpr, SOFTCAP_STATIC: tl.constexpr, ALIBI_MMA: tl.constexpr,
-                    EDGES_ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                    STATIC_PIPE: tl.constexpr = False, LAZY: tl.constexpr = False):
-    """All key tiles of one query block on the option path (:func:`_attn_opt_pass`); returns
-    ``(acc, l_i, m_i, alibi_base, shift2)``.
-
-    ``SOFTCAP_STATIC`` (softcap without ALiBi): softcapped logits are bounded, so the block runs
-    without a running max against a fixed per-row reference ``m`` (:func:`_softcap_anchor`, a
-    logit of a key the row sees: every ``p = exp2(x - m)`` the running max would keep stays
-    normal, the largest is >= 1). No row max, no rescale of ``acc`` / ``l`` per tile. A row whose
-    keys rise far above its reference (row sum past :data:`STATIC_SUM_MAX`, or any inf / NaN in
-    the block) sends the whole block through the running-max pass again, so the result never
-    depends on the reference being good."""
-    STATIC: tl.constexpr = SOFTCAP_STATIC and SOFTCAP and not ALIBI
-    if STATIC:
-        m_ref = _softcap_anchor(q, k_base, K, bt_row, k_head, offs_m, offs_d, d_ok, seqlen_q, seqlen_k, diag_shift,
-                                win_left, win_right, cap_in, cap_out, max_entry, stride_kn, stride_kp, stride_btn,
-                                CAUSAL, HAS_LEFT, HAS_RIGHT, FAST_TANH, PAGED, PAGE)
-        acc1, l1, m1, alibi_base, shift2 = _attn_opt_pass(
-            acc, l_i, m_ref, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
-            offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
-            qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE, EVEN_D, IS_FP32, True, False,
-            EDGES_ONE_LOOP, BLOCK_M, BLOCK_N, STATIC_PIPE)
-        bad = tl.sum((~(l1 <= STATIC_SUM_MAX)).to(tl.int32), 0)
-        bad += tl.sum(tl.sum((~(tl.abs(acc1) < float("inf"))).to(tl.int32), 1), 0)
-        if bad > 0:  # a key far above the reference (or inf / NaN): the running-max pass
-            acc1, l1, m1, alibi_base, shift2 = _attn_opt_pass(
-                acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
-                offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
-                qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-                CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE, EVEN_D, IS_FP32, False, False,
-                EDGES_ONE_LOOP, BLOCK_M, BLOCK_N, False, LAZY)
-        return acc1, l1, m1, alibi_base, shift2
-    else:
-        return _attn_opt_pass(
-            acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
-            offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
-            qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
-            CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE, EVEN_D, IS_FP32, False,
-            ALIBI_MMA and ALIBI and not SOFTCAP and not IS_FP32, EDGES_ONE_LOOP, BLOCK_M, BLOCK_N, False, LAZY)
