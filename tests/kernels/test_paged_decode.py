@@ -64,9 +64,11 @@ def _check(q, k_pages, v_pages, table, lens, page, **kw):
                                          softmax_scale=kw.get("softmax_scale"))
     kc, vc = _gather(k_pages, v_pages, table, lens, page)
     kc, vc = kc.to(q.device), vc.to(q.device)
-    # the reference itself agrees with the contiguous decode reference
+    # the reference itself agrees with the contiguous decode reference: both fp32, summing in their
+    # own order, so a few fp32 ulps of the largest output (an absolute 1e-5 failed at |out| ~ 90,
+    # 2.3e-5 apart, on torch 2.13's CPU kernels)
     ro2, rl2 = decode_attention_ref(q, kc, vc, seqlens.cpu(), softmax_scale=kw.get("softmax_scale"))
-    assert max_err(ref_o, ro2) < 1e-5
+    assert max_err(ref_o, ro2) <= 8 * torch.finfo(torch.float32).eps * max(1.0, float(ref_o.abs().max()))
     assert_lse_match(ref_l, rl2)
     base = torch.cat([sdpa_in_dtype(q[i:i + 1], kc[i:i + 1, :n], vc[i:i + 1, :n],
                                     softmax_scale=kw.get("softmax_scale")) for i, n in enumerate(lens)])
