@@ -40,14 +40,21 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="benchmark needs a CUDA 
 
 
 def git_commit() -> str:
-    """``$GIT_COMMIT`` if set (copies of the tree without .git), else ``git rev-parse HEAD``."""
+    """``$GIT_COMMIT`` if set (copies of the tree without .git), else ``git rev-parse HEAD`` with
+    ``-dirty`` appended when tracked files differ from it (a device's copy of a working tree sits on
+    its base commit: without the mark its records named code they did not run)."""
     commit = os.environ.get("GIT_COMMIT")
     if commit:
         return commit
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
                              timeout=10)
-        return out.stdout.strip() or "unknown"
+        head = out.stdout.strip()
+        if not head:
+            return "unknown"
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return head + ("-dirty" if dirty else "")
     except Exception:
         return "unknown"
 
