@@ -6,7 +6,9 @@ What it compares (bf16, batch 1, the shapes of ``bench_flash_attn.py``: D=128 32
 - softcap (50.0) and ALiBi at 32K, causal and not, with both masked edges of each query block in
   one loop or in two (``flash_attn._edges_one_loop``);
 - a causal sliding window (4096) at 128K: the same two edge forms under several launch configs,
-  against our causal call scaled by the window's share of the causal area (the issue's ``<= 1.15x``).
+  against our causal call scaled by the window's share of the causal area (the issue's ``<= 1.15x``);
+- ``window+softcap`` / ``window+alibi`` (32K): the window with the other option under several
+  launch configs, against the window alone.
 
 Each row: ms (median of ``triton.testing.do_bench``), TFLOP/s (``4 * Hq * D`` per visible pair),
 and the ratio to the plain kernel's TFLOP/s at its default config in the same run (timed twice:
@@ -122,6 +124,33 @@ def run_score(kind, shape, s, causal):
     return rec
 
 
+#: a window combined with another option (32K): the launch configs tried, edges in one loop
+WINDOW_COMBO_CONFIGS = {64: [None, (64, 64, 4, 3), (128, 64, 4, 3)], 128: [None, (64, 64, 4, 3)]}
+
+
+def run_window_combo(combo, shape, s):
+    """A causal 4096 window with softcap or ALiBi against the same window alone (default config)."""
+    from xoffload.kernels import flash_attn_with_lse
+
+    hq, hkv, d = SHAPES[shape]
+    q, k, v = _inputs(s, hq, hkv, d)
+    area = sum(min(i + 1, WINDOW + 1) for i in range(s))
+    fl = 4.0 * hq * d * area
+    opt = ({"softcap": SOFTCAP} if combo == "softcap" else
+           {"alibi_slopes": torch.tensor([2.0 ** (-8.0 * (i + 1) / hq) for i in range(hq)], device="cuda")})
+    rec = {"case": f"window+{combo}", "shape": shape, "S": s, "window": WINDOW, "rows": []}
+    alone = _time(lambda: flash_attn_with_lse(q, k, v, causal=True, window_size=(WINDOW, -1)), fl, None)
+    rec["plain"] = alone  # here: the window alone
+    for cfg in WINDOW_COMBO_CONFIGS[d]:
+        row = _time(lambda: flash_attn_with_lse(q, k, v, causal=True, window_size=(WINDOW, -1), **opt), fl, cfg)
+        row["form"] = "one_loop"
+        if alone.get("tflops") and row.get("tflops"):
+            row["ratio_to_window_alone"] = row["tflops"] / alone["tflops"]
+        rec["rows"].append(row)
+        print(f"window+{combo}", shape, row, flush=True)
+    return rec
+
+
 def run_window(shape, s):
     from xoffload.kernels import flash_attn_with_lse
 
@@ -224,7 +253,8 @@ def sass_loops(consts: dict, num_warps: int, num_stages: int = 3) -> list:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--parts", default="softcap,alibi,window", help="comma-separated: softcap, alibi, window")
+    ap.add_argument("--parts", default="softcap,alibi,window",
+                    help="comma-separated: softcap, alibi, window, window+softcap, window+alibi")
     ap.add_argument("--sass", action="store_true", help="print the SASS loop sizes of each form (no GPU needed)")
     ap.add_argument("--out", default="option_forms", help="a name under benchmarks/results or a .json path")
     args = ap.parse_args(argv)
@@ -249,6 +279,9 @@ def main(argv=None):
             cases += [(run_score, (kind, sh, 32768, c)) for sh in SHAPES for c in (True, False)]
     if "window" in parts:
         cases += [(run_window, (sh, 131072)) for sh in SHAPES]
+    for combo in ("softcap", "alibi"):
+        if f"window+{combo}" in parts:
+            cases += [(run_window_combo, (combo, sh, 32768)) for sh in SHAPES]
     for fn, a in cases:
         try:
             records.append(fn(*a))
