@@ -85,11 +85,13 @@ _ATTN_VARIANTS = {
                                                  {"num_warps": 8, "num_stages": 3}),
     **{f"flash_attn causal window d={d} (edges in one loop)": (_attn(d, 128, 64, HAS_LEFT=True, EDGES_ONE_LOOP=True),
                                                               {"num_warps": 8, "num_stages": 3}) for d in (64, 128)},
+    "flash_attn causal window alibi d=64 (64x64, 4 warps)": (_attn(64, 64, 64, HAS_LEFT=True, ALIBI=True,
+                                                                   EDGES_ONE_LOOP=True), {"num_warps": 4, "num_stages": 3}),
     "flash_attn alibi softcap causal window paged d=128": (
         _attn(128, 128, 64, ALIBI=True, SOFTCAP=True, HAS_LEFT=True, PAGED=True, PAGE=16, EDGES_ONE_LOOP=True),
         {"num_warps": 8, "num_stages": 3}),
     "flash_attn alibi fp32 non-causal (direct form)": (_attn(128, 32, 16, causal=False, fp32=True, ALIBI=True,
-                                                             SOFTCAP=True),
+                                                             SOFTCAP=True, EDGES_ONE_LOOP=True),
                                                        {"num_warps": 4, "num_stages": 2}),
 }
 

@@ -252,7 +252,8 @@ def test_gpu_softcap(dtype, d, causal):
                                           (2048, 2048, True), (700, 1800, True)])
 def test_gpu_alibi_tile_classes(dtype, d, sq, sk, causal):
     """Every tile class on the GPU's tiles (_gpu_config: 128x64 / 4 warps at D=64, 128x128 at
-    D=128), per-batch slopes, Sq != Sk both ways; then with a two-sided window."""
+    D=128; with the window 64x64 / 4 warps at D=64, 128x64 / 8 warps at D=128), per-batch slopes,
+    Sq != Sk both ways; then with a two-sided window."""
     torch.manual_seed(sq + sk + d)
     b, hq, hkv = 2, 8, 2
     q = torch.randn(b, sq, hq, d, device="cuda", dtype=dtype)

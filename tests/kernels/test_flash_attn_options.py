@@ -388,10 +388,10 @@ def test_varlen_paged_seqused(device):
 
 @pytest.mark.parametrize("cfg", [(32, 64, 4, 1), (16, 16, 4, 1), (64, 64, 4, 3), (128, 64, 4, 3)])
 def test_options_other_block_shapes(device, cfg):
-    """BLOCK_M < BLOCK_N and tiny tiles: the three window loops, one table entry per key (pages of
-    16 < BLOCK_N = 64) and one per tile (BLOCK_N = 16); and the GPU's option tiles (64x64 for
-    windows, 128x64 for ALiBi at D <= 64: _gpu_config), which the interpreter's 64x32 default never
-    runs."""
+    """BLOCK_M < BLOCK_N and tiny tiles: the window's edge and interior loops, one table entry per
+    key (pages of 16 < BLOCK_N = 64) and one per tile (BLOCK_N = 16); and GPU option tiles (64x64
+    for a window with ALiBi at D <= 64, 128x64 for ALiBi at D <= 64: _gpu_config), which the
+    interpreter's 64x32 default never runs."""
     g = torch.Generator().manual_seed(cfg[1])
     q = _rand((1, 50, 4, 80), torch.float16, device, 2.0, g)
     k = _rand((1, 111, 2, 80), torch.float16, device, 1.0, g)
@@ -564,7 +564,7 @@ def test_window_tile_bounds_python_mirror_equals_kernel(device):
 @pytest.mark.parametrize("tiles", ["plain", "window"])
 def test_window_cost_proportional_to_width(tiles):
     """Keys visited by a 4096-token causal window over 128K tokens with the H200 tiles of D=128
-    bf16 (_gpu_config: 128x128 for a plain call, 64x64 for a window, the one it runs in): the
+    bf16 (_gpu_config: 128x128 for a plain call, 128x64 for a window, the one it runs in): the
     window's area plus less than one query block and two key tiles per block."""
     from xoffload.kernels.flash_attn import _gpu_config
 

@@ -27,7 +27,8 @@ window; the key tiles outside a query block's window are never visited, :func:`w
 ``block_table`` (paged K/V ``[num_pages, page_size, Hkv, D]`` read through the table) and
 ``seqused_k`` (keys used per sequence). With a window, softcap, ALiBi or pages each query block
 runs three loops: the masked left edge of its window, the unmasked interior, the masked right edge
-(non-causal ALiBi splits the interior at the diagonal). That option path lives in
+(non-causal ALiBi splits the interior at the diagonal); with a window or ALiBi both masked edges
+share one loop, run first. That option path lives in
 :mod:`xoffload.kernels.flash_attn_opts`, with ALiBi's per-tile bias forms.
 """
 from __future__ import annotations
@@ -269,11 +270,14 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
         return LaunchConfig(128, 64, 8, 3)
     if dtype == torch.float32:
         return LaunchConfig(32, 16, 4, 2) if block_d <= 128 else LaunchConfig(16, 16, 4, 1)
-    # H200, bf16, window 4096 at 128K (session 12, diag_option_forms.py, option_forms_run3.json):
-    # with both masked edges in one loop (_edges_one_loop) 128x64 tiles, 8 warps, run best (D=64
-    # 415 TFLOP/s vs 385 in 64x64 / 4 warps; D=128 460 vs 443); with the edges in two loops 8 warps
-    # had lost (session 10's sweep: D=64 319 vs 415). ALiBi at D=64 in 128x64 with 4 warps
-    # (session 10: causal 379 vs 320). softcap: no tile won (within 1%).
+    # H200, bf16, causal window 4096 (session 12, diag_option_forms.py): at 128K 128x64 tiles with
+    # 8 warps run best (option_forms_run4.json: D=64 406-412 TFLOP/s against 378-382 in 64x64 / 4
+    # warps, D=128 453-457 against 421-442; session 10's 32K sweep had 8 warps losing, 319 against
+    # 415 at D=64, before session 11's kernel changes). A window with ALiBi at D=64 keeps 64x64 /
+    # 4 warps (32K: 385 against 311 with 8 warps); with softcap the tiles tie. ALiBi at D=64 in
+    # 128x64 with 4 warps (session 10: causal 379 vs 320). softcap: no tile won (within 1%).
+    if window and alibi and block_d <= 64:
+        return LaunchConfig(64, 64, 4, 3)
     if window and block_d <= 128:
         return LaunchConfig(128, 64, 8, 3)
     if alibi and block_d <= 64:
@@ -291,10 +295,12 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
 
 def _edges_one_loop(opts) -> bool:
     """Whether the option path walks both masked edges of a query block in one loop: windows and
-    ALiBi. H200 (session 12, option_forms_run*.json): a 4096 window at 128K 1.10x / 1.04x the
-    area-scaled causal time at D=64 / 128 (two loops: 1.19x / 1.13x in the same run); causal ALiBi
-    at 32K, D=128, 0.98x plain (two loops 0.94-0.95x). Softcap alone keeps two loops (one loop at D=64,
-    causal, 8 warps: 0.60x plain against 0.78x), and so do pages alone (not measured)."""
+    ALiBi. H200 (session 12, option_forms_run*.json): causal ALiBi at 32K, D=128, 0.98x plain
+    against 0.94-0.95x with three loops (two runs); a 4096 window at 128K, D=128, in 64x64 tiles
+    1.10x the area-scaled causal time against 1.15x, and at its own 128x64 / 8-warp tiles within
+    noise either way (D=64 1.11x against 1.09x, D=128 1.07x against 1.06x in one run; 1.10x / 1.04x
+    with one loop in another). Softcap alone keeps three loops (one loop at D=64, causal, 8 warps:
+    0.60x plain against 0.78x), and so do pages alone (not measured)."""
     return opts.left >= 0 or (opts.right >= 0 and not opts.causal) or opts.alibi is not None
 
 

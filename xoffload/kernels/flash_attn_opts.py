@@ -17,8 +17,8 @@ softmax output) and subtracts it from the LSE at the end; then
 - a tile whose keys all lie at or right of every row (non-causal only) gets
   ``s - slope * (j - base)`` plus ``2 * slope * (pos - base)``, a per-row term folded into the row
   max that the softmax subtracts anyway: one add per score as well;
-- the few tiles that straddle the diagonal (non-causal) and the masked window edges of a
-  non-causal window use the full ``s - slope * |pos - j| + slope * (pos - base)``.
+- the few tiles that straddle the diagonal (non-causal) and every masked tile of a non-causal
+  call (window edges, the Sk tail) use the full ``s - slope * |pos - j| + slope * (pos - base)``.
 
 Distances stay relative to the block (``j - base``, ``pos - base``), never absolute positions, so
 the bias keeps fp32 error proportional to the distance, as the direct formula does. The price: a
@@ -26,7 +26,8 @@ score carries the row shift, so its fp32 rounding is that of ``|s| + slope * log
 2``, and the LSE can be off by about one fp32 ulp of that (3.8e-6 at slope 0.5, BLOCK_M 128;
 measured 4e-6 vs 5e-7 for the direct form at slope 1, BLOCK_M 128, within the tests' LSE
 tolerance; not at large slopes: at slope 8, BLOCK_M 64, 3.1e-5 against a tolerance of 2.2e-5,
-``test_alibi_large_slope_lse_within_the_tests_tolerance``, an xfail); outputs in 16 bits do not see it.
+so a head whose shift passes :data:`ALIBI_SHIFT_MAX` takes the direct form on every tile:
+``test_alibi_large_slope_lse_within_the_tests_tolerance``); outputs in 16 bits do not see it.
 fp32 inputs, the accuracy path, keep the direct form.
 
 Softcap (``softcap * tanh(s / softcap)``) costs two MUFU operations per score on the GPU
@@ -122,8 +123,11 @@ def alibi_tile_classes(m0: int, block_m: int, block_n: int, seqlen_q: int, seqle
     """The key ranges the kernel walks for the query block of rows ``[m0, m0 + block_m)`` under
     ALiBi, with the bias form each uses: a list of ``(start, stop, masked, side)``, ``side`` 1 (keys
     at or left of every row: ``+slope * (j - base)``), 2 (at or right of every row) or 0 (the full
-    ``|pos - j|`` form). Python mirror of the kernel's loop sequence (tested against brute force:
-    each range's keys satisfy its side's condition for every real row)."""
+    ``|pos - j|`` form). Python mirror of the kernel's ranges and their forms (tested against brute
+    force: each range's keys satisfy its side's condition for every real row), in the order of
+    three loops; with the edges in one loop (:func:`flash_attn._edges_one_loop`) the kernel runs
+    the two masked ranges first, and a head past :data:`ALIBI_SHIFT_MAX` takes the direct form on
+    every range instead (not mirrored)."""
     from .flash_attn import _normalise_options, window_tile_bounds
 
     o = _normalise_options(causal, window_size, 0.0, None, None, None, batch=1, hq=1, device="cpu",
