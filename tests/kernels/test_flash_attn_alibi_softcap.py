@@ -112,10 +112,16 @@ def test_alibi_per_batch_slopes(device, causal):
 def test_alibi_large_slope_lse_within_the_tests_tolerance(device):
     """Causal and not, fp16, slopes 8 and 4 (past ``ALIBI_SHIFT_MAX``: the per-row shift would round
     the LSE past tolerance, 3.1e-5 against 2.2e-5 before the fallback), next to a head under it in
-    the same call: out and LSE within the dtype's tolerance."""
+    the same call, and negative slopes as large: out and LSE within the dtype's tolerance."""
     q, k, v = _qkv(1, 70, 20, 3, 3, 40, torch.float16, device, 0)
     for causal in (True, False):
         check_options(q, k, v, causal=causal, alibi_slopes=torch.tensor([8.0, 4.0, 0.25], device=device))
+    # negative slopes shift as far: the direct-form check is on |slope| (the adversarial review found
+    # LSE errors of 6e-5 / 5e-4 at slopes -8 / -64 against 2.8e-5 allowed, 128-row blocks)
+    q, k, v = _qkv(1, 128, 160, 3, 3, 64, torch.float16, device, 1)
+    with launch_override("flash_attn", (128, 32, 4, 1)):
+        for kw in (dict(causal=True, window_size=(0, -1)), dict(causal=True), dict(causal=False)):
+            check_options(q, k, v, alibi_slopes=torch.tensor([-8.0, -64.0, -0.25], device=device), **kw)
 
 
 def test_alibi_fully_masked_rows(device):

@@ -43,7 +43,7 @@ import triton.language as tl
 
 __all__ = ["ALIBI_SHIFT_MAX", "alibi_tile_classes"]
 
-#: the largest per-row ALiBi shift, ``slope * log2(e) * BLOCK_M / 2`` in log2 units, of the
+#: the largest per-row ALiBi shift, ``|slope| * log2(e) * BLOCK_M / 2`` in log2 units, of the
 #: per-column form: a larger one would round the scores by more than an fp32 ulp of 2^-17 of
 #: their own (so the LSE past the tests' tolerance at slope 8); such a (b, h) takes the direct
 #: form on every tile (slower, exact). 96: slopes up to ~1.04 with the GPU's 128-row blocks (the
@@ -319,7 +319,7 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
         # a slope whose shift slope2 * BLOCK_M / 2 passes ALIBI_SHIFT_MAX (log2 units) would cost
         # the scores more than an fp32 ulp of 2^-17 of their own: that (b, h) takes the direct form
         # on every tile, masked (one loop; the others get empty ranges), and no shift
-        big = slope2 * (BLOCK_M // 2) > ALIBI_SHIFT_MAX
+        big = tl.abs(slope2) * (BLOCK_M // 2) > ALIBI_SHIFT_MAX  # a negative slope shifts as far
         d_from = tl.where(big, lo, hi0)
         full_lo = tl.where(big, lo, full_lo)
         full_hi = tl.where(big, lo, full_hi)
