@@ -42,10 +42,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from _common import HAS_CUDA, bench_ms, env_record, tflops, write_json  # noqa: E402
-
-SHAPES = {"d128_h32_kv8": (32, 8, 128), "d64_h9_kv3": (9, 3, 64)}
-SOFTCAP = 50.0
-WINDOW = 4096
+from bench_flash_attn import SHAPES, SOFTCAP, WINDOW, alibi_slopes, window_area  # noqa: E402
+from bench_flash_attn import _make as _inputs  # noqa: E402  (bf16 [1, S, H, D] q, k, v on the GPU)
 
 
 @contextlib.contextmanager
@@ -75,11 +73,6 @@ def _time(fn, flops, cfg):
         return {"cfg": list(cfg) if cfg else "default", "error": f"{type(e).__name__}: {e}"[:300]}
 
 
-def _inputs(s, hq, hkv, d, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return tuple(torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16, generator=g) for h in (hq, hkv, hkv))
-
-
 #: the forms timed per option: name -> module switches of xoffload.kernels.flash_attn, and the
 #: launch configs each is timed under (None: the library's default rule)
 FORMS = {  # name -> (masked edges in one loop, the launch configs per BLOCK_D; None: the default)
@@ -104,7 +97,7 @@ def run_score(kind, shape, s, causal):
     if kind == "softcap":
         opt = {"softcap": SOFTCAP}
     else:
-        opt = {"alibi_slopes": torch.tensor([2.0 ** (-8.0 * (i + 1) / hq) for i in range(hq)], device="cuda")}
+        opt = {"alibi_slopes": alibi_slopes(hq)}
     ref = None
     for name, (one_loop, cfgs) in FORMS[kind].items():
         with edges(one_loop):
@@ -134,10 +127,9 @@ def run_window_combo(combo, shape, s):
 
     hq, hkv, d = SHAPES[shape]
     q, k, v = _inputs(s, hq, hkv, d)
-    area = sum(min(i + 1, WINDOW + 1) for i in range(s))
-    fl = 4.0 * hq * d * area
+    fl = 4.0 * hq * d * window_area(s, WINDOW)
     opt = ({"softcap": SOFTCAP} if combo == "softcap" else
-           {"alibi_slopes": torch.tensor([2.0 ** (-8.0 * (i + 1) / hq) for i in range(hq)], device="cuda")})
+           {"alibi_slopes": alibi_slopes(hq)})
     rec = {"case": f"window+{combo}", "shape": shape, "S": s, "window": WINDOW, "rows": []}
     alone = _time(lambda: flash_attn_with_lse(q, k, v, causal=True, window_size=(WINDOW, -1)), fl, None)
     rec["plain"] = alone  # here: the window alone
@@ -156,7 +148,7 @@ def run_window(shape, s):
 
     hq, hkv, d = SHAPES[shape]
     q, k, v = _inputs(s, hq, hkv, d)
-    area = sum(min(i + 1, WINDOW + 1) for i in range(s))
+    area = window_area(s, WINDOW)
     causal_area = s * (s + 1) // 2
     fl_w, fl_c = 4.0 * hq * d * area, 4.0 * hq * d * causal_area
     rec = {"case": "window", "shape": shape, "S": s, "window": WINDOW, "area_ratio": area / causal_area, "rows": []}

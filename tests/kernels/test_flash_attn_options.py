@@ -8,6 +8,7 @@ at most twice that of the same computation done by PyTorch in the input dtype (`
 a few ulps of the output dtype. On the CPU the Triton code runs under the interpreter (fp16/fp32,
 small shapes); ``@pytest.mark.cuda`` tests run bf16 and larger shapes on a GPU.
 """
+import contextlib
 import math
 import random
 
@@ -242,17 +243,11 @@ def test_masked_edges_in_one_loop_equal_two_loops(device, monkeypatch, cfg, sq, 
     outs = []
     for one_loop in (True, False):
         monkeypatch.setattr(fa, "_edges_one_loop", lambda opts, _v=one_loop: _v)
-        with (launch_override("flash_attn", cfg) if cfg else _null()):
+        with (launch_override("flash_attn", cfg) if cfg else contextlib.nullcontext()):
             outs.append(check_options(q, k, v, **kw)[:2])
     (o1, l1), (o2, l2) = outs
     assert max_err(o1, o2) <= 4 * torch.finfo(torch.float16).eps * max(1.0, float(o2.float().abs().max()))
     assert_lse_match(l1, l2.cpu())
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 @pytest.mark.parametrize("b,sq,sk,hq,hkv,d,causal,cap,dtype", [

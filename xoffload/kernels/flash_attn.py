@@ -301,7 +301,7 @@ def _edges_one_loop(opts) -> bool:
     noise either way (D=64 1.11x against 1.09x, D=128 1.07x against 1.06x in one run; 1.10x / 1.04x
     with one loop in another). Softcap alone keeps three loops (one loop at D=64, causal, 8 warps:
     0.60x plain against 0.78x), and so do pages alone (not measured)."""
-    return opts.left >= 0 or (opts.right >= 0 and not opts.causal) or opts.alibi is not None
+    return opts.windowed or opts.alibi is not None
 
 
 class _Options(NamedTuple):
@@ -316,6 +316,11 @@ class _Options(NamedTuple):
     seqused_k: Optional[torch.Tensor]  # int32 [B]
 
     @property
+    def windowed(self) -> bool:
+        """A window bounds the keys (a left bound, or a right one that causal does not set)."""
+        return self.left >= 0 or (self.right >= 0 and not self.causal)
+
+    @property
     def plain(self) -> bool:
         """No option that needs the option path of the kernel (seqused_k alone does not)."""
         return (self.left < 0 and (self.causal or self.right < 0) and self.softcap == 0.0
@@ -327,7 +332,7 @@ class _Options(NamedTuple):
             "HAS_SEQUSED": self.seqused_k is not None,
             "PAGED": self.block_table is not None,
             "HAS_LEFT": self.left >= 0,
-            "HAS_RIGHT": (not self.causal) and self.right >= 0,
+            "HAS_RIGHT": (not self.causal) and self.right >= 0,  # windowed = HAS_LEFT or HAS_RIGHT
             "SOFTCAP": self.softcap > 0.0,
             "ALIBI": self.alibi is not None,
         }
@@ -497,8 +502,8 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
     paged = opts.block_table is not None
     block_d = max(16, next_pow2(d))
     page = k.shape[1] if paged else 0
-    window = opts.left >= 0 or (opts.right >= 0 and not opts.causal)
-    cfg = override_for("flash_attn") or (_gpu_config(block_d, q.dtype, page, window=window, alibi=opts.alibi is not None)
+    cfg = override_for("flash_attn") or (_gpu_config(block_d, q.dtype, page, window=opts.windowed,
+                                                      alibi=opts.alibi is not None)
                                          if q.is_cuda else _INTERP_CFG)
     if cfg.tma:
         raise ValueError(f"flash_attn has no TMA variant (it lost the sweep), got {cfg!r}")

@@ -300,8 +300,9 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
     """All key tiles of one query block on the option path: the masked left edge of its window,
     the unmasked interior, the masked right edge (diagonal / window / Sk tail); tiles outside the
     window are never visited. ``EDGES_ONE_LOOP``: both masked edges run first, in one loop (one
-    pipeline fill less per block; see :func:`flash_attn._edges_one_loop` for where it is used). Non-causal ALiBi splits the interior at the diagonal
-    (:func:`_diagonal_split`) into the left class, the straddling tiles and the right class. Returns
+    pipeline fill less per block; :func:`flash_attn._edges_one_loop` says where). Non-causal ALiBi
+    splits the interior at the diagonal (:func:`_diagonal_split`) into the left class, the
+    straddling tiles and the right class. Returns
     ``(acc, l_i, m_i, alibi_base, shift2)``: with ALiBi (16-bit inputs) ``m_i`` carries the per-row
     shift ``shift2 * (pos - alibi_base)``, which the caller subtracts from the LSE (``shift2`` is
     ``slope2``, or 0 for a slope past :data:`ALIBI_SHIFT_MAX`, which takes the direct form on every
