@@ -19,6 +19,7 @@ prints their SASS size and whether warp groups were split (``setmaxnreg``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import os
 import re
@@ -137,59 +138,77 @@ def ws_attn(q, k, v, causal, softcap, cfg, ws):
     return o, lse
 
 
-#: ((BLOCK_M, BLOCK_N, num_warps, num_stages), warp_specialize) per head dim. With 4 warps and
-#: warp_specialize Triton 3.6 builds 12 warps on sm_90 (a producer warpgroup and two consumer
-#: warpgroups splitting BLOCK_M); with 8 it leaves the loop as it is (same SASS).
-CONFIGS = {64: [((128, 64, 4, 2), False), ((128, 64, 8, 2), False), ((128, 64, 4, 2), True),
-                ((128, 64, 4, 3), True), ((128, 128, 4, 2), True), ((256, 64, 4, 2), True)],
-           128: [((128, 64, 4, 2), False), ((128, 128, 8, 2), False), ((128, 64, 4, 2), True),
-                 ((128, 64, 4, 3), True), ((128, 128, 4, 2), True), ((256, 64, 4, 2), True)]}
+#: (BLOCK_M, BLOCK_N, num_warps, num_stages) per head dim: the library's kernel (None: its default)
+#: and this file's TMA kernel without warp specialization
+LIB_CONFIGS = {64: [None, (128, 64, 4, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 2)],
+               128: [None, (128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (128, 64, 8, 3)]}
+TMA_CONFIGS = {64: [(128, 64, 4, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 8, 3)],
+               128: [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (128, 64, 8, 3)]}
+#: with ``warp_specialize``: 4 warps make Triton 3.6 build 12 on sm_90 (a producer warpgroup and
+#: two consumer warpgroups splitting BLOCK_M); with 8 it leaves the loop as it is (same SASS). On
+#: the H200 (softcap_ws_run1.json) these gave wrong outputs at D=128 (LSE off by 11-45, NaN) and
+#: an illegal memory access at D=64: ``--ws`` only, and last
+WS_CONFIGS = {64: [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (256, 64, 4, 2)],
+              128: [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (256, 64, 4, 2)]}
 
 
-def run_shape(shape, s, causal):
-    from xoffload.kernels import flash_attn_with_lse
+def run_shape(shape, s, causal, parts):
+    from xoffload.kernels import flash_attn_with_lse, launch_override
 
     hq, hkv, d = SHAPES[shape]
     q, k, v = _inputs(s, hq, hkv, d)
     fl = 4.0 * hq * d * s * s / (2 if causal else 1)
     rec = {"shape": shape, "S": s, "causal": causal, "rows": []}
 
-    def timed(fn):
+    def timed(fn, cfg=None):
+        ctx = launch_override("flash_attn", cfg) if cfg else contextlib.nullcontext()
         try:
-            fn()
-            ms = bench_ms(fn)
+            with ctx:
+                fn()
+                ms = bench_ms(fn)
             return {"ms": ms, "tflops": tflops(fl, ms)}
         except Exception as e:
             return {"error": f"{type(e).__name__}: {e}"[:300]}
 
-    lib_plain = timed(lambda: flash_attn_with_lse(q, k, v, causal=causal))
-    lib_cap = timed(lambda: flash_attn_with_lse(q, k, v, causal=causal, softcap=SOFTCAP))
-    rec["library_plain"], rec["library_softcap"] = lib_plain, lib_cap
-    base = lib_plain.get("tflops")
-    if base and lib_cap.get("tflops"):
-        lib_cap["ratio_to_library_plain"] = lib_cap["tflops"] / base
-    print(shape, "causal" if causal else "full", "library", lib_plain, lib_cap, flush=True)
-    ref, ref_lse = flash_attn_with_lse(q, k, v, causal=causal, softcap=SOFTCAP)
+    lib = lambda **kw: flash_attn_with_lse(q, k, v, causal=causal, **kw)  # noqa: E731
+    base = timed(lib).get("tflops")
+    rec["library_plain_default_tflops"] = base
+    ref, ref_lse = lib(softcap=SOFTCAP)
     q3, k3, v3 = q[0], k[0], v[0]
-    for cfg, ws in CONFIGS[d]:
-        if True:
-            row = {"cfg": list(cfg), "warp_specialize": ws}
+    rows = []
+    if "library" in parts:
+        rows += [("library", cfg, False) for cfg in LIB_CONFIGS[d]]
+    if "tma" in parts:
+        rows += [("tma", cfg, False) for cfg in TMA_CONFIGS[d]]
+    if "ws" in parts:
+        rows += [("tma", cfg, True) for cfg in WS_CONFIGS[d]]
+    for kernel, cfg, ws in rows:
+        row = {"kernel": kernel, "cfg": list(cfg) if cfg else "default", "warp_specialize": ws}
+        if kernel == "library":
+            plain = timed(lib, cfg)
+            cap = timed(lambda: lib(softcap=SOFTCAP), cfg)
+        else:
             plain = timed(lambda: ws_attn(q3, k3, v3, causal, 0.0, cfg, ws))
             cap = timed(lambda: ws_attn(q3, k3, v3, causal, SOFTCAP, cfg, ws))
-            row["plain"], row["softcap"] = plain, cap
-            if "error" not in cap:
+        row["plain"], row["softcap"] = plain, cap
+        if "error" not in cap:
+            if kernel == "library":
+                with launch_override("flash_attn", cfg) if cfg else contextlib.nullcontext():
+                    out, lse = lib(softcap=SOFTCAP)
+                out, lse = out[0], lse[0]
+            else:
                 out, lse = ws_attn(q3, k3, v3, causal, SOFTCAP, cfg, ws)
-                row["max_abs_diff_vs_library"] = float((out.float() - ref[0].float()).abs().max())
-                row["lse_max_abs_diff"] = float((lse - ref_lse[0].float()).abs().max())
+            row["max_abs_diff_vs_library"] = float((out.float() - ref[0].float()).abs().max())
+            row["lse_max_abs_diff"] = float((lse.float() - ref_lse[0].float()).abs().max())
+            if base:
+                row["softcap_over_library_plain"] = cap["tflops"] / base
+            if plain.get("tflops"):
+                row["softcap_over_own_plain"] = cap["tflops"] / plain["tflops"]
                 if base:
-                    row["softcap_over_library_plain"] = cap["tflops"] / base
-                if plain.get("tflops"):
-                    row["softcap_over_own_plain"] = cap["tflops"] / plain["tflops"]
-                    if base:
-                        row["own_plain_over_library_plain"] = plain["tflops"] / base
-            rec["rows"].append(row)
-            print(shape, "causal" if causal else "full", row, flush=True)
-    rec["library_plain_again"] = timed(lambda: flash_attn_with_lse(q, k, v, causal=causal))
+                    row["own_plain_over_library_plain"] = plain["tflops"] / base
+        rec["rows"].append(row)
+        print(shape, "causal" if causal else "full", row, flush=True)
+    rec["library_plain_default_again_tflops"] = timed(lib).get("tflops")
     return rec
 
 
@@ -225,11 +244,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sass", action="store_true", help="compile for sm_90 here and print SASS counts")
     ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--parts", default="library,tma", help="comma-separated: library, tma, ws (warp-specialized; "
+                    "wrong results and a crash on Triton 3.6)")
     ap.add_argument("--out", default="softcap_ws")
     args = ap.parse_args(argv)
     if args.sass:
         for d in (64, 128):
-            for cfg, ws in CONFIGS[d]:
+            for cfg, ws in [(c, False) for c in TMA_CONFIGS[d]] + [(c, True) for c in WS_CONFIGS[d]]:
                 for causal in (False, True):
                     for cap in (False, True):
                         try:
@@ -246,7 +267,7 @@ def main(argv=None):
     for shape in SHAPES:
         for causal in (False, True):
             try:
-                records.append(run_shape(shape, args.seq, causal))
+                records.append(run_shape(shape, args.seq, causal, args.parts.split(",")))
             except Exception as e:
                 traceback.print_exc()
                 records.append({"shape": shape, "causal": causal, "error": f"{type(e).__name__}: {e}"[:400]})
