@@ -77,11 +77,13 @@ def _time(fn, flops, cfg):
 #: launch configs each is timed under (None: the library's default rule)
 FORMS = {  # name -> (masked edges in one loop, the launch configs per BLOCK_D; None: the default)
     "softcap": {"two_loops": (False, {64: [None], 128: [None]}), "one_loop": (True, {64: [None], 128: [None]})},
-    "alibi": {"two_loops": (False, {64: [None], 128: [None]}), "one_loop": (True, {64: [None], 128: [None]})},
+    "alibi": {"two_loops": (False, {64: [None], 128: [None]}),
+              "one_loop": (True, {64: [None], 128: [None, (128, 64, 4, 2, True), (128, 64, 8, 3, True)]})},
 }
 WINDOW_FORMS = {
     "two_loops": (False, {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(64, 64, 4, 3), (128, 64, 8, 3)]}),
-    "one_loop": (True, {64: [(64, 64, 4, 3), (128, 64, 8, 3)], 128: [(64, 64, 4, 3), (128, 64, 8, 3)]}),
+    "one_loop": (True, {64: [(64, 64, 4, 3), (128, 64, 8, 3)],
+                        128: [(64, 64, 4, 3), (128, 64, 8, 3), (128, 64, 4, 2, True), (128, 64, 8, 3, True)]}),
 }
 
 
@@ -171,7 +173,7 @@ def run_window(shape, s):
 def _attn_consts(d, bm, bn, causal=True, **flags):
     c = dict(D=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, VARLEN=False, IS_FP32=False, HAS_SEQUSED=False,
              PAGED=False, PAGE=16, HAS_LEFT=False, HAS_RIGHT=False, SOFTCAP=False, ALIBI=False, FAST_TANH=True,
-             EDGES_ONE_LOOP=False)
+             EDGES_ONE_LOOP=False, USE_TMA=False)
     c.update(flags)
     return c
 

@@ -137,11 +137,46 @@ def test_other_block_shapes(device, cfg):
         check_dense(q, k, v, True)
 
 
-def test_no_tma_variant(device):
-    q = _rand((1, 16, 2, 16), torch.float16, device)
-    with pytest.raises(ValueError, match="no TMA variant"):
-        with launch_override("flash_attn", LaunchConfig(32, 32, 4, 1, tma=True)):
-            flash_attn_with_lse(q, q, q)
+@pytest.mark.parametrize("case", ["padded_causal_gqa_d80", "varlen", "unaligned_d20", "fp32"])
+def test_tma_loads(device, case, monkeypatch):
+    """Q / K / V through tensor descriptors (``LaunchConfig.tma``): TMA zero-fills the rows past
+    each sequence and the columns past D that the pointer loads mask, so the result matches the
+    reference, and under the interpreter equals the pointer loads in the same tiles bit for bit.
+    Tensors TMA cannot take (D * 2 bytes not a multiple of 16; fp32) fall back to pointer loads."""
+    import xoffload.kernels.flash_attn as fa
+
+    taken = []
+    real = fa._tma_possible
+    monkeypatch.setattr(fa, "_tma_possible", lambda *a: taken.append(real(*a)) or taken[-1])
+    torch.manual_seed(3)
+    ptr, tma = LaunchConfig(32, 16, 4, 1), LaunchConfig(32, 16, 4, 1, tma=True)
+    if case == "varlen":
+        lens_q, lens_k = [5, 40, 0, 33], [9, 37, 12, 50]
+        cq = torch.tensor([0] + torch.tensor(lens_q).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        ck = torch.tensor([0] + torch.tensor(lens_k).cumsum(0).tolist(), dtype=torch.int32, device=device)
+        q = _rand((sum(lens_q), 6, 64), torch.float16, device)
+        k = _rand((sum(lens_k), 2, 64), torch.float16, device)
+        v = _rand((sum(lens_k), 2, 64), torch.float16, device)
+        outs = []
+        for cfg in (ptr, tma):
+            with launch_override("flash_attn", cfg):
+                outs.append(flash_attn_varlen_with_lse(q, k, v, cq, ck, max(lens_q), max(lens_k), causal=True))
+        with launch_override("flash_attn", tma):  # against the reference, with the dtype's tolerance
+            _check_varlen(lens_q, lens_k, 6, 2, 64, True, torch.float16, device)
+    else:
+        b, sq, sk, hq, hkv, d, dt = {"padded_causal_gqa_d80": (2, 50, 71, 6, 2, 80, torch.float16),
+                                     "unaligned_d20": (1, 40, 45, 2, 1, 20, torch.float16),
+                                     "fp32": (1, 33, 47, 4, 2, 64, torch.float32)}[case]
+        q = _rand((b, sq, hq, d), dt, device)
+        k = _rand((b, sk, hkv, d), dt, device)
+        v = _rand((b, sk, hkv, d), dt, device)
+        outs = []
+        for cfg in (ptr, tma):
+            with launch_override("flash_attn", cfg):
+                outs.append(check_dense(q, k, v, True))
+    assert taken and all(taken) == (case not in ("unaligned_d20", "fp32"))  # descriptors used iff possible
+    if device == "cpu":
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_split_k_merge_equals_whole(device):

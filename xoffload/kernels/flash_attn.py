@@ -45,7 +45,7 @@ from .checks import (
     default_scale, interpreter_on, is_int, next_pow2, use_triton,
 )
 from .flash_attn_opts import _attn_opt_loops, _tanh, _window_tile_bounds  # noqa: F401 (re-exported)
-from .launch import LaunchConfig, override_for
+from .launch import LaunchConfig, override_for, tma_alloc, tma_ok
 from .reference import attention_ref, varlen_attention_ref
 
 __all__ = ["flash_attn_with_lse", "flash_attn_varlen_with_lse", "window_tile_bounds"]
@@ -96,12 +96,14 @@ def _online_softmax_step(qk, m_i, l_i, acc, start_n, offs_n, offs_m, seqlen_k, d
 
 
 @triton.jit
-def _attn_inner(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, offs_m, offs_n,
+def _attn_inner(acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_offs, v_offs, offs_m, offs_n,
                 d_ok, lo, hi, seqlen_k, diag_shift, qk_scale,
                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_D: tl.constexpr,
-                IS_FP32: tl.constexpr, BLOCK_N: tl.constexpr, stride_kn, stride_vn):
+                IS_FP32: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_N: tl.constexpr, stride_kn, stride_vn):
     for start_n in tl.range(lo, hi, BLOCK_N):
-        if MASKED:
+        if USE_TMA:  # keys past seqlen_k and columns past D arrive as zeros
+            k = k_desc.load([start_n, 0])
+        elif MASKED:
             n_ok = (start_n + offs_n) < seqlen_k
             k = tl.load(k_base + k_offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
@@ -114,7 +116,9 @@ def _attn_inner(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, offs_m, offs_n
             qk = tl.dot(q, tl.trans(k))
         p, m_new, l_i, acc = _online_softmax_step(qk, m_i, l_i, acc, start_n, offs_n, offs_m, seqlen_k,
                                                   diag_shift, qk_scale, MASKED, CAUSAL)
-        if MASKED:
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        elif MASKED:
             v = tl.load(v_base + v_offs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
             v = tl.load(v_base + v_offs)
@@ -144,13 +148,15 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
               IS_FP32: tl.constexpr, HAS_SEQUSED: tl.constexpr = False, PAGED: tl.constexpr = False,
               PAGE: tl.constexpr = 16, HAS_LEFT: tl.constexpr = False, HAS_RIGHT: tl.constexpr = False,
               SOFTCAP: tl.constexpr = False, ALIBI: tl.constexpr = False, FAST_TANH: tl.constexpr = False,
-              EDGES_ONE_LOOP: tl.constexpr = False):
+              EDGES_ONE_LOOP: tl.constexpr = False, USE_TMA: tl.constexpr = False):
     # Options (all compile-time flags; with none set the code is the plain kernel's):
     # HAS_SEQUSED: key length of item b is SEQUSED[b] (clamped to the keys there are); PAGED: K/V
     # are [num_pages, PAGE, Hkv, D] caches read through the block table BT [B, P] (stride_kb /
     # stride_vb are then the page strides); HAS_LEFT / HAS_RIGHT: sliding window bounds;
     # SOFTCAP: cap_in = scale / softcap, cap_out = softcap * log2(e); ALIBI: per-(b, h) slopes;
-    # EDGES_ONE_LOOP: the option path walks both masked edges of a block in one loop;
+    # EDGES_ONE_LOOP: the option path walks both masked edges of a block in one loop; USE_TMA:
+    # Q, K and V through tensor descriptors built here (per sequence and head, so TMA zero-fills
+    # rows past seqlen_q / seqlen_k and columns past D; 16-bit, not paged, 16-byte aligned);
     # 1-D grid: the (batch, head) index varies fastest, so the first programs launched are
     # the last query block of every head (the longest rows under causal) and programs that
     # run together share K/V heads (GQA) in L2.
@@ -192,8 +198,19 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
         v_base = (V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
                   + k_row0 * stride_vn)
         rows = tl.arange(0, BLOCK_M)
-        q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :],
-                    mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+        if USE_TMA:
+            q_desc = tl.make_tensor_descriptor(q_base - m0.to(tl.int64) * stride_qm, shape=[seqlen_q, D],
+                                               strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
+            k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(seqlen_k, 1), D], strides=[stride_kn, 1],
+                                               block_shape=[BLOCK_N, BLOCK_D])
+            v_desc = tl.make_tensor_descriptor(v_base, shape=[tl.maximum(seqlen_k, 1), D], strides=[stride_vn, 1],
+                                               block_shape=[BLOCK_N, BLOCK_D])
+            q = q_desc.load([m0, 0])
+        else:
+            k_desc = k_base
+            v_desc = v_base
+            q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :],
+                        mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         k_offs = offs_n[:, None] * stride_kn + offs_d[None, :]
         v_offs = offs_n[:, None] * stride_vn + offs_d[None, :]
 
@@ -213,11 +230,11 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
             k_head = h_kv.to(tl.int64) * stride_kh
             v_head = h_kv.to(tl.int64) * stride_vh
             acc, l_i, m_i, alibi_base, shift2 = _attn_opt_loops(
-                acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
+                acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, k_desc, v_desc, bt_row, k_head, v_head,
                 offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
                 qk_scale, cap_in, cap_out, slope2, max_entry, stride_kn, stride_vn, stride_kb, stride_vb, stride_btn,
                 CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, FAST_TANH, PAGED, PAGE,
-                EVEN_D, IS_FP32, EDGES_ONE_LOOP, BLOCK_M, BLOCK_N)
+                EVEN_D, IS_FP32, EDGES_ONE_LOOP, USE_TMA, BLOCK_M, BLOCK_N)
             if ALIBI and not IS_FP32:  # the loops carry the per-row shift shift2 * (pos - alibi_base) in m_i
                 m_i = m_i - shift2 * (offs_m + diag_shift - alibi_base).to(tl.float32)
         else:
@@ -230,14 +247,14 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
                 hi = seqlen_k
                 full = (seqlen_k // BLOCK_N) * BLOCK_N
             acc, l_i, m_i = _attn_inner(
-                acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, offs_m, offs_n, d_ok,
+                acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, k_offs, v_offs, offs_m, offs_n, d_ok,
                 0, full, seqlen_k, diag_shift, qk_scale,
-                False, CAUSAL, EVEN_D, IS_FP32, BLOCK_N, stride_kn, stride_vn)
+                False, CAUSAL, EVEN_D, IS_FP32, USE_TMA, BLOCK_N, stride_kn, stride_vn)
             acc, l_i, m_i = _attn_inner(
                 acc, l_i, m_i, q, k_base + full.to(tl.int64) * stride_kn,
-                v_base + full.to(tl.int64) * stride_vn, k_offs, v_offs, offs_m, offs_n,
+                v_base + full.to(tl.int64) * stride_vn, k_desc, v_desc, k_offs, v_offs, offs_m, offs_n,
                 d_ok, full, hi, seqlen_k, diag_shift, qk_scale,
-                True, CAUSAL, EVEN_D, IS_FP32, BLOCK_N, stride_kn, stride_vn)
+                True, CAUSAL, EVEN_D, IS_FP32, USE_TMA, BLOCK_N, stride_kn, stride_vn)
 
         empty = l_i == 0.0
         l_div = tl.where(empty, 1.0, l_i)
@@ -257,12 +274,13 @@ _INTERP_CFG = LaunchConfig(64, 32, 4, 1)  # BLOCK_M != BLOCK_N, as on the GPU
 
 
 def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window: bool = False,
-                alibi: bool = False) -> LaunchConfig:
+                alibi: bool = False, tma: bool = False) -> LaunchConfig:
     """Launch configuration on a CUDA device (chosen from timings on an H200).
 
     fp32 runs the exact (non-tf32) product, which Hopper's tensor cores do not do: small tiles
     that keep register spills low; it is an accuracy path, not a fast one. ``page_size``: a paged
-    call (0: contiguous K/V); ``window``: a sliding window bounds the keys; ``alibi``: ALiBi slopes.
+    call (0: contiguous K/V); ``window``: a sliding window bounds the keys; ``alibi``: ALiBi slopes;
+    ``tma``: Q / K / V can go through TMA descriptors (:func:`_tma_possible`).
     """
     if page_size and page_size % 128 and 64 < block_d <= 128 and dtype != torch.float32:
         # pages smaller than a 128-key tile take one table entry per key row: with 128x128 tiles
@@ -288,9 +306,21 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
     # 479; 128x64: 477-501; 2 stages: 445).
     if block_d <= 64:
         return LaunchConfig(128, 64, 8, 3)
+    if block_d <= 128 and tma and not alibi:
+        # session 13 (softcap_ws_run2.json, 32K): with Q / K / V through TMA a 128x64 tile fits one
+        # warpgroup (4 warps, 2 stages) without the address registers of pointer loads: a minimal
+        # TMA kernel ran plain at 536 / 523 TFLOP/s (non-causal / causal) against the library's 503,
+        # softcap 472 / 456 against 410 / 431 (pointer loads in these tiles: 150-180, spilling)
+        return LaunchConfig(128, 64, 4, 2, tma=True)
     if block_d <= 128:
         return LaunchConfig(128, 128, 8, 3)
     return LaunchConfig(64, 32, 4, 2)
+
+
+def _tma_possible(q, k, v, opts) -> bool:
+    """Whether Q / K / V can go through TMA descriptors: 16-bit, contiguous (not paged) K/V,
+    16-byte aligned bases and strides (:func:`launch.tma_ok`)."""
+    return q.dtype != torch.float32 and opts.block_table is None and tma_ok(q, k, v)
 
 
 def _edges_one_loop(opts) -> bool:
@@ -503,10 +533,12 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
     block_d = max(16, next_pow2(d))
     page = k.shape[1] if paged else 0
     cfg = override_for("flash_attn") or (_gpu_config(block_d, q.dtype, page, window=opts.windowed,
-                                                      alibi=opts.alibi is not None)
+                                                      alibi=opts.alibi is not None,
+                                                      tma=_tma_possible(q, k, v, opts))
                                          if q.is_cuda else _INTERP_CFG)
-    if cfg.tma:
-        raise ValueError(f"flash_attn has no TMA variant (it lost the sweep), got {cfg!r}")
+    use_tma = bool(cfg.tma) and _tma_possible(q, k, v, opts)  # else pointer loads, same tiles
+    if use_tma and q.is_cuda:
+        triton.set_allocator(tma_alloc)  # scratch for the descriptors built inside the kernel
     block_m, block_n = cfg.block_m, cfg.block_n
     num_m = triton.cdiv(max_sq, block_m)
     n_bh = batch * hq
@@ -553,7 +585,7 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
         D=d, BLOCK_D=block_d, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=causal, VARLEN=varlen,
         IS_FP32=q.dtype == torch.float32, PAGE=k.shape[1] if paged else 16,
         FAST_TANH=bool(q.is_cuda and q.dtype != torch.float32 and not interpreter_on()),
-        EDGES_ONE_LOOP=_edges_one_loop(opts),
+        EDGES_ONE_LOOP=_edges_one_loop(opts), USE_TMA=use_tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **flags,
     )
 

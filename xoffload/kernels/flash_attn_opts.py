@@ -149,14 +149,14 @@ def alibi_tile_classes(m0: int, block_m: int, block_n: int, seqlen_q: int, seqle
 # ----------------------------------------------------------------------------------------------
 
 @triton.jit
-def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
+def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, k_desc, v_desc, bt_row, k_head, v_head,
                     offs_m, offs_n, offs_d, d_ok, lo, hi, jump_at, jump_by, seqlen_k, diag_shift, win_left, win_right,
                     qk_scale, cap_in, cap_out, slope2, alibi_base, max_entry,
                     stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
                     MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr,
                     HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ALIBI_SIDE: tl.constexpr,
                     FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr, IS_FP32: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """The online-softmax loop of the option path (window, softcap, ALiBi, paged K/V) over the key
     tiles ``[lo, hi)``. Scores are kept in log2 units: ``s = qk * scale * log2(e)``, or with
     ``SOFTCAP`` ``softcap * tanh(qk * scale / softcap) * log2(e)``. ALiBi (``slope2 = slope *
@@ -212,7 +212,9 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
         else:
             k_ptrs = k_base + k_offs
             v_ptrs = v_base + v_offs
-        if MASKED:
+        if USE_TMA:  # keys past seqlen_k and columns past D arrive as zeros
+            k = k_desc.load([start_n, 0])
+        elif MASKED:
             k = tl.load(k_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
             k = tl.load(k_ptrs)
@@ -271,7 +273,9 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
         p = tl.exp2(x)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
-        if MASKED:
+        if USE_TMA:
+            v = v_desc.load([start_n, 0])
+        elif MASKED:
             v = tl.load(v_ptrs, mask=n_ok[:, None] & d_ok[None, :], other=0.0)
         elif EVEN_D:
             v = tl.load(v_ptrs)
@@ -290,13 +294,14 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
 
 
 @triton.jit
-def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_row, k_head, v_head,
+def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, k_desc, v_desc, bt_row, k_head, v_head,
                     offs_m, offs_n, offs_d, d_ok, m0, seqlen_q, seqlen_k, diag_shift, win_left, win_right,
                     qk_scale, cap_in, cap_out, slope2, max_entry,
                     stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
                     CAUSAL: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
                     ALIBI: tl.constexpr, FAST_TANH: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr, EVEN_D: tl.constexpr,
-                    IS_FP32: tl.constexpr, EDGES_ONE_LOOP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                    IS_FP32: tl.constexpr, EDGES_ONE_LOOP: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
     """All key tiles of one query block on the option path: the masked left edge of its window,
     the unmasked interior, the masked right edge (diagonal / window / Sk tail); tiles outside the
     window are never visited. ``EDGES_ONE_LOOP``: both masked edges run first, in one loop (one
@@ -334,56 +339,56 @@ def _attn_opt_loops(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, bt_r
         edge_jump = 0
     acc, l_i, m_i = _attn_inner_opt(
         acc, l_i, m_i, q, k_base, v_base,
-        k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+        k_offs, v_offs, K, V, k_desc, v_desc, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
         lo, edge_hi, full_lo, edge_jump, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
         alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
         True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
-        PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+        PAGED, PAGE, EVEN_D, IS_FP32, USE_TMA, BLOCK_M, BLOCK_N)
     if ALIBI and not CAUSAL and not IS_FP32:
         d_lo, d_hi = _diagonal_split(m0, seqlen_q, diag_shift, full_lo, full_hi, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
-            k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+            k_offs, v_offs, K, V, k_desc, v_desc, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             full_lo, d_lo, d_lo, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 1, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, USE_TMA, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
-            k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+            k_offs, v_offs, K, V, k_desc, v_desc, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             d_lo, d_hi, d_hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 0, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, USE_TMA, BLOCK_M, BLOCK_N)
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
-            k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+            k_offs, v_offs, K, V, k_desc, v_desc, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             d_hi, full_hi, full_hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, 2, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, USE_TMA, BLOCK_M, BLOCK_N)
     else:
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
-            k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+            k_offs, v_offs, K, V, k_desc, v_desc, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             full_lo, full_hi, full_hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             False, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, USE_TMA, BLOCK_M, BLOCK_N)
     if not EDGES_ONE_LOOP:
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
-            k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+            k_offs, v_offs, K, V, k_desc, v_desc, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             full_hi, hi, hi, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out, slope2,
             alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, EDGE, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, USE_TMA, BLOCK_M, BLOCK_N)
     if SHIFTED:
         acc, l_i, m_i = _attn_inner_opt(
             acc, l_i, m_i, q, k_base, v_base,
-            k_offs, v_offs, K, V, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
+            k_offs, v_offs, K, V, k_desc, v_desc, bt_row, k_head, v_head, offs_m, offs_n, offs_d, d_ok,
             d_from, hi0, hi0, 0, seqlen_k, diag_shift, win_left, win_right, qk_scale, cap_in, cap_out,
             slope2, alibi_base, max_entry, stride_kn, stride_vn, stride_kp, stride_vp, stride_btn,
             True, CAUSAL, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, -1, FAST_TANH,
-            PAGED, PAGE, EVEN_D, IS_FP32, BLOCK_M, BLOCK_N)
+            PAGED, PAGE, EVEN_D, IS_FP32, USE_TMA, BLOCK_M, BLOCK_N)
     return acc, l_i, m_i, alibi_base, shift2

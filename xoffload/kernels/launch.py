@@ -26,8 +26,9 @@ class LaunchConfig(NamedTuple):
     """Tile sizes and Triton launch options of one kernel launch.
 
     block_m, block_n: query rows / keys per tile. num_warps, num_stages: as for any Triton kernel.
-    tma: K/V through tensor descriptors (TMA on sm_90+; block-sparse only, which falls back to
-    pointer loads when the tensors are not 16-byte aligned).
+    tma: K/V (and, in flash_attn, Q) through tensor descriptors (TMA on sm_90+; block_sparse
+    and flash_attn, which fall back to pointer loads in the same tiles when the tensors are not
+    16-byte aligned, are fp32 or, in flash_attn, paged).
     """
 
     block_m: int
