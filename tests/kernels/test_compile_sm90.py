@@ -64,7 +64,7 @@ def _attn(d, bm, bn, *, causal=True, fp32=False, **flags):
     """The prefill kernel's constexprs for head dim ``d`` and ``bm x bn`` tiles, option flags set."""
     c = dict(D=d, BLOCK_D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, VARLEN=False, IS_FP32=fp32, HAS_SEQUSED=False,
              PAGED=False, PAGE=16, HAS_LEFT=False, HAS_RIGHT=False, SOFTCAP=False, ALIBI=False, FAST_TANH=not fp32,
-             EDGES_ONE_LOOP=False)
+             EDGES_ONE_LOOP=False, USE_TMA=False)
     c.update(flags)
     return c
 
@@ -90,6 +90,13 @@ _ATTN_VARIANTS = {
     "flash_attn alibi softcap causal window paged d=128": (
         _attn(128, 128, 64, ALIBI=True, SOFTCAP=True, HAS_LEFT=True, PAGED=True, PAGE=16, EDGES_ONE_LOOP=True),
         {"num_warps": 8, "num_stages": 3}),
+    **{f"flash_attn TMA {name} d=128 (128x64, 4 warps, 2 stages)": (_attn(128, 128, 64, USE_TMA=True, **fl),
+                                                                   {"num_warps": 4, "num_stages": 2})
+       for name, fl in (("plain causal", {}), ("plain non-causal varlen", dict(causal=False, VARLEN=True)),
+                        ("softcap causal", dict(SOFTCAP=True)),
+                        ("causal window", dict(HAS_LEFT=True, EDGES_ONE_LOOP=True)),
+                        ("softcap window seqused", dict(SOFTCAP=True, HAS_LEFT=True, HAS_SEQUSED=True,
+                                                        EDGES_ONE_LOOP=True)))},
     "flash_attn alibi fp32 non-causal (direct form)": (_attn(128, 32, 16, causal=False, fp32=True, ALIBI=True,
                                                              SOFTCAP=True, EDGES_ONE_LOOP=True),
                                                        {"num_warps": 4, "num_stages": 2}),

@@ -556,14 +556,15 @@ def test_window_tile_bounds_python_mirror_equals_kernel(device):
         assert got == want, (sq, sk, causal, w, bm, bn)
 
 
-@pytest.mark.parametrize("tiles", ["plain", "window"])
+@pytest.mark.parametrize("tiles", ["plain", "window", "tma"])
 def test_window_cost_proportional_to_width(tiles):
     """Keys visited by a 4096-token causal window over 128K tokens with the H200 tiles of D=128
-    bf16 (_gpu_config: 128x128 for a plain call, 128x64 for a window, the one it runs in): the
-    window's area plus less than one query block and two key tiles per block."""
+    bf16 (_gpu_config: with pointer loads 128x128 for a plain call, 128x64 for a window; with TMA
+    128x64 for both, the tiles it runs in): the window's area plus less than one query block and
+    two key tiles per block."""
     from xoffload.kernels.flash_attn import _gpu_config
 
-    cfg = _gpu_config(128, torch.bfloat16, window=tiles == "window")
+    cfg = _gpu_config(128, torch.bfloat16, window=tiles != "plain", tma=tiles == "tma")
     s, w, bm, bn = 131072, 4096, cfg.block_m, cfg.block_n
     visited = sum(window_tile_bounds(m0, bm, bn, s, s, causal=True, window_size=(w, 0))[3]
                   - window_tile_bounds(m0, bm, bn, s, s, causal=True, window_size=(w, 0))[0]

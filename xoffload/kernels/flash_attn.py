@@ -293,25 +293,29 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
     # warps, D=128 453-457 against 421-442; session 10's 32K sweep had 8 warps losing, 319 against
     # 415 at D=64, before session 11's kernel changes). A window with ALiBi at D=64 keeps 64x64 /
     # 4 warps (32K: 385 against 311 with 8 warps); with softcap the tiles tie. ALiBi at D=64 in
-    # 128x64 with 4 warps (session 10: causal 379 vs 320). softcap: no tile won (within 1%).
+    # 128x64 with 4 warps (session 10: causal 379 vs 320).
     if window and alibi and block_d <= 64:
         return LaunchConfig(64, 64, 4, 3)
-    if window and block_d <= 128:
-        return LaunchConfig(128, 64, 8, 3)
     if alibi and block_d <= 64:
         return LaunchConfig(128, 64, 4, 3)
+    if 64 < block_d <= 128 and tma and not alibi:
+        # session 13: with Q / K / V through TMA a 128x64 tile fits one warpgroup (4 warps, 2
+        # stages) without the address registers of pointer loads (with pointer loads these tiles
+        # spill: 150-180 TFLOP/s). 32K, D=128 (softcap_ws_run2.json, attention_options_s13_*.json):
+        # plain 517-521 TFLOP/s against 503-508 in 128x128 / 8 warps, softcap 471-474 against
+        # 410-431; a causal 4096 window at 128K 1.05x the area-scaled causal time against 1.12x
+        # (option_forms_s13.json). ALiBi keeps its pointer tiles (TMA 128x64: 0.79-0.81x plain
+        # against 0.92-0.95x).
+        return LaunchConfig(128, 64, 4, 2, tma=True)
+    if window and block_d <= 128:
+        return LaunchConfig(128, 64, 8, 3)
     # H200, bf16, causal, 32K (benchmarks/results/attention.json, sweep): D=64 9/3 heads:
     # 128x64 8 warps 486 TFLOP/s (128x128: 375-452, 64x64: 463); D=128 32/8 heads: 128x128
-    # 8 warps 3 stages 508 (TMA loads: the same, so the kernel has none; warp specialization:
-    # 479; 128x64: 477-501; 2 stages: 445).
+    # 8 warps 3 stages 508 (TMA K/V loads in these tiles: the same; warp specialization: 479;
+    # 128x64: 477-501; 2 stages: 445). D=64 with TMA in 128x64 / 4 warps: 399-415 against 452
+    # (softcap_ws_run2.json).
     if block_d <= 64:
         return LaunchConfig(128, 64, 8, 3)
-    if block_d <= 128 and tma and not alibi:
-        # session 13 (softcap_ws_run2.json, 32K): with Q / K / V through TMA a 128x64 tile fits one
-        # warpgroup (4 warps, 2 stages) without the address registers of pointer loads: a minimal
-        # TMA kernel ran plain at 536 / 523 TFLOP/s (non-causal / causal) against the library's 503,
-        # softcap 472 / 456 against 410 / 431 (pointer loads in these tiles: 150-180, spilling)
-        return LaunchConfig(128, 64, 4, 2, tma=True)
     if block_d <= 128:
         return LaunchConfig(128, 128, 8, 3)
     return LaunchConfig(64, 32, 4, 2)
