@@ -293,11 +293,14 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
     # warps, D=128 453-457 against 421-442; session 10's 32K sweep had 8 warps losing, 319 against
     # 415 at D=64, before session 11's kernel changes). A window with ALiBi at D=64 keeps 64x64 /
     # 4 warps (32K: 385 against 311 with 8 warps); with softcap the tiles tie. ALiBi at D=64 in
-    # 128x64 with 4 warps (session 10: causal 379 vs 320).
+    # 128x64 with 4 warps (session 10: causal 379 vs 320). Softcap at D=64 keeps the plain tiles
+    # (TMA in them: 347 / 340 TFLOP/s against 335 / 350, non-causal / causal; softcap_ws_s13_d64.json).
     if window and alibi and block_d <= 64:
         return LaunchConfig(64, 64, 4, 3)
     if alibi and block_d <= 64:
-        return LaunchConfig(128, 64, 4, 3)
+        # through TMA where it can (session 13, option_forms_s13_d64.json, 32K: causal 432 TFLOP/s
+        # against 412 with pointer loads, non-causal 405 against 400)
+        return LaunchConfig(128, 64, 4, 3, tma=tma)
     if 64 < block_d <= 128 and tma and not alibi:
         # session 13: with Q / K / V through TMA a 128x64 tile fits one warpgroup (4 warps, 2
         # stages) without the address registers of pointer loads (with pointer loads these tiles
