@@ -1,20 +1,29 @@
 """Diagnostic: does Triton's warp specialization on Hopper (``tl.range(warp_specialize=True)`` over
-on-device TMA descriptors) lift softcap's share of the plain prefill's speed?
+on-device TMA descriptors) lift softcap's share of the plain prefill's speed, and how does the
+library's kernel do in the tiles such a kernel prefers?
 
-Issue 13 asks softcap prefill for >= 0.9x our plain prefill's TFLOP/s; the library's kernel (an
-FA2-style loop: each warpgroup runs a tile's softmax between its two matrix products, with a
-CTA-wide barrier per pipelined load) reaches 0.74-0.86x. FlashAttention-3 (Shah et al. 2024)
-overlaps one warpgroup's softmax with another's products by giving the loads to a producer warp
-and syncing through mbarriers. Triton >= 3.5 can build that producer / consumer split on sm_90
-when the loads are TMA descriptors made on the device. This script holds a minimal forward kernel
-(bf16, GQA, batch 1, causal bottom-right or not, optional softcap) in both forms and times, at
-32K: the library's plain and softcap calls, and this kernel plain and softcapped with and without
-warp specialization under several launch configs. Each softcapped row carries its ratio to the
-library's plain TFLOP/s (the issue's target) and to the same config's plain form.
+Issue 13 asks softcap prefill for >= 0.9x our plain prefill's TFLOP/s. FlashAttention-3 (Shah et
+al. 2024) overlaps one warpgroup's softmax with another's products by giving the loads to a
+producer warp and syncing through mbarriers; Triton >= 3.5 can build that producer / consumer
+split on sm_90 when the loads are TMA descriptors made on the device. This script holds a minimal
+forward kernel (:func:`_fwd`: bf16, GQA, batch 1, causal bottom-right or not, optional softcap)
+and times, at 32K and for each shape of ``bench_flash_attn.SHAPES`` (``--parts``):
 
-Run: ``python benchmarks/diag_softcap_ws.py [--out FILE]`` on a GPU;
-``python benchmarks/diag_softcap_ws.py --sass`` compiles the variants for sm_90 here (no GPU) and
-prints their SASS size and whether warp groups were split (``setmaxnreg``).
+- ``library``: the library's plain and softcap calls under its default and several launch configs
+  (``launch_override``; a fifth field True: TMA loads);
+- ``tma``: this kernel without warp specialization under several configs;
+- ``ws``: this kernel with warp specialization (on the device's Triton 3.6: wrong outputs at
+  D=128 and an illegal memory access at D=64, which ends the process: run it last, alone).
+
+Each row carries softcap's TFLOP/s over the library's default plain call (the issue's ratio) and
+over the same config's plain form, and its output / LSE difference from the library's softcap
+call. Records: ``softcap_ws_run1.json`` (tma + ws), ``softcap_ws_run2.json`` (library + tma: the
+128x64 / 4-warp / 2-stage TMA tile that the library adopted), ``softcap_ws_s13_d64.json``.
+
+Run: ``python benchmarks/diag_softcap_ws.py [--parts library,tma] [--shapes d128_h32_kv8]
+[--out FILE]`` on a GPU; ``python benchmarks/diag_softcap_ws.py --sass`` compiles this kernel's
+variants for sm_90 here (no GPU) and prints their SASS size and whether the warps were split into
+groups (``setmaxnreg``).
 """
 from __future__ import annotations
 
@@ -35,6 +44,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from _common import HAS_CUDA, bench_ms, env_record, tflops, write_json  # noqa: E402
+from xoffload.kernels.flash_attn_opts import _tanh  # noqa: E402
 from bench_flash_attn import SHAPES, SOFTCAP  # noqa: E402
 from bench_flash_attn import _make as _inputs  # noqa: E402
 
@@ -42,18 +52,12 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _tanh_approx(x):
-    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=r,r", [x], dtype=tl.float32, is_pure=True,
-                                     pack=1)
-
-
-@triton.jit
 def _tile(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n, diag, qk_scale, cap_in, cap_out,
-          MASK: tl.constexpr, SOFTCAP: tl.constexpr):
+          MASK: tl.constexpr, SOFTCAP: tl.constexpr, FAST_TANH: tl.constexpr):
     k = k_desc.load([start_n, 0])
     s = tl.dot(q, k.T)
     if SOFTCAP:
-        s = _tanh_approx(s * cap_in) * cap_out
+        s = _tanh(s * cap_in, FAST_TANH) * cap_out
     else:
         s = s * qk_scale
     if MASK:
@@ -71,7 +75,7 @@ def _tile(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n, diag, qk_sc
 @triton.jit
 def _fwd(Q, K, V, O, LSE, qk_scale, cap_in, cap_out, seqlen_q, seqlen_k, HQ: tl.constexpr, HKV: tl.constexpr,
          D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
-         SOFTCAP: tl.constexpr, WS: tl.constexpr, CAUSAL_FORM: tl.constexpr = 0):
+         SOFTCAP: tl.constexpr, WS: tl.constexpr, CAUSAL_FORM: tl.constexpr = 0, FAST_TANH: tl.constexpr = True):
     """One (query block, head) per program; q, k, v, o are [S, H, D] (batch 1), LSE [H, Sq] in
     natural-log units. Causal: bottom-right; the diagonal tiles run in a second, masked loop.
     Sq must be a multiple of BLOCK_M and Sk of BLOCK_N (the diagnostic's shapes)."""
@@ -101,15 +105,15 @@ def _fwd(Q, K, V, O, LSE, qk_scale, cap_in, cap_out, seqlen_q, seqlen_k, HQ: tl.
     if CAUSAL and CAUSAL_FORM == 2:  # one loop, every tile masked
         for start_n in tl.range(0, hi, BLOCK_N, warp_specialize=WS):
             acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n, diag, qk_scale,
-                                  cap_in, cap_out, True, SOFTCAP)
+                                  cap_in, cap_out, True, SOFTCAP, FAST_TANH)
     else:  # full tiles, then the diagonal's
         for start_n in tl.range(0, full_hi, BLOCK_N, warp_specialize=WS):
             acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n, diag, qk_scale,
-                                  cap_in, cap_out, False, SOFTCAP)
+                                  cap_in, cap_out, False, SOFTCAP, FAST_TANH)
         if CAUSAL:
             for start_n in tl.range(full_hi, hi, BLOCK_N):
                 acc, l_i, m_i = _tile(acc, l_i, m_i, q, k_desc, v_desc, start_n, offs_m, offs_n, diag, qk_scale,
-                                      cap_in, cap_out, True, SOFTCAP)
+                                      cap_in, cap_out, True, SOFTCAP, FAST_TANH)
     out = acc / l_i[:, None]
     tl.store(LSE + h * seqlen_q + offs_m, (m_i + tl.math.log2(l_i)) / 1.4426950408889634)
     o_ptrs = O + offs_m[:, None] * (HQ * D) + h * D + tl.arange(0, D)[None, :]
@@ -117,11 +121,12 @@ def _fwd(Q, K, V, O, LSE, qk_scale, cap_in, cap_out, seqlen_q, seqlen_k, HQ: tl.
 
 
 def _alloc(size: int, alignment: int, stream):
-    return torch.empty(size, device="cuda", dtype=torch.int8)
+    return torch.empty(size, device="cuda" if HAS_CUDA else "cpu", dtype=torch.int8)
 
 
 def ws_attn(q, k, v, causal, softcap, cfg, ws):
-    """q [S, Hq, D], k / v [S, Hkv, D] bf16 (batch 1) -> (out [S, Hq, D], lse [Hq, S] fp32).
+    """q [S, Hq, D], k / v [S, Hkv, D] bf16 (fp16 under the interpreter; batch 1; S a multiple of
+    BLOCK_M and BLOCK_N) -> (out [S, Hq, D], lse [Hq, S] fp32, natural log).
     ``ws`` with ``causal``: one loop masking every tile (the only causal form Triton 3.6 compiles
     with a specialized loop: two loops, in either order, fail in its warp-specialization pass)."""
     triton.set_allocator(_alloc)
@@ -133,7 +138,7 @@ def ws_attn(q, k, v, causal, softcap, cfg, ws):
     scale = d ** -0.5
     cap = softcap or 1.0
     _fwd[(s // bm, hq)](q, k, v, o, lse, scale * LOG2E, scale / cap, cap * LOG2E, s, k.shape[0], hq, hkv, d,
-                        bm, bn, causal, bool(softcap), ws, 2 if (ws and causal) else 0, num_warps=warps,
+                        bm, bn, causal, bool(softcap), ws, 2 if (ws and causal) else 0, q.is_cuda, num_warps=warps,
                         num_stages=stages)
     return o, lse
 
@@ -222,7 +227,7 @@ def sass(d, cfg, ws, softcap, causal=False, causal_form=0):
     bm, bn, warps, stages = cfg
     params = list(inspect.signature(_fwd.fn).parameters)
     consts = dict(HQ=32, HKV=8, D=d, BLOCK_M=bm, BLOCK_N=bn, CAUSAL=causal, SOFTCAP=softcap, WS=ws,
-                  CAUSAL_FORM=causal_form)
+                  CAUSAL_FORM=causal_form, FAST_TANH=True)
     types = dict(Q="*bf16", K="*bf16", V="*bf16", O="*bf16", LSE="*fp32", qk_scale="fp32", cap_in="fp32",
                  cap_out="fp32", seqlen_q="i32", seqlen_k="i32")
     sig = {p: "constexpr" if p in consts else types[p] for p in params}

@@ -30,6 +30,12 @@ runs three loops: the masked left edge of its window, the unmasked interior, the
 (non-causal ALiBi splits the interior at the diagonal); with a window or ALiBi both masked edges
 share one loop, run first. That option path lives in
 :mod:`xoffload.kernels.flash_attn_opts`, with ALiBi's per-tile bias forms.
+
+Where the tensors allow it (16-bit, K/V not paged, 16-byte aligned: :func:`_tma_possible`) Q, K
+and V go through TMA descriptors built inside the kernel, one per sequence and head, so TMA
+zero-fills the rows past ``seqlen_q`` / ``seqlen_k`` (``seqused_k`` included) and the columns past
+``D`` that pointer loads mask. Freed of per-thread address registers, a 128x64 tile fits one
+warpgroup: the GPU tiles of plain, softcap and windowed calls at 64 < D <= 128 (:func:`_gpu_config`).
 """
 from __future__ import annotations
 
