@@ -137,12 +137,13 @@ def test_other_block_shapes(device, cfg):
         check_dense(q, k, v, True)
 
 
-@pytest.mark.parametrize("case", ["padded_causal_gqa_d80", "varlen", "unaligned_d20", "fp32"])
+@pytest.mark.parametrize("case", ["padded_causal_gqa_d80", "varlen", "unaligned_d20", "fp32", "keys_broadcast"])
 def test_tma_loads(device, case, monkeypatch):
     """Q / K / V through tensor descriptors (``LaunchConfig.tma``): TMA zero-fills the rows past
     each sequence and the columns past D that the pointer loads mask, so the result matches the
     reference, and under the interpreter equals the pointer loads in the same tiles bit for bit.
-    Tensors TMA cannot take (D * 2 bytes not a multiple of 16; fp32) fall back to pointer loads."""
+    Tensors TMA cannot take (D * 2 bytes not a multiple of 16; fp32; keys broadcast along the
+    sequence, row stride 0) fall back to pointer loads."""
     import xoffload.kernels.flash_attn as fa
 
     taken = []
@@ -166,15 +167,18 @@ def test_tma_loads(device, case, monkeypatch):
     else:
         b, sq, sk, hq, hkv, d, dt = {"padded_causal_gqa_d80": (2, 50, 71, 6, 2, 80, torch.float16),
                                      "unaligned_d20": (1, 40, 45, 2, 1, 20, torch.float16),
-                                     "fp32": (1, 33, 47, 4, 2, 64, torch.float32)}[case]
+                                     "fp32": (1, 33, 47, 4, 2, 64, torch.float32),
+                                     "keys_broadcast": (1, 30, 40, 4, 2, 64, torch.float16)}[case]
         q = _rand((b, sq, hq, d), dt, device)
         k = _rand((b, sk, hkv, d), dt, device)
         v = _rand((b, sk, hkv, d), dt, device)
+        if case == "keys_broadcast":
+            k = k[:, :1].expand(b, sk, hkv, d)
         outs = []
         for cfg in (ptr, tma):
             with launch_override("flash_attn", cfg):
                 outs.append(check_dense(q, k, v, True))
-    assert taken and all(taken) == (case not in ("unaligned_d20", "fp32"))  # descriptors used iff possible
+    assert taken and all(taken) == (case not in ("unaligned_d20", "fp32", "keys_broadcast"))  # descriptors used iff possible
     if device == "cpu":
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 

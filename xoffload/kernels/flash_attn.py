@@ -332,8 +332,11 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
 
 def _tma_possible(q, k, v, opts) -> bool:
     """Whether Q / K / V can go through TMA descriptors: 16-bit, contiguous (not paged) K/V,
-    16-byte aligned bases and strides (:func:`launch.tma_ok`)."""
-    return q.dtype != torch.float32 and opts.block_table is None and tma_ok(q, k, v)
+    16-byte aligned bases and strides (:func:`launch.tma_ok`), and rows that do not overlap (the
+    sequence stride, dim -3 of padded ``[B, S, H, D]`` and varlen ``[T, H, D]`` alike, at least D
+    elements: a descriptor's row stride cannot be smaller than its row)."""
+    return (q.dtype != torch.float32 and opts.block_table is None and tma_ok(q, k, v)
+            and all(t.stride(-3) >= t.shape[-1] for t in (q, k, v)))
 
 
 def _edges_one_loop(opts) -> bool:
@@ -545,11 +548,11 @@ def _launch(q, k, v, out, lse, *, varlen, cu_q, cu_k, batch, sq, sk, max_sq, cau
     paged = opts.block_table is not None
     block_d = max(16, next_pow2(d))
     page = k.shape[1] if paged else 0
+    tma = _tma_possible(q, k, v, opts)
     cfg = override_for("flash_attn") or (_gpu_config(block_d, q.dtype, page, window=opts.windowed,
-                                                      alibi=opts.alibi is not None,
-                                                      tma=_tma_possible(q, k, v, opts))
+                                                      alibi=opts.alibi is not None, tma=tma)
                                          if q.is_cuda else _INTERP_CFG)
-    use_tma = bool(cfg.tma) and _tma_possible(q, k, v, opts)  # else pointer loads, same tiles
+    use_tma = bool(cfg.tma) and tma  # else pointer loads in the same tiles
     if use_tma and q.is_cuda:
         triton.set_allocator(tma_alloc)  # scratch for the descriptors built inside the kernel
     block_m, block_n = cfg.block_m, cfg.block_n

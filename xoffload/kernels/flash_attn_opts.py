@@ -173,7 +173,8 @@ def _attn_inner_opt(acc, l_i, m_i, q, k_base, v_base, k_offs, v_offs, K, V, k_de
     page ``bt_row[j // PAGE]`` (entries clamped to ``[0, max_entry]``); else key ``j`` of K / V is
     at ``k_base / v_base + j * stride``, reached by pointer increments (a pointer recomputed from
     ``start_n * stride`` each tile defeats Triton's load pipelining: waits after every wgmma,
-    seen in the sm_90 SASS)."""
+    seen in the sm_90 SASS). ``USE_TMA`` (not paged): K / V tiles come from the descriptors
+    ``k_desc`` / ``v_desc`` of the sequence's ``[seqlen_k, D]`` rows instead, zero past both."""
     pos = offs_m + diag_shift  # bottom-right aligned query positions
     if ALIBI:
         rel = pos - alibi_base  # the row's shift is slope2 * rel (not with ALIBI_SIDE -1)
