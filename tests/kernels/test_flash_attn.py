@@ -142,8 +142,8 @@ def test_tma_loads(device, case, monkeypatch):
     """Q / K / V through tensor descriptors (``LaunchConfig.tma``): TMA zero-fills the rows past
     each sequence and the columns past D that the pointer loads mask, so the result matches the
     reference, and under the interpreter equals the pointer loads in the same tiles bit for bit.
-    Tensors TMA cannot take (D * 2 bytes not a multiple of 16; fp32; keys broadcast along the
-    sequence, row stride 0) fall back to pointer loads."""
+    Tensors TMA cannot take (a head stride of 40 bytes, D=20 contiguous; fp32; keys broadcast along
+    the sequence, row stride 0) fall back to pointer loads."""
     import xoffload.kernels.flash_attn as fa
 
     taken = []
@@ -181,6 +181,22 @@ def test_tma_loads(device, case, monkeypatch):
     assert taken and all(taken) == (case not in ("unaligned_d20", "fp32", "keys_broadcast"))  # descriptors used iff possible
     if device == "cpu":
         assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
+def test_tma_needs_a_gpu_with_tma(monkeypatch):
+    """Before sm_90 Triton lowers descriptors to pointer loads, in tiles that spill: such a GPU
+    gets neither the descriptors nor the TMA tiles (_gpu_config without tma)."""
+    import types
+
+    import xoffload.kernels.flash_attn as fa
+
+    seen = []
+    monkeypatch.setattr(fa, "_has_tma", lambda idx: seen.append(idx) or False)
+    t = types.SimpleNamespace(dtype=torch.bfloat16, is_cuda=True, device=torch.device("cuda", 1),
+                              numel=lambda: 64)
+    assert not fa._tma_possible(t, t, t, fa._PLAIN) and seen == [1]
+    assert fa._gpu_config(128, torch.bfloat16, tma=False) == LaunchConfig(128, 128, 8, 3)
+    assert fa._gpu_config(128, torch.bfloat16, tma=True) == LaunchConfig(128, 64, 4, 2, tma=True)
 
 
 def test_split_k_merge_equals_whole(device):

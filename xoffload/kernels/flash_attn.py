@@ -39,6 +39,7 @@ warpgroup: the GPU tiles of plain, softcap and windowed calls at 64 < D <= 128 (
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import NamedTuple, Optional
 
@@ -330,13 +331,24 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
     return LaunchConfig(64, 32, 4, 2)
 
 
+@functools.lru_cache(maxsize=None)
+def _has_tma(device_index: int) -> bool:
+    """sm_90 or newer (Hopper's TMA); Triton lowers descriptors to pointer loads below that, in
+    tiles that would then spill."""
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
 def _tma_possible(q, k, v, opts) -> bool:
-    """Whether Q / K / V can go through TMA descriptors: 16-bit, contiguous (not paged) K/V,
-    16-byte aligned bases and strides (:func:`launch.tma_ok`), and rows that do not overlap (the
+    """Whether Q / K / V can go through TMA descriptors: 16-bit, contiguous (not paged), non-empty
+    K/V, 16-byte aligned bases and strides (:func:`launch.tma_ok`), rows that do not overlap (the
     sequence stride, dim -3 of padded ``[B, S, H, D]`` and varlen ``[T, H, D]`` alike, at least D
-    elements: a descriptor's row stride cannot be smaller than its row)."""
-    return (q.dtype != torch.float32 and opts.block_table is None and tma_ok(q, k, v)
-            and all(t.stride(-3) >= t.shape[-1] for t in (q, k, v)))
+    elements: a descriptor's row stride cannot be smaller than its row), and on a GPU one with TMA
+    (sm_90+). The interpreter takes descriptors on any such tensors (tests)."""
+    if q.dtype == torch.float32 or opts.block_table is not None or k.numel() == 0:
+        return False
+    if q.is_cuda and not _has_tma(q.device.index if q.device.index is not None else torch.cuda.current_device()):
+        return False
+    return tma_ok(q, k, v) and all(t.stride(-3) >= t.shape[-1] for t in (q, k, v))
 
 
 def _edges_one_loop(opts) -> bool:
