@@ -7,7 +7,8 @@ al. 2024) overlaps one warpgroup's softmax with another's products by giving the
 producer warp and syncing through mbarriers; Triton >= 3.5 can build that producer / consumer
 split on sm_90 when the loads are TMA descriptors made on the device. This script holds a minimal
 forward kernel (:func:`_fwd`: bf16, GQA, batch 1, causal bottom-right or not, optional softcap)
-and times, at 32K and for each shape of ``bench_flash_attn.SHAPES`` (``--parts``):
+and times, at 32K (``--seq``) for each shape of ``bench_flash_attn.SHAPES`` (``--shapes``), the
+parts named by ``--parts``:
 
 - ``library``: the library's plain and softcap calls under its default and several launch configs
   (``launch_override``; a fifth field True: TMA loads);
@@ -17,8 +18,10 @@ and times, at 32K and for each shape of ``bench_flash_attn.SHAPES`` (``--parts``
 
 Each row carries softcap's TFLOP/s over the library's default plain call (the issue's ratio) and
 over the same config's plain form, and its output / LSE difference from the library's softcap
-call. Records: ``softcap_ws_run1.json`` (tma + ws), ``softcap_ws_run2.json`` (library + tma: the
-128x64 / 4-warp / 2-stage TMA tile that the library adopted), ``softcap_ws_s13_d64.json``.
+call. Records: ``softcap_ws_run1.json`` (tma + ws, written by the script's first version at
+6d32b79: the library's calls in ``library_plain`` / ``library_softcap``, rows without ``kernel``;
+it stopped at the D=64 crash, so D=64 causal is missing), ``softcap_ws_run2.json`` (library + tma:
+the 128x64 / 4-warp / 2-stage TMA tile that the library adopted), ``softcap_ws_s13_d64.json``.
 
 Run: ``python benchmarks/diag_softcap_ws.py [--parts library,tma] [--shapes d128_h32_kv8]
 [--out FILE]`` on a GPU; ``python benchmarks/diag_softcap_ws.py --sass`` compiles this kernel's
@@ -153,7 +156,7 @@ TMA_CONFIGS = {64: [(128, 64, 4, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 64, 
 #: with ``warp_specialize``: 4 warps make Triton 3.6 build 12 on sm_90 (a producer warpgroup and
 #: two consumer warpgroups splitting BLOCK_M); with 8 it leaves the loop as it is (same SASS). On
 #: the H200 (softcap_ws_run1.json) these gave wrong outputs at D=128 (LSE off by 11-45, NaN) and
-#: an illegal memory access at D=64: ``--ws`` only, and last
+#: an illegal memory access at D=64: ``--parts ws`` only, alone
 WS_CONFIGS = {64: [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (256, 64, 4, 2)],
               128: [(128, 64, 4, 2), (128, 64, 4, 3), (128, 128, 4, 2), (256, 64, 4, 2)]}
 
@@ -249,11 +252,11 @@ def sass(d, cfg, ws, softcap, causal=False, causal_form=0):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sass", action="store_true", help="compile for sm_90 here and print SASS counts")
-    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--seq", type=int, default=32768, help="sequence length (Sq = Sk; default 32768)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shapes of bench_flash_attn.SHAPES")
     ap.add_argument("--parts", default="library,tma", help="comma-separated: library, tma, ws (warp-specialized; "
                     "wrong results and a crash on Triton 3.6)")
-    ap.add_argument("--out", default="softcap_ws")
+    ap.add_argument("--out", default="softcap_ws", help="a name under benchmarks/results or a .json path")
     args = ap.parse_args(argv)
     if args.sass:
         for d in (64, 128):

@@ -35,7 +35,9 @@ Where the tensors allow it (16-bit, K/V not paged, 16-byte aligned: :func:`_tma_
 and V go through TMA descriptors built inside the kernel, one per sequence and head, so TMA
 zero-fills the rows past ``seqlen_q`` / ``seqlen_k`` (``seqused_k`` included) and the columns past
 ``D`` that pointer loads mask. Freed of per-thread address registers, a 128x64 tile fits one
-warpgroup: the GPU tiles of plain, softcap and windowed calls at 64 < D <= 128 (:func:`_gpu_config`).
+warpgroup (4 warps, 2 stages): the sm_90 tiles of plain, softcap and windowed calls at 64 < D <=
+128; ALiBi without a window at D <= 64 also loads through TMA, in its 128x64 / 4-warp / 3-stage
+tiles (:func:`_gpu_config`).
 """
 from __future__ import annotations
 
@@ -305,15 +307,17 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
     if window and alibi and block_d <= 64:
         return LaunchConfig(64, 64, 4, 3)
     if alibi and block_d <= 64:
-        # through TMA where it can (session 13, option_forms_s13_d64.json, 32K: causal 432 TFLOP/s
-        # against 412 with pointer loads, non-causal 405 against 400)
+        # through TMA where it can (session 13, option_forms_s13_d64.json, 32K, head to head: causal
+        # 432 TFLOP/s against 412 with pointer loads, non-causal 405 against 400; the final
+        # benchmark, attention_options_s13_scores.json: causal 423, non-causal 385 against 398-402
+        # with pointer loads in two earlier runs)
         return LaunchConfig(128, 64, 4, 3, tma=tma)
     if 64 < block_d <= 128 and tma and not alibi:
         # session 13: with Q / K / V through TMA a 128x64 tile fits one warpgroup (4 warps, 2
         # stages) without the address registers of pointer loads (with pointer loads these tiles
-        # spill: 150-180 TFLOP/s). 32K, D=128 (softcap_ws_run2.json, attention_options_s13_*.json):
-        # plain 517-521 TFLOP/s against 503-508 in 128x128 / 8 warps, softcap 471-474 against
-        # 410-431; a causal 4096 window at 128K 1.05x the area-scaled causal time against 1.12x
+        # spill: 150-180 TFLOP/s). 32K, D=128 (softcap_ws_run2.json, attention_options_s13*.json):
+        # plain 514-532 TFLOP/s against 503-511 in 128x128 / 8 warps, softcap 471-487 against
+        # 410-437; a causal 4096 window at 128K 1.05x the area-scaled causal time against 1.12x
         # (option_forms_s13.json). ALiBi keeps its pointer tiles (TMA 128x64: 0.79-0.81x plain
         # against 0.92-0.95x).
         return LaunchConfig(128, 64, 4, 2, tma=True)
@@ -339,8 +343,9 @@ def _has_tma(device_index: int) -> bool:
 
 
 def _tma_possible(q, k, v, opts) -> bool:
-    """Whether Q / K / V can go through TMA descriptors: 16-bit, contiguous (not paged), non-empty
-    K/V, 16-byte aligned bases and strides (:func:`launch.tma_ok`), rows that do not overlap (the
+    """Whether Q / K / V can go through TMA descriptors: 16-bit, K/V not paged and not empty, the
+    last dim contiguous and at least 16 bytes, 16-byte aligned bases and strides
+    (:func:`launch.tma_ok`), rows that do not overlap (the
     sequence stride, dim -3 of padded ``[B, S, H, D]`` and varlen ``[T, H, D]`` alike, at least D
     elements: a descriptor's row stride cannot be smaller than its row), and on a GPU one with TMA
     (sm_90+). The interpreter takes descriptors on any such tensors (tests)."""
