@@ -195,13 +195,30 @@ SASS_FORMS = {
 }
 
 
-def sass_loops(consts: dict, num_warps: int, num_stages: int = 3) -> list:
-    """Compile ``flash_attn._attn_fwd`` for sm_90 (pointers and strides 16-divisible, as at launch)
-    and return each loop of its SASS as ``{"instructions", "MUFU", "HGMMA"}``, in code order."""
+def sm90_sass(fn, signature: dict, consts: dict, attrs: dict, num_warps: int, num_stages: int):
+    """Compile the Triton kernel ``fn`` for sm_90 here (Triton's ptxas, no GPU) and disassemble it
+    with Triton's nvdisasm: ``(SASS text, the compiled kernel)``. ``signature`` maps every
+    parameter to its type or ``"constexpr"``, ``consts`` the constexpr values, ``attrs`` Triton's
+    per-argument attributes (e.g. 16-divisibility)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    params = list(inspect.signature(fn.fn).parameters)
+    src = ASTSource(fn=fn, signature=signature, constexprs={(params.index(k),): v for k, v in consts.items()},
+                    attrs=attrs)
+    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
+                                                                          "num_stages": num_stages})
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(ck.asm["cubin"])
+        f.flush()
+        return subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout, ck
+
+
+def sass_loops(consts: dict, num_warps: int, num_stages: int = 3) -> list:
+    """Compile ``flash_attn._attn_fwd`` for sm_90 (pointers and strides 16-divisible, as at launch)
+    and return each loop of its SASS as ``{"instructions", "MUFU", "HGMMA"}``, in code order."""
     from xoffload.kernels.flash_attn import _attn_fwd
 
     sigp = inspect.signature(_attn_fwd.fn).parameters
@@ -213,15 +230,7 @@ def sass_loops(consts: dict, num_warps: int, num_stages: int = 3) -> list:
     sig = {p: "constexpr" if p in consts else types[p] for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
              if p not in consts and (sig[p].startswith("*") or p.startswith("stride_"))}
-    src = ASTSource(fn=_attn_fwd, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps,
-                                                                          "num_stages": num_stages})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    text, _ = sm90_sass(_attn_fwd, sig, consts, attrs, num_warps, num_stages)
     ins, labels, pending = [], {}, []
     for line in text.splitlines():
         lm = re.match(r"^\s*(\.L_x_\d+):", line)

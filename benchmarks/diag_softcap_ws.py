@@ -35,9 +35,7 @@ import contextlib
 import inspect
 import os
 import re
-import subprocess
 import sys
-import tempfile
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -48,6 +46,7 @@ import triton.language as tl  # noqa: E402
 
 from _common import HAS_CUDA, bench_ms, env_record, tflops, write_json  # noqa: E402
 from xoffload.kernels.flash_attn_opts import _tanh  # noqa: E402
+from xoffload.kernels.launch import tma_alloc  # noqa: E402
 from bench_flash_attn import SHAPES, SOFTCAP  # noqa: E402
 from bench_flash_attn import _make as _inputs  # noqa: E402
 
@@ -123,16 +122,13 @@ def _fwd(Q, K, V, O, LSE, qk_scale, cap_in, cap_out, seqlen_q, seqlen_k, HQ: tl.
     tl.store(o_ptrs, out.to(O.dtype.element_ty))
 
 
-def _alloc(size: int, alignment: int, stream):
-    return torch.empty(size, device="cuda" if HAS_CUDA else "cpu", dtype=torch.int8)
-
-
 def ws_attn(q, k, v, causal, softcap, cfg, ws):
     """q [S, Hq, D], k / v [S, Hkv, D] bf16 (fp16 under the interpreter; batch 1; S a multiple of
     BLOCK_M and BLOCK_N) -> (out [S, Hq, D], lse [Hq, S] fp32, natural log).
     ``ws`` with ``causal``: one loop masking every tile (the only causal form Triton 3.6 compiles
     with a specialized loop: two loops, in either order, fail in its warp-specialization pass)."""
-    triton.set_allocator(_alloc)
+    if q.is_cuda:
+        triton.set_allocator(tma_alloc)  # the interpreter needs no scratch for descriptors
     s, hq, d = q.shape
     hkv = k.shape[1]
     bm, bn, warps, stages = cfg
@@ -224,8 +220,7 @@ def run_shape(shape, s, causal, parts):
 def sass(d, cfg, ws, softcap, causal=False, causal_form=0):
     """Compile :func:`_fwd` for sm_90 here; SASS instruction count, and the counts of MUFU,
     HGMMA and SETMAXNREG (present when Triton split the warps into producer / consumer groups)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from diag_option_forms import sm90_sass
 
     bm, bn, warps, stages = cfg
     params = list(inspect.signature(_fwd.fn).parameters)
@@ -235,14 +230,7 @@ def sass(d, cfg, ws, softcap, causal=False, causal_form=0):
                  cap_out="fp32", seqlen_q="i32", seqlen_k="i32")
     sig = {p: "constexpr" if p in consts else types[p] for p in params}
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params) if p not in consts}
-    src = ASTSource(fn=_fwd, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()},
-                    attrs=attrs)
-    ck = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(ck.asm["cubin"])
-        f.flush()
-        text = subprocess.run([tool, "-c", f.name], capture_output=True, text=True, check=True).stdout
+    text, ck = sm90_sass(_fwd, sig, consts, attrs, warps, stages)
     ops = [m.group(1).split(".")[0] for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9_.]+)", text)]
     return {"instructions": len(ops), "MUFU": ops.count("MUFU"), "HGMMA": ops.count("HGMMA"),
             "SETMAXNREG": sum(o.startswith("USETMAXREG") or o.startswith("SETMAXNREG") for o in ops),

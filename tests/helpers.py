@@ -65,6 +65,29 @@ def sdpa_in_dtype(q, k, v, *, causal=False, softmax_scale=None):
     return torch.nan_to_num(o)
 
 
+def attention_in_dtype(q, k, v, allowed, scale, softcap=0.0, bias=None):
+    """One sequence (q ``[Sq, Hq, D]``, k/v ``[Sk, Hkv, D]``) computed by PyTorch in the inputs'
+    dtype, every step rounded to it (flash-attn's ``upcast=False`` reference). Rows with no
+    visible key give 0."""
+    sq, hq, d = q.shape
+    sk, hkv = k.shape[:2]
+    if sq == 0 or sk == 0:
+        return torch.zeros(sq, hq, d, dtype=q.dtype, device=q.device)
+    g = hq // hkv
+    qt = q.transpose(0, 1)
+    kt = k.transpose(0, 1).repeat_interleave(g, 0)
+    vt = v.transpose(0, 1).repeat_interleave(g, 0)
+    s = torch.matmul(qt, kt.transpose(1, 2)) * scale
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if bias is not None:
+        s = s + bias.to(s.dtype)
+    if allowed is not None:
+        s = s.masked_fill(~allowed.expand_as(s), float("-inf"))
+    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
+    return torch.matmul(p, vt).transpose(0, 1)
+
+
 def out_tol(ref, base, dtype, ulps=2.0):
     """Allowed max error of a kernel output: 2x the baseline's error + ``ulps`` of the output dtype."""
     scale = max(1.0, float(ref.float().abs().max())) if ref.numel() else 1.0

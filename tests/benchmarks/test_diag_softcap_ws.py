@@ -8,23 +8,11 @@ import sys
 import pytest
 import torch
 
-from helpers import assert_lse_match, max_err, out_tol
+from helpers import assert_lse_match, attention_in_dtype, max_err, out_tol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 BENCH = os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks")
 sys.path.insert(0, BENCH)
-
-
-def _in_dtype(q, k, v, causal, softcap):
-    """The same attention computed by PyTorch in the inputs' dtype (the error that sets the
-    tolerance): [1, S, Hq, D]."""
-    g = q.shape[1] // k.shape[1]
-    s = (q.transpose(0, 1) @ k.transpose(0, 1).repeat_interleave(g, 0).transpose(1, 2)) * q.shape[-1] ** -0.5
-    if softcap:
-        s = softcap * torch.tanh(s / softcap)
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool).triu(1), float("-inf"))
-    return (torch.softmax(s, -1) @ v.transpose(0, 1).repeat_interleave(g, 0)).transpose(0, 1)[None]
 
 
 @pytest.mark.parametrize("causal,softcap", [(False, 0.0), (True, 0.0), (True, 5.0), (False, 5.0)])
@@ -41,7 +29,9 @@ def test_minimal_kernel_matches_reference(causal, softcap):
     for ws in (False, True):  # the interpreter ignores warp_specialize: both must compute the same
         out, lse = ws_attn(q, k, v, causal, softcap, (32, 16, 4, 1), ws)
         ref_o, ref_l = attention_ref(q[None], k[None], v[None], causal=causal, softcap=softcap)
-        assert max_err(out[None], ref_o) <= out_tol(ref_o, _in_dtype(q, k, v, causal, softcap), q.dtype)
+        allowed = torch.ones(s, s, dtype=torch.bool).tril() if causal else None
+        base = attention_in_dtype(q, k, v, allowed, d ** -0.5, softcap)
+        assert max_err(out[None], ref_o) <= out_tol(ref_o, base[None], q.dtype)
         assert_lse_match(lse[None], ref_l)
 
 

@@ -4,7 +4,8 @@ bottom-right causal, against the fp32 reference of each formula (``xoffload.kern
 itself checked against loop-level definitions here).
 
 Tolerance rule (flash-attn's, tests/helpers.py): the kernel's error against the fp32 reference is
-at most twice that of the same computation done by PyTorch in the input dtype (``_in_dtype``), plus
+at most twice that of the same computation done by PyTorch in the input dtype
+(``helpers.attention_in_dtype``), plus
 a few ulps of the output dtype. On the CPU the Triton code runs under the interpreter (fp16/fp32,
 small shapes); ``@pytest.mark.cuda`` tests run bf16 and larger shapes on a GPU.
 """
@@ -17,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from helpers import assert_lse_match, max_err, out_tol
+from helpers import assert_lse_match, attention_in_dtype, max_err, out_tol
 from xoffload.kernels import (
     cpu_backend, flash_attn_varlen_with_lse, flash_attn_with_lse, launch_override, merge_attention_states,
 )
@@ -45,29 +46,6 @@ def _slopes(shape, device, seed=0):
 # the PyTorch in-dtype baseline (whose error sets the tolerance) and the check of one call
 # ---------------------------------------------------------------------------------------------
 
-def _in_dtype(q, k, v, allowed, scale, softcap=0.0, bias=None):
-    """One sequence (q ``[Sq, Hq, D]``, k/v ``[Sk, Hkv, D]``) computed by PyTorch in the inputs'
-    dtype, every step rounded to it (flash-attn's ``upcast=False`` reference). Rows with no
-    visible key give 0."""
-    sq, hq, d = q.shape
-    sk, hkv = k.shape[:2]
-    if sq == 0 or sk == 0:
-        return torch.zeros(sq, hq, d, dtype=q.dtype, device=q.device)
-    g = hq // hkv
-    qt = q.transpose(0, 1)
-    kt = k.transpose(0, 1).repeat_interleave(g, 0)
-    vt = v.transpose(0, 1).repeat_interleave(g, 0)
-    s = torch.matmul(qt, kt.transpose(1, 2)) * scale
-    if softcap > 0:
-        s = softcap * torch.tanh(s / softcap)
-    if bias is not None:
-        s = s + bias.to(s.dtype)
-    if allowed is not None:
-        s = s.masked_fill(~allowed.expand_as(s), float("-inf"))
-    p = torch.nan_to_num(torch.softmax(s, dim=-1), nan=0.0)
-    return torch.matmul(p, vt).transpose(0, 1)
-
-
 def _keys(k, v, b, n, block_table, start=0):
     if block_table is not None:
         return paged_kv_ref(k, block_table[b], n), paged_kv_ref(v, block_table[b], n)
@@ -80,7 +58,7 @@ def _seq_base(q, k, v, *, causal, window_size, softcap, slopes, scale):
     if causal or tuple(window_size) != (-1, -1):
         allowed = window_mask(sq, sk, window_size, causal, q.device)
     bias = alibi_bias(slopes, sq, sk) if slopes is not None else None
-    return _in_dtype(q, k, v, allowed, scale, softcap, bias)
+    return attention_in_dtype(q, k, v, allowed, scale, softcap, bias)
 
 
 def check_options(q, k, v, *, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
@@ -857,7 +835,7 @@ def test_gpu_32k_sliding_window_sampled_rows():
     bias = -slopes[:, None, None] * (rows[:, None] - j).abs().float()[None]  # rows are positions (Sq == Sk)
     scale = 1.0 / math.sqrt(d)
     ref_o, ref_l = masked_attention_ref(q[0, rows], k[0], v[0], allowed[None], softcap=30.0, bias=bias)
-    base = _in_dtype(q[0, rows], k[0], v[0], allowed[None], scale, 30.0, bias)
+    base = attention_in_dtype(q[0, rows], k[0], v[0], allowed[None], scale, 30.0, bias)
     err, tol = max_err(out[0, rows], ref_o), out_tol(ref_o, base, torch.bfloat16)
     assert err <= tol, f"sampled rows: output error {err:.3g} > tol {tol:.3g}"
     assert_lse_match(lse[0][:, rows], ref_l)

@@ -200,15 +200,14 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
         d_ok = offs_d < D
         m_ok = offs_m < seqlen_q
         # int64 bases: batch / head / row products can pass 2^31 elements
-        q_base = (Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-                  + (q_row0 + m0.to(tl.int64)) * stride_qm)
+        q_seq = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh + q_row0 * stride_qm  # row 0
         k_base = (K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
                   + k_row0 * stride_kn)
         v_base = (V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
                   + k_row0 * stride_vn)
         rows = tl.arange(0, BLOCK_M)
         if USE_TMA:
-            q_desc = tl.make_tensor_descriptor(q_base - m0.to(tl.int64) * stride_qm, shape=[seqlen_q, D],
+            q_desc = tl.make_tensor_descriptor(q_seq, shape=[seqlen_q, D],
                                                strides=[stride_qm, 1], block_shape=[BLOCK_M, BLOCK_D])
             k_desc = tl.make_tensor_descriptor(k_base, shape=[tl.maximum(seqlen_k, 1), D], strides=[stride_kn, 1],
                                                block_shape=[BLOCK_N, BLOCK_D])
@@ -218,7 +217,7 @@ def _attn_fwd(Q, K, V, O, LSE, CU_Q, CU_K,
         else:
             k_desc = k_base
             v_desc = v_base
-            q = tl.load(q_base + rows[:, None] * stride_qm + offs_d[None, :],
+            q = tl.load(q_seq + m0.to(tl.int64) * stride_qm + rows[:, None] * stride_qm + offs_d[None, :],
                         mask=m_ok[:, None] & d_ok[None, :], other=0.0)
         k_offs = offs_n[:, None] * stride_kn + offs_d[None, :]
         v_offs = offs_n[:, None] * stride_vn + offs_d[None, :]
