@@ -352,7 +352,7 @@ def diagnose(preset="llama-3.2-1b", lengths=(3000, 33000), out_dir=None, device=
             with torch.no_grad(), (cpu_backend("reference") if device == "cpu" else contextlib.nullcontext()):
                 gc_ = ResidentKV(cfg, n + 8, model.dtype, model.device, model.scale)
                 lg = model.prefill(ids_t, gc_, chunk=8192)
-                eng = o.engine
+                eng = o.offload
                 seq = eng.add_sequence()
                 okv = OffloadKV(eng, seq, cfg, model.dtype, model.device, model.scale)
                 lo = model.prefill(ids_t, okv, chunk=8192)

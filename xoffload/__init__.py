@@ -9,9 +9,9 @@ flash-attn-style API, torch custom ops).
 __version__ = "0.1.0"
 
 from .integrations.flash_api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from .engine import LLM, EngineConfig, RequestOutput, SamplingParams
+from .engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from .sparse import DensePrefill, PrefillPolicy, XAttentionPrefill, xattention_prefill
 
-__all__ = ["LLM", "EngineConfig", "RequestOutput", "SamplingParams", "PrefillPolicy", "DensePrefill",
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "SamplingParams", "PrefillPolicy", "DensePrefill",
            "XAttentionPrefill", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
            "xattention_prefill"]

@@ -43,7 +43,7 @@ def test_lengths_around_a_block_boundary_equal_alone_in_both_modes():
         assert st["max_running"] == 5 and {x["rows"] for x in st["decode_steps"]} == {8}  # 5 rows padded to 8
         if mode == "offload":
             assert outs[4].timings["h2d_bytes_per_token"] == 2100 * m.cfg.kv_bytes_per_token(m.dtype)
-            assert llm.engine.sequences() == []
+            assert llm.offload.sequences() == []
 
 
 @pytest.mark.parametrize("mode, kw", [("gpu", {}), ("offload", {"kv_block_size": 32}),
@@ -67,8 +67,8 @@ def test_join_mid_batch_finish_after_one_token_every_store(mode, kw):
     # A alone for one step (B left at once), then A + C, then A + D, then A alone
     assert seqs[0] == 1 and seqs[1] == 2 and llm.batch_stats["max_running"] == 2 and seqs[-1] == 1
     assert sum(seqs) == 13 + 0 + 3 + 5
-    if llm.engine is not None:
-        assert llm.engine.sequences() == []
+    if llm.offload is not None:
+        assert llm.offload.sequences() == []
 
 
 def test_quest_page_cache_and_prefetch_in_a_batch():
@@ -127,7 +127,7 @@ def test_admission_waits_for_room_and_refuses_a_prompt_that_never_fits():
         with pytest.raises(ValueError, match=r"prompt 1 needs 384 tokens of KV.*holds 256 tokens.*kv_cache_tokens"):
             llm.generate([prompts[0], too_long], sp)
         if mode == "offload":
-            assert llm.engine.sequences() == []
+            assert llm.offload.sequences() == []
         assert [o.token_ids for o in llm.generate(prompts[:2], sp)] == ref[:2]  # still serving
 
 
@@ -173,7 +173,7 @@ def test_failure_inside_a_batch_frees_everything_and_the_llm_keeps_serving():
         finally:
             del m.prefill, m.prefill_batch  # the class's methods again
         if mode == "offload":
-            assert llm.engine.sequences() == [] and llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+            assert llm.offload.sequences() == [] and llm.offload.num_free_blocks == llm.offload.allocator.num_blocks
         assert [o.token_ids for o in llm.generate(prompts, sp)] == good
         with pytest.raises(ValueError, match="empty"):
             llm.generate([[1, 2], []])
@@ -203,11 +203,11 @@ def _batch_logits(m, prompts, toks, n_steps, mode, **kw):
     from xoffload.kernels import cpu_backend
 
     llm = LLM(m, mode=mode, max_model_len=max(map(len, prompts)) + n_steps + 8, max_num_seqs=len(prompts), **kw)
-    cls, okw = batch_store_class(llm._store, llm.config)
+    cls, okw = batch_store_class(llm.config)
     sp = SamplingParams(max_tokens=n_steps + 1, ignore_eos=True)
     seqs = [Sequence(i, Request.make(p, sp, max_model_len=llm.max_model_len, seed=0, stop_ids=(), device=m.device))
             for i, p in enumerate(prompts)]
-    st = cls.open(m, llm.config, llm.engine, seqs, **okw)
+    st = cls.open(m, llm.config, llm.offload, seqs, **okw)
     out = [[] for _ in prompts]
     with torch.no_grad(), cpu_backend("reference"):
         for s in seqs:

@@ -36,7 +36,7 @@ def _store(m, prompts, prefix=True, block=BLOCK):
     n = max(map(len, prompts)) + 8
     kw = dict(mode="resident", kv_block_size=block, max_model_len=max(512, n), max_num_seqs=len(prompts) + 1)
     llm = LLM(m, prefix_caching=prefix, **kw)
-    cls, okw = batch_store_class(llm._store, llm.config)
+    cls, okw = batch_store_class(llm.config)
     sp = SamplingParams(max_tokens=2, ignore_eos=True)
     seqs = [Sequence(i, Request.make(p, sp, max_model_len=max(512, n), seed=0, stop_ids=(), device=m.device))
             for i, p in enumerate(prompts)]

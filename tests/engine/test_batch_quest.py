@@ -31,7 +31,7 @@ def _alone(m, prompts, sps, max_model_len, pol=POL, **kw):
 
 def _batched(m, max_model_len, pol=POL, **kw):
     llm = LLM(m, max_model_len=max_model_len, sparse_decode=pol, **KW, **kw)
-    assert batch_store_class(llm._store, llm.config)[0] is OffloadQuestBatchKV
+    assert batch_store_class(llm.config)[0] is OffloadQuestBatchKV
     return llm
 
 
@@ -43,9 +43,9 @@ def test_store_choice():
                      (QuestDecode(exact_channels=4, bound_scale=0.25), OffloadQuestBatchKV), ("quest-ch", OffloadQuestBatchKV),
                      (QuestDecode(cache_pages=0, bound_scale=0.5), SerialBatchKV)):
         llm = LLM(m, mode="offload", max_model_len=64, kv_block_size=32, max_num_seqs=2, sparse_decode=pol)
-        assert batch_store_class(llm._store, llm.config)[0] is cls, pol
+        assert batch_store_class(llm.config)[0] is cls, pol
     llm = LLM(m, mode="gpu", max_model_len=64, kv_block_size=32, max_num_seqs=2, sparse_decode=POL)
-    assert batch_store_class(llm._store, llm.config)[0] is SerialBatchKV
+    assert batch_store_class(llm.config)[0] is SerialBatchKV
 
 
 @pytest.fixture(params=[None, False], ids=["dense-auto", "dense-in-pool"])
@@ -80,7 +80,7 @@ def test_lengths_around_pages_and_blocks_equal_alone(dense_on_gpu):
             assert o.timings["cache_hit_rate"] == r.timings["cache_hit_rate"], n
     assert any((o.timings.get("cache_hit_rate") or 0) > 0 for o in outs)
     assert any(POL.plan(n).pages_per_step < POL.plan(n).num_candidates for n in lens)  # some rows select
-    assert llm.engine.sequences() == [] and llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+    assert llm.offload.sequences() == [] and llm.offload.num_free_blocks == llm.offload.allocator.num_blocks
 
 
 CH = dataclasses.replace(POL, exact_channels=4, bound_scale=0.25)
@@ -101,7 +101,7 @@ def test_exact_channels_in_a_batch_equal_alone(dense_on_gpu):
     assert any(CH.plan(n).pages_per_step < CH.plan(n).num_candidates for n in lens)  # some rows select
     quest = [o.token_ids for o in _batched(m, 300, max_num_seqs=3).generate(prompts, sp)]
     assert quest != [o.token_ids for o in outs]  # the channels change some choice (else the test proves nothing)
-    assert llm.engine.sequences() == [] and llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+    assert llm.offload.sequences() == [] and llm.offload.num_free_blocks == llm.offload.allocator.num_blocks
 
 
 def test_channel_scores_batched_match_reference_and_rows(device):
@@ -165,7 +165,7 @@ def test_join_mid_batch_and_finish_after_one_token(dense_on_gpu):
         [[r.timings.get(k, "absent") for k in keys] for r in ref]
     seqs = [x["seqs"] for x in llm.batch_stats["decode_steps"]]
     assert seqs[0] == 1 and seqs[1] == 2 and seqs[-1] == 1 and sum(seqs) == 13 + 0 + 3 + 5
-    assert llm.engine.sequences() == []
+    assert llm.offload.sequences() == []
 
 
 def test_page_cache_with_reuse_bias_equals_alone():
@@ -314,7 +314,7 @@ def test_admission_waits_for_summary_room_and_refuses_what_never_fits(monkeypatc
     assert llm.batch_stats["max_running"] == 1
     with pytest.raises(ValueError, match=r"prompt 1 needs 32 pages of Quest summaries .*holds 16 pages"):
         llm.generate([prompts[0], _prompts([400], seed=16)[0], prompts[2]], sp)
-    assert llm.engine.sequences() == []
+    assert llm.offload.sequences() == []
     monkeypatch.undo()
     small = _batched(m, 512, max_num_seqs=2, kv_cache_tokens=256)
     with pytest.raises(ValueError, match=r"prompt 0 needs 320 tokens of KV in the CPU pool.*holds 256 tokens"):
@@ -338,7 +338,7 @@ def test_store_step_triton_code_equals_reference(dense_on_gpu):
     sp = SamplingParams(max_tokens=3, ignore_eos=True)
     seqs = [Sequence(i, Request.make(p, sp, max_model_len=300, seed=0, stop_ids=(), device=m.device))
             for i, p in enumerate(_prompts([263, 15, 129], seed=18))]
-    st = OffloadQuestBatchKV.open(m, llm.config, llm.engine, seqs)
+    st = OffloadQuestBatchKV.open(m, llm.config, llm.offload, seqs)
     assert st.dense_on_gpu == dense_on_gpu
     with torch.no_grad(), cpu_backend("reference"):
         for s in seqs:
@@ -362,7 +362,7 @@ def test_store_step_triton_code_equals_reference(dense_on_gpu):
     for s in seqs:
         st.release(s)
     st.close()
-    assert llm.engine.sequences() == []
+    assert llm.offload.sequences() == []
 
 
 def test_batched_scores_bad_input():
@@ -397,7 +397,7 @@ def test_gpu_quest_batch_graphs_equal_eager_and_track_alone():
     pol = QuestDecode(token_budget=512)
     kw = {"mode": "offload", "kv_block_size": 1024, "max_model_len": 8300, "sparse_decode": pol}
     graph = LLM(m, max_num_seqs=8, max_num_batched_tokens=16384, **kw)
-    assert batch_store_class(graph._store, graph.config)[0] is OffloadQuestBatchKV
+    assert batch_store_class(graph.config)[0] is OffloadQuestBatchKV
     a = [o.token_ids for o in graph.generate(prompts, sp)]
     assert graph.batch_stats["graph_buckets"] == [8]
     eager = LLM(m, max_num_seqs=8, max_num_batched_tokens=16384, cuda_graph=False, **kw)
@@ -436,7 +436,7 @@ def test_gpu_exact_channels_batch_graphs_equal_eager_and_track_alone():
     kw = {"mode": "offload", "kv_block_size": 1024, "max_model_len": 4200, "sparse_decode": "quest-ch",
           "token_budget": 512}
     graph = LLM(m, max_num_seqs=4, max_num_batched_tokens=8192, **kw)
-    assert batch_store_class(graph._store, graph.config)[0] is OffloadQuestBatchKV
+    assert batch_store_class(graph.config)[0] is OffloadQuestBatchKV
     a = [o.token_ids for o in graph.generate(prompts, sp)]
     eager = LLM(m, max_num_seqs=4, max_num_batched_tokens=8192, cuda_graph=False, **kw)
     assert a == [o.token_ids for o in eager.generate(prompts, sp)]
@@ -482,7 +482,7 @@ def test_exact_channels_batched_equal_alone_and_full_budget_equals_dense(mode, k
     alone = [one.generate(p, sp)[0].token_ids for p in prompts]
     batch = LLM(m, sparse_decode=pol, max_num_seqs=4, **base)
     want = OffloadQuestBatchKV if mode == "offload" else SerialBatchKV
-    assert batch_store_class(batch._store, batch.config)[0] is want
+    assert batch_store_class(batch.config)[0] is want
     assert [o.token_ids for o in batch.generate(prompts, sp)] == alone
     assert [one.generate(p, sp)[0].token_ids for p in prompts[::-1]] == alone[::-1]
     dense = [o.token_ids for o in LLM(m, **base).generate(prompts, sp)]

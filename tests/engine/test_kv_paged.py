@@ -376,7 +376,7 @@ def test_gpu_direct_offload_graph_equals_eager_and_tracks_resident(budget, offlo
     ids_t = torch.tensor(ids, device="cuda")
     T, n = len(ids), 8
     r = ResidentKV(m.cfg, T + n, m.dtype, m.device, m.scale, max_len=T + n)
-    eng = graph.engine
+    eng = graph.offload
     d = PagedKV(m.cfg, m.dtype, m.device, m.scale, prompt_len=T, max_new=n, engine=eng, seq=eng.add_sequence(),
                 stage_dense=offload_decode == "direct")
     with torch.no_grad():

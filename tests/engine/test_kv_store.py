@@ -20,7 +20,7 @@ def test_offload_equals_gpu_32_steps_cpu(arch):
     b = llm.generate(ids, sp)[0]
     assert a.token_ids == b.token_ids and len(a.token_ids) == 32
     assert len(set(a.token_ids)) > 3
-    assert llm.engine.sequences() == []  # freed at the end
+    assert llm.offload.sequences() == []  # freed at the end
     # sampled too: the same seed gives the same tokens in both modes
     sp = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.8, seed=11, ignore_eos=True)
     assert LLM(m, mode="gpu", max_model_len=128).generate(ids, sp)[0].token_ids == llm.generate(ids, sp)[0].token_ids
@@ -53,8 +53,8 @@ def _staging_run(device, dtype):
     cfg = m.cfg
     llm = LLM(m, mode="offload", max_model_len=256, kv_block_size=32)
     ids = torch.randint(0, cfg.vocab_size, (77,), generator=torch.Generator().manual_seed(5)).to(device)
-    seq = llm.engine.add_sequence()
-    kv = OffloadKV(llm.engine, seq, cfg, m.dtype, m.device, m.scale)
+    seq = llm.offload.add_sequence()
+    kv = OffloadKV(llm.offload, seq, cfg, m.dtype, m.device, m.scale)
     ptrs = []
     orig = kv.buffers
 
@@ -73,7 +73,7 @@ def _staging_run(device, dtype):
     assert len(set(ptrs)) == 1 and len(ptrs) == cfg.num_layers
     assert torch.equal(a, b)
     for layer in range(cfg.num_layers):
-        hk, hv = llm.engine.host_kv(seq, layer)
+        hk, hv = llm.offload.host_kv(seq, layer)
         assert torch.equal(hk, ref.k[layer, :77].cpu()) and torch.equal(hv, ref.v[layer, :77].cpu())
     llm.close()
 
@@ -118,7 +118,7 @@ def test_modes_canonical_and_gpu_alias():
     for mode, want in (("gpu", "resident"), ("resident", "resident"), ("offload", "offload")):
         llm = LLM(m, mode=mode, max_model_len=64, kv_block_size=16)
         assert llm.mode == want and llm.config.mode == want
-        assert (llm.engine is None) == (want == "resident")
+        assert (llm.offload is None) == (want == "resident")
     assert LLM(m, max_model_len=64).mode == "resident"  # the default
     with pytest.raises(ValueError, match="'disk'"):
         canonical_mode("disk")
@@ -162,7 +162,7 @@ def test_new_store_plugs_in_through_the_factory():
         m = _tiny_random("tiny-llama")
         L = m.cfg.num_layers
         llm = LLM(m, mode="count", max_model_len=64)
-        assert llm.mode == "counting" and llm.engine is None
+        assert llm.mode == "counting" and llm.offload is None
         ids = list(range(3, 20))
         sp = SamplingParams(max_tokens=5, ignore_eos=True)
         got = llm.generate([ids, ids], sp)

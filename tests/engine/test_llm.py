@@ -23,7 +23,7 @@ def test_twenty_requests_share_nothing():
             fresh = LLM(m, mode=mode, max_model_len=160, kv_block_size=32, num_kv_buffers=2).generate(p, sp)[0]
             assert got.token_ids == fresh.token_ids, (mode, len(p))
         if mode == "offload":
-            assert shared.engine.sequences() == []
+            assert shared.offload.sequences() == []
     # several prompts in one call == one by one
     llm = LLM(m, mode="offload", max_model_len=160, kv_block_size=32)
     many = llm.generate(prompts[:4], SamplingParams(max_tokens=5))
@@ -85,7 +85,7 @@ def test_bad_input_then_still_serves():
         finally:
             m.prefill = orig
         if mode == "offload":
-            assert llm.engine.sequences() == []
+            assert llm.offload.sequences() == []
         assert llm.generate([1, 2, 3], SamplingParams(max_tokens=4))[0].token_ids == good
     with pytest.raises(ValueError, match="mode"):
         LLM(m, mode="disk")

@@ -1,4 +1,4 @@
-"""Quest with a measured set of dense layers between sparse ones (issue 12: SmolLM2's calibrated
+"""Quest with a measured set of dense layers between sparse ones (the calibrated dense layers: SmolLM2's calibrated
 ``dense_layers=(0, 1, 8, 15, 18, 19)``): on a 4-layer model with ``dense_layers=(0, 2)`` the dense
 layer in the middle attends every token, and every placement / decode path (resident, offload with
 the pages read in place, with the page cache, with the next-layer prefetch across the dense layer)

@@ -69,9 +69,9 @@ def test_three_turns_equal_one_shot(mode, kw):
     assert [o.timings["history_tokens"] for o in outs] == [0, 300, 346]
     assert [o.timings["chunk_tokens"] for o in outs] == [300, 46, 96]  # last answer + prompt
     assert outs[1].prompt_token_ids == answers[0] + prompts[1]
-    if llm.engine is not None:
-        assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
-        assert llm.engine.sequences() == []
+    if llm.offload is not None:
+        assert llm.offload.num_free_blocks == llm.offload.allocator.num_blocks
+        assert llm.offload.sequences() == []
     if mode == "offload" and "sparse_decode" not in kw:
         B = m.cfg.kv_bytes_per_token(m.dtype)
         assert outs[1].timings["history_h2d_bytes"] == -(-300 // 32) * 32 * B  # whole blocks, once
@@ -137,7 +137,7 @@ def test_sparse_history_below_the_history_reads_fewer_bytes():
     assert s["history_h2d_bytes"] == -(-n // 32) * 32 * B + (L - 1) * 192 * B
     assert s["history_h2d_bytes"] < d["history_h2d_bytes"] == L * -(-n // 32) * 32 * B
     assert len(sparse[1].token_ids) == SP.max_tokens
-    assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+    assert llm.offload.num_free_blocks == llm.offload.allocator.num_blocks
 
 
 def test_history_page_ids_keep_sink_recent_and_a_planted_page():
@@ -242,8 +242,8 @@ def test_interleaved_sessions_and_requests_do_not_see_each_other(mode):
     assert sa.turns == sb.turns == 10
     sa.close()
     sb.close()
-    if llm.engine is not None:
-        assert llm.engine.num_free_blocks == llm.engine.allocator.num_blocks
+    if llm.offload is not None:
+        assert llm.offload.num_free_blocks == llm.offload.allocator.num_blocks
 
 
 def test_idle_session_evicted_lru_never_the_one_in_use():
@@ -253,7 +253,7 @@ def test_idle_session_evicted_lru_never_the_one_in_use():
     session raises naming the sizes and leaves its session serving."""
     m = tiny_random()
     llm = LLM(m, mode="offload", kv_block_size=32, kv_cache_tokens=12 * 32, max_model_len=1024, **SDPA)
-    eng = llm.engine
+    eng = llm.offload
     p = _prompts([150, 140, 180, 20, 20], seed=20)
     ref = LLM(m, mode="offload", kv_block_size=32, max_model_len=1024, **SDPA)
     want_a = _conversation(ref, [p[0], p[3]])[0]
@@ -285,7 +285,7 @@ def test_plain_request_evicts_idle_sessions():
     assert len(out.token_ids) == SP.max_tokens
     assert s.history_len == 0 and len(s.tokens) == 206  # dropped KV, kept tokens
     s.close()
-    assert llm.engine.num_free_blocks == 8
+    assert llm.offload.num_free_blocks == 8
 
 
 @pytest.mark.parametrize("mode", ["gpu", "offload"])
@@ -431,7 +431,7 @@ def test_prefix_reuse_gives_the_same_tokens_as_no_reuse():
         assert "prefix_reused_tokens" not in outs[0].timings
         assert [o.timings["prefix_reused_tokens"] for o in outs[1:]] == [300, 300]
         assert outs[1].timings["chunk_tokens"] == 25
-        eng = llm.engine
+        eng = llm.offload
         assert eng.sequences() == [] and eng.num_free_blocks < eng.allocator.num_blocks
         llm.prefix_cache.clear()
         assert eng.num_free_blocks == eng.allocator.num_blocks
@@ -491,11 +491,11 @@ def test_reserve_counts_the_copy_of_a_shared_partial_block():
     llm.generate(x, SP)  # cached: 2 full blocks + a partial one of 8 tokens
     d = llm.session()
     d.generate(y, SP)
-    assert llm.engine.num_free_blocks == 0
+    assert llm.offload.num_free_blocks == 0
     b = llm.session()
     assert len(b.generate(x + [7] * 8, SP).token_ids) == SP.max_tokens
     assert d.history_len == 0  # evicted
-    llm.engine.allocator.check()
+    llm.offload.allocator.check()
 
 
 def test_blocks_shared_with_a_session_in_use_are_not_counted_as_freeable():
@@ -513,7 +513,7 @@ def test_blocks_shared_with_a_session_in_use_are_not_counted_as_freeable():
     with pytest.raises(ValueError, match="could be freed"):
         b.generate(x + list(range(76)), SP)  # 140 tokens: 9 blocks > the 8-block pool
     assert a.blocks_held() == held
-    llm.engine.allocator.check()
+    llm.offload.allocator.check()
 
 
 def test_cached_prefixes_give_way_before_idle_sessions():
@@ -585,7 +585,7 @@ def test_prefix_caching_in_a_batch():
     again = llm.generate(prompts[:2], SP)
     assert [o.token_ids for o in again] == want[:2]
     assert all(o.timings.get("prefix_reused_tokens", 0) >= 300 for o in again)
-    eng = llm.engine
+    eng = llm.offload
     assert eng.sequences() == []
     llm.prefix_cache.clear()
     assert eng.num_free_blocks == eng.allocator.num_blocks
@@ -606,5 +606,5 @@ def test_prefix_caching_in_a_batch_with_a_small_pool_and_repeats():
     llm = LLM(m, prefix_caching=True, **kw)
     for _ in range(2):
         assert [o.token_ids for o in llm.generate(prompts, SP)] == want
-        llm.engine.allocator.check()
-        assert llm.engine.sequences() == []
+        llm.offload.allocator.check()
+        assert llm.offload.sequences() == []

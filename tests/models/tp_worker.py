@@ -40,8 +40,8 @@ def case_equal(dev):
             tp = LLM(full, mode=mode, max_model_len=96, tensor_parallel_size=2, **kw)
             r[mode] = {"ref": ref.generate(ids, sp)[0].token_ids, "tp": tp.generate(ids, sp)[0].token_ids}
             if mode == "offload":
-                r["pool_shape"] = list(tp.engine.pool.k[0].shape)
-                r["pool_shape_ref"] = list(ref.engine.pool.k[0].shape)
+                r["pool_shape"] = list(tp.offload.pool.k[0].shape)
+                r["pool_shape_ref"] = list(ref.offload.pool.k[0].shape)
             if mode == "resident":
                 with torch.no_grad():
                     x = torch.tensor(ids, device=dev)

@@ -424,10 +424,10 @@ class ResidentBatchKV(BatchKV):
         return _blocks(seq.final_len, self.block) <= self.pool.alloc.num_free
 
     def admit(self, seq):
-        seq.kv = {"table": self.pool.reserve(seq.index, seq.final_len)}
+        seq.kv = {"table": self.pool.reserve(seq.key, seq.final_len)}
 
     def release(self, seq):
-        self.pool.free(seq.index)
+        self.pool.free(seq.key)
         seq.kv = None
 
     def sink(self, seq):
@@ -1151,6 +1151,9 @@ class SerialBatchKV(BatchKV):
         self.store_cls = store_cls
         self.block = int(config.kv_block_size)
         eng = shared if hasattr(shared, "allocator") else None
+        from .kv_paged import PagedKV
+
+        self._prompt_only = eng is not None and store_cls is not None and issubclass(store_cls, PagedKV)
         if eng is not None:
             self.cap_blocks, self.cap_what = eng.num_free_blocks, "the CPU pool (kv_cache_tokens)"
         elif config.kv_cache_tokens is not None:
@@ -1167,7 +1170,11 @@ class SerialBatchKV(BatchKV):
         return cls(model, config, shared, seqs, store_cls)
 
     def _need(self, seq) -> int:
-        return _blocks(seq.final_len, self.block)
+        # a sequence with its own prefill (a session's turn) holds KV its session reserved; a
+        # paged offload store keeps the new tokens in a GPU tail, the ring appends them to the pool
+        if seq.prefill_hook is not None:
+            return 0
+        return _blocks(seq.prompt_len if self._prompt_only else seq.final_len, self.block)
 
     def check(self, seq):
         n = self._need(seq)
@@ -1179,15 +1186,17 @@ class SerialBatchKV(BatchKV):
         return self.cap_blocks is None or self._reserved + self._need(seq) <= self.cap_blocks
 
     def admit(self, seq):
-        seq.kv = self.store_cls.for_request(self.m, self.shared, seq.req, self.config)
+        if seq.prefill_hook is None:  # else the hook sets the sequence's decode store
+            seq.kv = self.store_cls.for_request(self.m, self.shared, seq.req, self.config)
         self._reserved += self._need(seq)
         self._admitted.append(seq)
 
     def release(self, seq):
-        if seq.kv is not None:
+        if seq in self._admitted:
             self._reserved -= self._need(seq)
             self._admitted.remove(seq)
-            kv, seq.kv = seq.kv, None
+        kv, seq.kv = seq.kv, None
+        if kv is not None:
             kv.close()
 
     def sink(self, seq):
@@ -1232,29 +1241,40 @@ class SerialBatchKV(BatchKV):
         super().close()
 
 
-def batch_store_class(store_cls, config):
-    """``(batched store class, open keyword arguments)`` serving the LLM's per-request store class
-    ``store_cls`` under ``config``: :class:`ResidentBatchKV` for :class:`ResidentKV` (with
-    ``prefix_caching``: :class:`~xoffload.engine.kv_batch_prefix.ResidentPrefixBatchKV`),
-    :class:`OffloadBatchKV` for offload's direct store without a decode policy,
-    :class:`OffloadQuestBatchKV` for it with a :class:`~xoffload.sparse.QuestDecode` policy
-    without ``prefetch`` (its page caches per sequence), else :class:`SerialBatchKV` around
-    ``store_cls`` (``prefetch=True`` keeps the per-request stores; so does ``bound_scale < 1``
-    without exact channels, which the batched score kernels do not take)."""
+def batch_store_class(config):
+    """The store table: ``(batched store class, open keyword arguments)`` that serves ``config``
+    (the one place a configuration's store is chosen).
+
+    ======================================  =====================================================
+    configuration                           store
+    ======================================  =====================================================
+    ``max_num_seqs == 1``                   :class:`SerialBatchKV` around the mode's one-request
+                                            store (its own CUDA graph per sequence)
+    ``resident``, dense decode              :class:`ResidentBatchKV` (with ``prefix_caching``:
+                                            :class:`~.kv_batch_prefix.ResidentPrefixBatchKV`)
+    ``offload`` direct/uva, dense decode    :class:`OffloadBatchKV`
+    ``offload`` direct/uva + QuestDecode    :class:`OffloadQuestBatchKV` (not with ``prefetch``,
+                                            nor ``bound_scale < 1`` without exact channels)
+    anything else                           :class:`SerialBatchKV` around the one-request store
+    ======================================  =====================================================
+    """
     from ..sparse.quest import QuestDecode
     from .kv_paged import OffloadPagedKV
+    from .kv_store import store_class
 
+    store_cls = store_class(config.mode).variant(config)
+    pol = config.decode_policy
+    if config.max_num_seqs == 1:
+        return SerialBatchKV, {"store_cls": store_cls}
     if store_cls is ResidentKV:
         if config.prefix_caching:
             from .kv_batch_prefix import ResidentPrefixBatchKV
 
             return ResidentPrefixBatchKV, {}
         return ResidentBatchKV, {}
-    if store_cls is OffloadPagedKV and config.decode_policy is None:
+    if store_cls is OffloadPagedKV and pol is None:
         return OffloadBatchKV, {}
-    pol = config.decode_policy
     if store_cls is OffloadPagedKV and isinstance(pol, QuestDecode) and not pol.prefetch \
             and (pol.exact_channels or pol.bound_scale == 1.0):
         return OffloadQuestBatchKV, {}
     return SerialBatchKV, {"store_cls": store_cls}
-

@@ -82,7 +82,7 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
         """Match the prompt (less its last token, recomputed for its logits) against the cache,
         start the sequence's block table on the matched blocks (copying a shared partly filled
         last one), allocate the rest of its KV; returns the reused token count."""
-        sid, alloc, B = seq.index, self.pool.alloc, self.block
+        sid, alloc, B = seq.key, self.pool.alloc, self.block
         m = self.cache.match(seq.req.ids[:-1])
         partial = m.n_tokens % B != 0  # the last matched block is partly used: this sequence writes into it
         alloc.add(sid, m.blocks[:-1] if partial else m.blocks)
@@ -126,7 +126,7 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
             self.pool.k[layer].index_copy_(0, rows, k)
             self.pool.v[layer].index_copy_(0, rows, v)
             if layer == L - 1:  # every layer written: later prompts of the call may share it
-                self.cache.insert(seq.index, seq.req.ids)
+                self.cache.insert(seq.key, seq.req.ids)
 
         history = None
         if start:
@@ -161,7 +161,7 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
 
         def register():
             for s in seqs:
-                self.cache.insert(s.index, s.req.ids)
+                self.cache.insert(s.key, s.req.ids)
 
         return BatchPrefillSink(self, seqs, on_done=register)
 

@@ -124,23 +124,23 @@ class ChunkSink:
         self._stage = PrefillStaging(s.cfg.num_kv_heads, s.cfg.head_dim, s.dtype, s.device)
         self.sparse_layers = frozenset() if dense else s._history_sparse_layers(n)
         self.dense_layers = [l for l in range(s.cfg.num_layers) if l not in self.sparse_layers]
-        self._staging = s.engine is not None and n > 0 and bool(self.dense_layers)
+        self._staging = s.offload is not None and n > 0 and bool(self.dense_layers)
         if self._staging:
             self._open_staging()
 
     # -- prefill sink
     def buffers(self, layer, T):
         s = self.s
-        if s.engine is None:
+        if s.offload is None:
             return s._rows[0][layer, self.n:self.n + T], s._rows[1][layer, self.n:self.n + T]
-        return self._stage.buffers(s.engine, layer, T)
+        return self._stage.buffers(s.offload, layer, T)
 
     def done(self, layer, k, v):
         s = self.s
         self._release(layer)  # the history attention that read its staging buffer is enqueued
         s._summarize(layer, self.n, k)
-        if s.engine is not None:
-            ev = s.engine.offload_layer(s.seq, layer, k, v)
+        if s.offload is not None:
+            ev = s.offload.offload_layer(s.seq, layer, k, v)
             self._stage.copied(layer, ev)
             s._write_ev[layer] = ev
             self.events.append(ev)
@@ -154,7 +154,7 @@ class ChunkSink:
         if layer in self.sparse_layers:
             return self._sparse(layer, q)
         s, n = self.s, self.n
-        if s.engine is None:
+        if s.offload is None:
             k, v = s._rows[0][layer, :n], s._rows[1][layer, :n]
         else:
             k, v = self._staged(layer)
@@ -165,7 +165,7 @@ class ChunkSink:
         into buffer ``i % 2`` (one gather kernel over UVA, on a copy stream) while the layer before
         it computes."""
         s = self.s
-        eng = s.engine
+        eng = s.offload
         B = eng.block_size
         nb = -(-self.n // B)
         cfg = s.cfg
@@ -191,7 +191,7 @@ class ChunkSink:
                     cs.wait_event(s._write_ev[layer])
                 if self._freed[i & 1] is not None:
                     cs.wait_event(self._freed[i & 1])
-            pool = s.engine.pool
+            pool = s.offload.pool
             gather_blocks(pool.k[layer], pool.v[layer], self._bt, kb, vb)
             if cs is not None:
                 ev = torch.cuda.Event()
@@ -247,17 +247,17 @@ class ChunkSink:
         if self._sel is None:  # the same page count in every sparse layer: one set of buffers per turn
             lens = torch.full((1,), k_sel * P + r, dtype=torch.int32, device=s.device)
             rows = table = None
-            if s.engine is not None:
+            if s.offload is not None:
                 rows = (torch.empty(m * P, hkv, s.cfg.head_dim, dtype=s.dtype, device=s.device),
                         torch.empty(m * P, hkv, s.cfg.head_dim, dtype=s.dtype, device=s.device))
                 table = torch.arange(0, m * P, P, dtype=torch.int32, device=s.device).expand(hkv, m).contiguous()
             self._sel = (lens, rows, table)
         lens, rows, table = self._sel
-        if s.engine is None:
+        if s.offload is None:
             table = tok.to(torch.int32)[None]
             kr, vr = s._rows[0][layer], s._rows[1][layer]
         else:
-            eng = s.engine
+            eng = s.offload
             B = eng.block_size
             bt = _to_device(eng.block_table(s.seq), torch.int64, s.device)
             src = (bt[tok // B] * B + tok % B).to(torch.int32)

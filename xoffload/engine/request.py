@@ -1,6 +1,5 @@
-"""One request: its state (:class:`Request`), the tokens it produced as the host sees them
-(:class:`TokenLog`), the clock its timings are read from (:class:`Clock`), and its result
-(:class:`RequestOutput`)."""
+"""One request: its state (:class:`Request`), the clock its timings are read from
+(:class:`Clock`), and its result (:class:`RequestOutput`)."""
 from __future__ import annotations
 
 import time
@@ -10,7 +9,7 @@ import torch
 
 from .sampling import SamplingParams
 
-__all__ = ["RequestOutput", "Request", "TokenLog", "Clock", "EOS_LAG", "request_timings"]
+__all__ = ["RequestOutput", "Request", "Clock", "EOS_LAG", "request_timings"]
 
 #: decode steps between producing a token and the host checking it for EOS (GPU)
 EOS_LAG = 2
@@ -18,11 +17,14 @@ EOS_LAG = 2
 
 @dataclass
 class RequestOutput:
-    """Result of one prompt.
+    """Result of one request, or its progress so far (an engine step's output, ``finished`` False).
 
+    ``request_id``: the engine's name of the request (``LLM.generate``: its index as a str);
     ``token_ids``: generated ids (the stop token included when generation stopped on it);
-    ``text``: their decoding without special tokens (None without a tokenizer); ``finish_reason``:
-    ``"stop"`` (EOS / stop id) or ``"length"``; ``timings``: ``prefill_ms``, ``prefill_tok_per_s``,
+    ``text``: their decoding without special tokens (None without a tokenizer); ``finished``;
+    ``finish_reason``: ``"stop"`` (EOS / stop id), ``"length"``, ``"abort"`` (aborted) or
+    ``"error"`` (``error`` holds the exception; no KV is kept), None while unfinished; ``timings``
+    (finished ones): ``prefill_ms``, ``prefill_tok_per_s``,
     ``ttft_ms`` (prefill + first token), ``decode_ms_per_token`` (None if no decode step; ``decode_first_steps_ms`` and
     ``decode_steady_ms_per_token`` split off the first two steps, warm-up and graph capture),
     ``decode_steps``, ``total_ms``, ``prompt_tokens``, and with sparse prefill ``density`` (per layer,
@@ -34,9 +36,12 @@ class RequestOutput:
     prompt_token_ids: list
     token_ids: list
     text: str | None
-    finish_reason: str
+    finish_reason: str | None
     timings: dict = field(default_factory=dict)
     peak_gpu_memory_bytes: int | None = None
+    request_id: str = ""
+    finished: bool = True
+    error: BaseException | None = None
 
 
 class Clock:
@@ -89,41 +94,6 @@ class Request:
             if t in self.stop:
                 return all_ids[:j + 1], "stop"
         return all_ids, "length"
-
-
-class TokenLog:
-    """Sampled tokens as the host sees them. On a GPU each token is copied into a pinned buffer
-    behind an event and checked for a stop id ``EOS_LAG`` steps later (the host never waits on the
-    step it just launched); on the CPU it is read at once."""
-
-    def __init__(self, n: int, cuda: bool):
-        self.cuda = cuda
-        self.host, self.events, self.checked = [], [], 0
-        if cuda:
-            self.buf = torch.empty(n, dtype=torch.int64, pin_memory=True)
-
-    def publish(self, i: int, tok: torch.Tensor) -> None:
-        if self.cuda:
-            self.buf[i:i + 1].copy_(tok, non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record()
-            self.events.append(ev)
-        else:
-            self.host.append(int(tok))
-
-    def stopped(self, i: int, stop: set) -> bool:
-        """Whether a token published before step ``i`` (and old enough to read) is a stop id."""
-        limit = i - EOS_LAG if self.cuda else i
-        while self.checked < limit and stop:
-            if self.cuda:
-                self.events[self.checked].synchronize()
-                val = int(self.buf[self.checked])
-            else:
-                val = self.host[self.checked]
-            if val in stop:
-                return True
-            self.checked += 1
-        return False
 
 
 def request_timings(clock: Clock, marks: dict, prompt_tokens: int, steps: int, densities,

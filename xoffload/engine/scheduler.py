@@ -1,4 +1,4 @@
-"""Which sequences run: the waiting and running queues of a batched ``LLM.generate``.
+"""Which sequences run: the waiting and running queues of one store epoch of the engine.
 
 The split follows nano-vllm's (a *sequence* record, a *scheduler* of queues, and a KV store that
 owns the memory and answers whether a sequence fits): :class:`Sequence` is one request's state
@@ -8,17 +8,19 @@ while
 
 * fewer than ``max_num_seqs`` run,
 * the prompt tokens admitted since the last decode step stay within ``max_num_batched_tokens``
-  (the tokens to prefill: ``capacity.prefill_tokens(seq)`` when the store has it, the prompt less
-  a cached prefix; the first admission of a step is always allowed, so a prompt longer than the
-  limit still runs, alone), and
+  (the tokens to prefill: ``capacity.prefill_tokens(seq)``, the prompt less a cached prefix; the
+  first admission of a step is always allowed, so a prompt longer than the limit still runs,
+  alone), and
 * the KV store can reserve the sequence's whole KV (``capacity.can_admit``): its prompt and
   every token it may generate, so a running sequence never runs out of memory and nothing is
   preempted.
 
-A sequence that could never fit, even alone, is refused when it is added (``capacity.check``
-raises ValueError naming the sizes). Finished sequences leave at once (:meth:`Scheduler.finish`
-returns their KV), and the next :meth:`Scheduler.admit` fills their places: continuous batching.
-No tensors here: the scheduler is tested on the CPU with a counting capacity.
+A sequence queued without a check (one that arrived after the store was sized) is checked when it
+reaches the head of the queue; if the store cannot hold it (``capacity.check`` raises), admission
+stops and :attr:`Scheduler.blocked` names it: the engine opens a store sized for it once the
+running sequences are done. Finished sequences leave at once (:meth:`Scheduler.finish` returns
+their KV), and the next :meth:`Scheduler.admit` fills their places: continuous batching. No
+tensors here: the scheduler is tested on the CPU with a counting capacity.
 """
 from __future__ import annotations
 
@@ -46,18 +48,35 @@ class Sequence:
         pos: position of the next token fed to a decode step (``len(prompt) + n_out - 1``).
         tokens: sampled token ids as the host has read them (on a GPU a few steps late).
         stopped: a stop id has been read among ``tokens``.
-        finish_reason: ``"stop"`` or ``"length"`` once finished.
+        finish_reason: ``"stop"``, ``"length"``, ``"abort"`` or ``"error"`` once finished.
         last_tok: int64 ``[1]`` device tensor, the last sampled token (the next decode input).
         kv: what the KV store keeps for this sequence (the store's own record).
+        key: an int unique in the engine (the store's key); ``index`` names it in messages.
+        request_id: the engine's name of the request.
+        prefill_hook: None, or ``hook(seq) -> logits [1, V]`` that prefills the sequence itself
+            (a session's turn) and sets ``kv`` to its decode store.
+        graph: its own CUDA graph (a store of one sequence at a time), else None.
+        error: the exception that ended it (``finish_reason == "error"``), else None.
+        sent: tokens already returned by the engine's step outputs.
         marks, steps, densities, h2d, stats: timestamps (:class:`~xoffload.engine.request.Clock`
             marks), decode steps taken, the sparse prefill's per-layer densities, the bytes a
             decode step reads from host memory and the store's decode figures, for the request's
             timings.
     """
 
-    def __init__(self, index: int, req: Request):
+    def __init__(self, index, req: Request, *, key: int | None = None, request_id: str | None = None,
+                 prefill_hook=None):
         self.index, self.req = index, req
+        self.key = index if key is None else key
+        self.request_id = str(index) if request_id is None else request_id
+        self.prefill_hook = prefill_hook
         self.status = WAITING
+        self.checked = False
+        self.reused = 0
+        self.graph = None
+        self.error = None
+        self.sent = 0
+        self.on_finish = None
         self.n_out = 0
         self.tokens: list = []
         self.stopped = False
@@ -115,21 +134,35 @@ class Scheduler:
         self.capacity = capacity
         self.waiting: deque = deque()
         self.running: list = []
-        self.finished: list = []
+        self.num_finished = 0
         self.max_running = 0
 
-    def add(self, seq: Sequence) -> None:
-        """Queue ``seq`` (status waiting); ValueError (from ``capacity.check``) when it alone can
-        never fit."""
-        self.capacity.check(seq)
+    def add(self, seq: Sequence, check: bool = True) -> None:
+        """Queue ``seq`` (status waiting); with ``check``, ValueError (from ``capacity.check``)
+        when it alone can never fit this store. Without, it is checked at the head of the queue."""
+        if check:
+            self.capacity.check(seq)
+            seq.checked = True
         seq.status = WAITING
         self.waiting.append(seq)
+
+    @property
+    def blocked(self) -> Sequence | None:
+        """The head of the queue when this store cannot hold it at all (see the module
+        docstring), else None."""
+        if self.waiting and not self.waiting[0].checked:
+            try:
+                self.capacity.check(self.waiting[0])
+                self.waiting[0].checked = True
+            except ValueError:
+                return self.waiting[0]
+        return None
 
     def admit(self) -> list:
         """Move waiting sequences to running, in submission order, while they fit (see the module
         docstring); returns the admitted ones (to be prefilled before the next decode step)."""
         new, tokens = [], 0
-        while self.waiting and len(self.running) < self.max_num_seqs:
+        while self.waiting and len(self.running) < self.max_num_seqs and self.blocked is None:
             seq = self.waiting[0]
             n = self.capacity.prefill_tokens(seq) if hasattr(self.capacity, "prefill_tokens") else seq.prompt_len
             if new and tokens + n > self.max_num_batched_tokens:
@@ -143,20 +176,20 @@ class Scheduler:
             new.append(seq)
             tokens += n
         self.max_running = max(self.max_running, len(self.running))
-        if not self.running and self.waiting:  # nothing runs and the head does not fit: cannot happen
-            head = self.waiting[0]  # after check(); a capacity that changed under us
-            raise RuntimeError(f"sequence {head.index} does not fit in an idle KV store")
         return new
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """``seq`` is done (``reason`` ``"stop"`` or ``"length"``): it leaves the running queue and
-        its KV is released."""
-        if seq.status != RUNNING:
-            raise ValueError(f"finish: {seq!r} is not running")
-        self.running.remove(seq)
-        self.capacity.release(seq)
+        """``seq`` is done (``reason``: ``"stop"``, ``"length"``, ``"abort"``, ``"error"``): it leaves
+        its queue and, if it was running, its KV is released."""
+        if seq.status == RUNNING:
+            self.running.remove(seq)
+            self.capacity.release(seq)
+        elif seq.status == WAITING:
+            self.waiting.remove(seq)
+        else:
+            raise ValueError(f"finish: {seq!r} is not running or waiting (already finished)")
         seq.status, seq.finish_reason = FINISHED, reason
-        self.finished.append(seq)
+        self.num_finished += 1
 
     @property
     def done(self) -> bool:

@@ -36,18 +36,17 @@ changes the tokens.
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
 
 import torch
 
-from ..kernels import cpu_backend
 from ..kernels.checks import check_int
 from ..sparse.quest import PageSummaries
+from .inputs import apply_chat_template, prompt_ids, sampling_list
 from .kv_history import ChunkSink, history_page_ids
 from .kv_paged import PagedKV
-from .request import Clock, Request, RequestOutput
-from .sampling import SamplingParams, sample
+from .request import RequestOutput
+from .sampling import SamplingParams
 
 __all__ = ["Session", "HISTORY_PAGE", "history_page_ids"]  # history_page_ids: from .kv_history
 
@@ -57,51 +56,54 @@ _ids = itertools.count()
 
 
 class Session:
-    """A conversation with one :class:`~.llm.LLM` whose KV stays stored between turns.
+    """A conversation with one :class:`~.llm_engine.LLMEngine` whose KV stays stored between turns.
 
-    Made by :meth:`LLM.session`; not thread-safe; one turn at a time. Works in ``resident`` and
-    ``offload`` mode (the offload store's ``offload_decode`` ``"direct"``/``"uva"``), with the LLM's
-    decode policy (``sparse_decode``) and prefill policy (``sparse``, applied within each chunk).
+    Made by :meth:`LLM.session`. Each turn is one request of the engine loop whose prefill is the
+    session's own (the chunk against the stored history); one turn at a time per session; turns
+    may be submitted from several threads (:meth:`submit`), the loop serves them in order. Works
+    in ``resident`` and ``offload`` mode (``offload_decode`` ``"direct"``/``"uva"``), with the
+    engine's decode policy (``sparse_decode``) and prefill policy (``sparse``, applied within each
+    chunk).
 
     Args:
-        llm: the LLM (``max_num_seqs=1``).
+        engine: the engine (``max_num_seqs=1``).
         history_budget: None (each chunk attends to the whole history: *dense history*) or the
             tokens of history each sparse layer's chunk attends to per KV head (*sparse history*:
             a multiple of ``page_size``, at least two pages; the sink, the recent pages and the
             partial last page are read even when they pass it).
         dense_layers: layers that always read the whole history: an int N (the first N) or layer
-            indices (default: the decode policy's dense layers — e.g. a set calibrated with
-            :func:`xoffload.sparse.calibrate_dense_layers` —, else layers 0 and 1, Quest's choice).
+            indices (default: the decode policy's dense layers, else layers 0 and 1, Quest's choice).
         recent_pages: history pages before the chunk always read by a sparse layer (default 4).
 
     Attributes: ``tokens`` (every token of the conversation so far: stored history + the last
-    answer), ``history_len`` (tokens whose K/V are stored), ``turns``, ``closed``.
+    answer), ``history_len`` (tokens whose K/V are stored), ``turns``, ``closed``, ``busy`` (a
+    turn is queued or running), ``last_used`` (LRU order).
 
     Raises:
         ValueError: a ``ring`` offload store, ``max_num_seqs > 1``, ``tensor_parallel_size > 1``, a bad
-            ``history_budget`` /
-            ``dense_layers`` / ``recent_pages``, a closed LLM.
+            ``history_budget`` / ``dense_layers`` / ``recent_pages``, a closed engine.
     """
 
-    def __init__(self, llm, *, history_budget: int | None = None, dense_layers: int | None = None,
+    def __init__(self, engine, *, history_budget: int | None = None, dense_layers: int | None = None,
                  recent_pages: int = 4):
-        from .kv_paged import ResidentPagedKV
+        from .kv_store import store_class
 
-        if getattr(llm, "_closed", False) and llm._shares:
+        if engine.closed:
             raise ValueError("this LLM was closed; create a new one")
-        if llm.config.max_num_seqs != 1:
-            raise ValueError(f"sessions need max_num_seqs=1, got {llm.config.max_num_seqs}")
-        if llm.config.tensor_parallel_size != 1:
-            raise ValueError(f"sessions run on one device; tensor_parallel_size={llm.config.tensor_parallel_size} "
+        cfg = engine.config
+        if cfg.max_num_seqs != 1:
+            raise ValueError(f"sessions need max_num_seqs=1, got {cfg.max_num_seqs}")
+        if cfg.tensor_parallel_size != 1:
+            raise ValueError(f"sessions run on one device; tensor_parallel_size={cfg.tensor_parallel_size} "
                              f"is not supported for them yet")
-        store = llm._store
-        if store is not ResidentPagedKV and not issubclass(store, PagedKV) and llm.mode != "resident":
-            raise ValueError(f"sessions read the pool page by page; offload_decode={llm.config.offload_decode!r} "
+        store = store_class(cfg.mode).variant(cfg)
+        if not issubclass(store, PagedKV) and cfg.mode != "resident":
+            raise ValueError(f"sessions read the pool page by page; offload_decode={cfg.offload_decode!r} "
                              f"(the ring) is not supported: use 'direct' or 'uva'")
-        self.llm, self.m = llm, llm.model
-        self.cfg, self.device, self.dtype, self.scale = llm.model.cfg, llm.device, llm.dtype, llm.model.scale
+        self.e, self.m = engine, engine.model
+        self.cfg, self.device, self.dtype, self.scale = self.m.cfg, self.m.device, self.m.dtype, self.m.scale
         self.cuda = self.device.type == "cuda"
-        self.policy = llm.config.decode_policy
+        self.policy = cfg.decode_policy
         self.page = self.policy.page_size if self.policy is not None else HISTORY_PAGE
         self._summ = None
         L = self.cfg.num_layers
@@ -124,21 +126,20 @@ class Session:
                 raise ValueError(f"dense_layers must hold layer indices in [0, {L}), got {dense_layers!r}")
             dense_layers = tuple(sorted(set(ids)))
         self.dense_layers, self.recent_pages = dense_layers, recent_pages
-        self.engine = llm.engine  # None in resident mode
+        self.offload = engine.offload  # None in resident mode
         self.id = next(_ids)
         self.seq = None
         self._rows = None
-        self._summ = None
         self._partial = [None] * L  # offload: K of the history's partial last page, per layer
         self._write_ev = [None] * L
         self._stored: list = []  # tokens whose K/V are stored
         self._pending: list = []  # the last answer's tokens (K/V not stored yet)
         self.turns = 0
         self.closed = False
-        self._busy = False
-        self._last_used = 0
+        self.busy = False
+        self.last_used = 0
         self._messages: list = []
-        llm._sessions[self.id] = self
+        engine.sessions[self.id] = self
 
     # ------------------------------------------------------------------ public
     @property
@@ -170,9 +171,7 @@ class Session:
         Raises ValueError / TypeError for a bad prompt or parameters, a conversation that would
         pass ``max_model_len``, a closed session, or (offload) a pool too small even after evicting
         idle sessions; the session is unchanged then and keeps serving."""
-        self._check_open()
-        ids = self.llm._prompt_ids(0, prompt)
-        return self._turn(self._pending + ids, sampling_params)
+        return self._wait(self.submit(prompt, sampling_params))
 
     def append(self, prompt) -> dict:
         """Add ``prompt`` (a string, tokenized as it is, or token ids) to the conversation without
@@ -180,9 +179,9 @@ class Session:
         once, asked about in later turns). Returns the chunk's timings (``prefill_ms``,
         ``chunk_tokens``, ``history_tokens``, ``history_h2d_bytes``). Same errors as
         :meth:`generate`."""
-        self._check_open()
-        ids = self.llm._prompt_ids(0, prompt)
-        return self._turn(self._pending + ids, None, answer=False)
+        state: dict = {}
+        self._wait(self.submit(prompt, None, _answer=False, _state=state))
+        return state["result"]
 
     def chat(self, message: str, sampling_params: SamplingParams | None = None) -> RequestOutput:
         """One chat turn through the tokenizer's chat template: the user ``message`` (a string) is
@@ -194,8 +193,10 @@ class Session:
         self._check_open()
         if not isinstance(message, str) or not message:
             raise ValueError(f"message must be a non-empty string, got {message!r}")
+        if self.busy:
+            raise ValueError(f"session {self.id} is in a turn; one turn at a time")
         msgs = self._messages + [{"role": "user", "content": message}]
-        full = self.llm.apply_chat_template(msgs, add_generation_prompt=True)
+        full = apply_chat_template(self.m, msgs, add_generation_prompt=True)
         n = self.history_len
         if full[:n] == self._stored:
             chunk = full[n:]
@@ -204,20 +205,49 @@ class Session:
             chunk = full
         if not chunk:
             raise ValueError("the chat template added no tokens for this message")
-        out = self._turn(chunk, sampling_params, validate=True)
+        out = self._wait(self.submit(chunk, sampling_params, _chunk=True))
         self._messages = msgs + [{"role": "assistant", "content": out.text or ""}]
         return out
+
+    def submit(self, prompt, sampling_params: SamplingParams | None = None, *, request_id: str | None = None,
+               close_after: bool = False, _answer: bool = True, _chunk: bool = False, _state=None) -> str:
+        """Queue one turn (``prompt`` answered, as :meth:`generate`) in the engine loop without
+        waiting; returns its request id (the engine's :meth:`~.llm_engine.LLMEngine.step` returns
+        its outputs; ``close_after``: the session closes when the turn ends). Raises as
+        :meth:`generate`, and ValueError while a turn of this session is queued or running."""
+        self._check_open()
+        if self.busy:
+            raise ValueError(f"session {self.id} is in a turn; one turn at a time")
+        e = self.e
+        ids = prompt_ids(self.m, e.config.max_model_len, 0, prompt)
+        chunk = ids if _chunk else self._pending + ids
+        sp = sampling_list(sampling_params, 1)[0] if _answer else SamplingParams(max_tokens=1)
+        n, T = self.history_len, len(chunk)
+        if n + T > e.config.max_model_len:
+            raise ValueError(f"the conversation would hold {n + T} tokens ({n} stored + {T} new), more than "
+                             f"max_model_len={e.config.max_model_len}")
+        state = {} if _state is None else _state
+        state.update(before=(list(self._stored), list(self._pending)), reused=0, answer=_answer, close=close_after)
+        rid = request_id or f"session-{self.id}-{next(_ids)}"
+        self.busy = True
+        try:
+            e.add_request(rid, self._stored + chunk, sp, prefill_hook=lambda seq: self._prefill(seq, chunk, state),
+                          on_finish=lambda out: self._finished(out, state))
+        except BaseException:
+            self.busy = False
+            raise
+        return rid
 
     def close(self) -> None:
         """Free the session's KV (pool blocks or device rows) and summaries. Safe to call twice."""
         if self.closed:
             return
-        cache = self.llm.prefix_cache
-        if cache is not None and self.seq is not None and self.history_len and not self.engine._closed:
+        cache = self.e.prefix_cache
+        if cache is not None and self.seq is not None and self.history_len and not self.offload._closed:
             cache.insert(self.seq, self._stored)  # later requests may reuse the conversation's blocks
         self._drop_kv()
         self.closed = True
-        self.llm._sessions.pop(self.id, None)
+        self.e.sessions.pop(self.id, None)
 
     def __enter__(self):
         return self
@@ -229,63 +259,91 @@ class Session:
     def _check_open(self):
         if self.closed:
             raise ValueError("this session was closed")
-        if self.llm._closed and self.llm._shares:
+        if self.e.closed:
             raise ValueError("this session's LLM was closed")
+
+    def _wait(self, rid: str) -> RequestOutput:
+        out = self.e.wait(rid)
+        if out.error is not None:
+            raise out.error
+        return out
 
     def _history_sparse_layers(self, n: int) -> frozenset:
         if self.history_budget is None or n // self.page * self.page <= self.history_budget:
             return frozenset()
         return frozenset(range(self.cfg.num_layers)) - frozenset(self.dense_layers)
 
-    def _turn(self, chunk: list, sp, validate: bool = False, answer: bool = True):
-        llm = self.llm
-        if validate:
-            chunk = llm._prompt_ids(0, chunk)
-        sp = llm._sampling_list(sp, 1)[0]
-        n, T = self.history_len, len(chunk)
-        total = n + T
-        if total > llm.max_model_len:
-            raise ValueError(f"the conversation would hold {total} tokens ({n} stored + {T} new), more than "
-                             f"max_model_len={llm.max_model_len}")
-        req = Request.make(self._stored + chunk, sp, max_model_len=llm.max_model_len, seed=llm.seed,
-                           stop_ids=llm._stop_ids, device=self.device)
-        ctx = cpu_backend("reference") if self.device.type == "cpu" else contextlib.nullcontext()
-        self._busy = True
-        before = (list(self._stored), list(self._pending))
-        reused = 0
+    def _prefill(self, seq, chunk: list, state: dict):
+        """The turn's prefill (the engine loop calls it): reuse a cached prefix on a first turn,
+        reserve the pool room, prefill the chunk against the history; sets the sequence's
+        decode store. Returns the chunk's last logits. On failure the session is as before."""
+        n = self.history_len
         try:
-            with ctx, torch.no_grad():
-                if self.seq is None and n == 0 and llm.prefix_cache is not None:
-                    reused = self._reuse_prefix(chunk)
-                    n, chunk = reused, chunk[reused:]
-                self._reserve(total, req.max_new)
-                # a reused prefix is read whole: reuse never changes the tokens
-                out = self._run(chunk, req, n, answer, dense=reused > 0)
+            if self.seq is None and n == 0 and self.e.prefix_cache is not None:
+                r = state["reused"] = self._reuse_prefix(chunk)
+                n, chunk = r, chunk[r:]
+            self._reserve(n + len(chunk), seq.req.max_new)
+            # a reused prefix is read whole: reuse never changes the tokens
+            sink = ChunkSink(self, n, len(chunk), dense=state["reused"] > 0)
+            ids_t = torch.tensor(chunk, dtype=torch.int64).to(self.device)
+            cfg = self.e.config
+            try:
+                logits = self.m.prefill(ids_t, sink, chunk=cfg.prefill_chunk, policy=cfg.policy,
+                                        densities=seq.densities, attn_backend=cfg.prefill_attn, start=n)
+            finally:
+                self._stored = self._stored + list(chunk)  # half written on failure: dropped below
         except BaseException:
-            if self.history_len == 0 and self.seq is not None and self.engine is not None:
-                self.engine.free(self.seq)  # an empty sequence (a refused first turn): the next asks the cache again
+            before = state["before"]
+            if self.history_len == 0 and self.seq is not None and self.offload is not None:
+                self.offload.free(self.seq)  # a refused first turn: the next asks the cache again
                 self.seq = None
-            if reused or self._stored != before[0]:
+            if state["reused"] or self._stored != before[0]:
                 self._drop_kv()  # the stored KV changed: the next turn prefills the conversation again
                 self._stored, self._pending = [], before[0] + before[1]
             raise
+        state.update(n=n, T=len(chunk), sink=sink)
+        if state["answer"]:
+            seq.kv = self._decode_store(seq.req, sink.events)
+        return logits
+
+    def _finished(self, out: RequestOutput, state: dict) -> None:
+        """The turn's final output (the engine loop calls it): the answer joins the conversation;
+        its timings name the chunk and the history it read."""
+        try:
+            sink = state.get("sink")
+            if sink is None:  # never prefilled (refused, aborted while waiting)
+                return
+            self._pending = list(out.token_ids) if state["answer"] else []
+            t = out.timings
+            extra = dict(history_tokens=state["n"], chunk_tokens=state["T"], history_h2d_bytes=int(sink.h2d_bytes),
+                         history_sparse_layers=len(sink.sparse_layers))
+            if t:
+                t.pop("prefix_reused_tokens", None)
+                t["prompt_tokens"] = state["T"]
+                t["prefill_tok_per_s"] = state["T"] / t["prefill_ms"] * 1e3 if t["prefill_ms"] > 0 else float("inf")
+                t.update(extra)
+                if state["reused"]:
+                    t["prefix_reused_tokens"] = state["reused"]
+            out.prompt_token_ids = list(out.prompt_token_ids[len(state["before"][0]):])
+            if state["answer"]:
+                self.turns += 1
+            else:
+                state["result"] = dict(prefill_ms=t.get("prefill_ms"), chunk_tokens=state["T"],
+                                       history_tokens=state["n"], history_h2d_bytes=int(sink.h2d_bytes),
+                                       history_sparse_layers=len(sink.sparse_layers))
         finally:
-            self._busy = False
-            self._last_used = next(_ids)
-        if reused:
-            t = out if isinstance(out, dict) else out.timings
-            t["prefix_reused_tokens"] = reused
-            if not isinstance(out, dict):
-                out.prompt_token_ids = list(req.ids[len(before[0]):])  # the turn's new tokens, reused or not
-        return out
+            self.busy = False
+            self.last_used = next(_ids)
+            if state["close"]:
+                self.close()
 
     def _reuse_prefix(self, chunk: list) -> int:
-        """First turn with the LLM's prefix cache: start the pool sequence on the cached blocks of
-        the longest cached prefix of ``chunk`` (its last token is always prefilled, for the
+        """First turn with the engine's prefix cache: start the pool sequence on the cached blocks
+        of the longest cached prefix of ``chunk`` (its last token is always prefilled, for the
         logits); their summaries, when needed, are computed from the pool. Returns the tokens
         reused."""
-        eng = self.engine
-        self.seq, r = self.llm.prefix_cache.add_sequence(chunk[:-1])
+        eng = self.offload
+        self.seq, r = self.e.prefix_cache.add_sequence(chunk[:-1])
         if r:
             self._stored = list(chunk[:r])
             self._reserve(r, 1)  # allocates the summaries (no new blocks: they are held)
@@ -295,49 +353,15 @@ class Session:
                 self._summarize(layer, 0, k[:r])
         return r
 
-    def _run(self, chunk, req, n, answer=True, dense=False):
-        llm, m = self.llm, self.m
-        T = len(chunk)
-        clock = Clock(self.device)
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats(self.device)
-        marks = {"t0": clock.mark()}
-        ids_t = torch.tensor(chunk, dtype=torch.int64).to(self.device)
-        sink = ChunkSink(self, n, T, dense=dense)
-        densities = None if llm.policy.dense else []
-        try:
-            logits = m.prefill(ids_t, sink, chunk=llm.prefill_chunk, policy=llm.policy,
-                               densities=densities, attn_backend=llm.prefill_attn, start=n)
-        except BaseException:
-            self._stored = self._stored + list(chunk)  # layers half written: _turn drops the KV
-            raise
-        self._stored = self._stored + list(chunk)
-        marks["prefill"] = clock.mark()
-        if not answer:
-            self._pending = []
-            end = marks["prefill"]
-            if self.cuda:
-                end.synchronize()
-            return {"prefill_ms": clock.ms(marks["t0"], end), "chunk_tokens": T, "history_tokens": n,
-                    "history_h2d_bytes": int(sink.h2d_bytes), "history_sparse_layers": len(sink.sparse_layers)}
-        tok = sample(logits, req.sp, req.gen)
-        marks["first"] = clock.mark()
-        out = llm._decode_output(tok, self._decode_store(req, sink.events), req, clock, marks, chunk, densities,
-                                 extra=dict(history_tokens=n, chunk_tokens=T, history_h2d_bytes=int(sink.h2d_bytes),
-                                            history_sparse_layers=len(sink.sparse_layers)))
-        self._pending = list(out.token_ids)
-        self.turns += 1
-        return out
-
     def _decode_store(self, req, events):
         cfg, n = self.cfg, self.history_len
         max_new = req.final_len - n
         kw = dict(prompt_len=n, max_new=max_new, policy=self.policy, summaries=self._summ if self.policy else None)
-        if self.engine is None:
+        if self.offload is None:
             kv = PagedKV(cfg, self.dtype, self.device, self.scale, rows=self._rows, **kw)
         else:
-            kv = PagedKV(cfg, self.dtype, self.device, self.scale, engine=self.engine, seq=self.seq,
-                         owns_seq=False, stage_dense=self.llm.config.offload_decode != "uva", **kw)
+            kv = PagedKV(cfg, self.dtype, self.device, self.scale, engine=self.offload, seq=self.seq,
+                         owns_seq=False, stage_dense=self.e.config.offload_decode != "uva", **kw)
         kv.load_from_store(events)
         return kv
 
@@ -352,15 +376,15 @@ class Session:
         cfg = self.cfg
         L, hkv, d = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
         if self._summ is None:  # always kept (2 / page_size of K's bytes): decode policy and sparse history read them
-            pages = -(-self.llm.max_model_len // self.page)
+            pages = -(-self.e.config.max_model_len // self.page)
             self._summ = PageSummaries(L, hkv, d, pages, self.page, self.dtype, self.device,
                                        exact_channels=self.policy.exact_channels if self.policy else 0)
-        if self.engine is None:
+        if self.offload is None:
             quantum = max(256, self.page)
             need = -(-total // quantum) * quantum
             have = 0 if self._rows is None else self._rows[0].shape[1]
             if need > have:
-                cap = min(max(need, 2 * have), -(-self.llm.max_model_len // quantum) * quantum)
+                cap = min(max(need, 2 * have), -(-self.e.config.max_model_len // quantum) * quantum)
                 cap = max(cap, need)
                 k = torch.empty(L, cap, hkv, d, dtype=self.dtype, device=self.device)
                 v = torch.empty_like(k)
@@ -369,20 +393,20 @@ class Session:
                     v[:, :self.history_len].copy_(self._rows[1][:, :self.history_len])
                 self._rows = (k, v)
             return
-        eng = self.engine
+        eng = self.offload
         B = eng.block_size
         table = eng.block_table(self.seq) if self.seq is not None else ()
         need = -(-total // B) - len(table)
         if table and self.history_len % B and eng.allocator.is_shared(table[-1]):
             need += 1  # the shared, partly filled last block is copied before it is written
-        idle = self.llm._reclaimable_blocks(keep=self)
+        idle = self.e.reclaimable_blocks(keep=self)
         if need > eng.num_free_blocks + idle:
             raise ValueError(f"the session needs {need} more pool blocks of {B} tokens ({total} tokens in all) but "
                              f"the pool has {eng.num_free_blocks} free of {eng.allocator.num_blocks} "
                              f"(kv_cache_tokens) and idle sessions and cached prefixes hold {idle} more that could "
                              f"be freed; close sessions or raise kv_cache_tokens")
         if need > eng.num_free_blocks:
-            self.llm._make_room(need, keep=self)
+            self.e.make_room(need, keep=self)
         if self.seq is None:
             self.seq = eng.add_sequence()
 
@@ -394,16 +418,16 @@ class Session:
         P = self.page
         p0, r = divmod(n, P)
         if r:
-            prev = self._rows[0][layer, p0 * P:n] if self.engine is None else self._partial[layer]
+            prev = self._rows[0][layer, p0 * P:n] if self.offload is None else self._partial[layer]
             k = torch.cat([prev, k])
         written = self._summ.write(layer, k, first_page=p0)
-        if self.engine is not None:
+        if self.offload is not None:
             self._partial[layer] = k[written * P:].clone()
 
     def _drop_kv(self) -> None:
         """Forget the stored KV (the tokens stay: the next turn prefills them again)."""
-        if self.engine is not None and self.seq is not None and not self.engine._closed:
-            self.engine.free(self.seq)
+        if self.offload is not None and self.seq is not None and not self.offload._closed:
+            self.offload.free(self.seq)
         self.seq = None
         self._rows = None
         self._summ = None
@@ -415,14 +439,14 @@ class Session:
     def blocks_held(self) -> int:
         """Pool blocks this session's stored KV holds, shared ones included (0 in resident mode or
         once evicted)."""
-        if self.engine is None or self.seq is None or self.engine._closed:
+        if self.offload is None or self.seq is None or self.offload._closed:
             return 0
-        return self.engine.num_seq_blocks(self.seq)
+        return self.offload.num_seq_blocks(self.seq)
 
     def evict(self) -> int:
         """Drop this idle session's KV to free its pool blocks (its next turn prefills the whole
         conversation again). Returns the blocks freed. Raises ValueError during a turn."""
-        if self._busy:
+        if self.busy:
             raise ValueError(f"session {self.id} is in use and cannot be evicted")
         freed = self.blocks_held()
         self._drop_kv()
