@@ -462,3 +462,16 @@ def test_out_lse_that_cannot_be_written_raises(device):
                 merge_attention_states_n(torch.stack([oa, oa]), lses, out_lse=lses[0].transpose(1, 2))
             # nothing was written
             assert torch.equal(lses, torch.stack([la, lb])), be
+
+
+def test_overlap_helpers():
+    from xoffload.kernels.checks import has_internal_overlap, overlaps
+    b = torch.zeros(100)
+    assert not has_internal_overlap(b.as_strided((3, 2), (2, 3)))  # distinct, though strides interleave
+    assert has_internal_overlap(b.as_strided((3, 2), (1, 2)))  # offset 2 twice
+    assert not has_internal_overlap(b.as_strided((1, 4), (0, 1)))  # stride 0 on a dim of size 1
+    assert has_internal_overlap(torch.zeros(4, 1).expand(4, 3))
+    x = torch.zeros(4, 5, 3)
+    assert not overlaps(x[..., 0], x[..., 1]) and not overlaps(x[:2], x[2:])
+    assert overlaps(x[..., 0], x[..., 0]) and overlaps(x[..., 0], x[..., :2])
+    assert not overlaps(x.half(), x) and not overlaps(x.to("meta"), x.to("meta"))

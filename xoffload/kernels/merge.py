@@ -94,7 +94,7 @@ def _check_out(out, out_lse, o_shape, device, lse_ins, others):
             f"out_lse with shape {want} strides {tuple(out_lse.stride())} has elements that share memory; "
             f"expected one memory location per element (any strides otherwise)"
         )
-    names = " or ".join(n for n, _ in lse_ins)
+    names = " or ".join(n for n, _ in lse_ins) or "an input LSE"
     for i, (name, t) in enumerate(list(lse_ins) + list(others) + [("out", out)]):
         if t is None or (i < len(lse_ins) and _same_view(out_lse, t)):
             continue
@@ -400,8 +400,8 @@ def merge_attention_states_n(outs, lses, *, out=None, out_lse=None):
     """
     _check_state("outs", outs, "lses", lses, min_dim=4)
     o_shape = tuple(outs.shape[1:])
-    _check_out(out, out_lse, o_shape, outs.device, [(f"lses[{i}]", lses[i]) for i in range(outs.shape[0])],
-               [("outs", outs)])
+    lse_ins = [(f"lses[{i}]", lses[i]) for i in range(outs.shape[0])] if out_lse is not None else []
+    _check_out(out, out_lse, o_shape, outs.device, lse_ins, [("outs", outs)])
     if out is None:
         out = torch.empty(o_shape, dtype=outs.dtype, device=outs.device)
     if out_lse is None:
