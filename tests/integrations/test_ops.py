@@ -129,6 +129,27 @@ def test_opcheck(case):
         torch.library.opcheck(getattr(torch.ops.xoffload, name).default, args)
 
 
+@pytest.mark.parametrize("backend", ["reference", "interpreter"])
+def test_merge_op_takes_lse_views(backend):
+    """The merge op takes LSEs of any strides (transposed [S, H].t() views, slices): it equals the
+    kernel on contiguous copies, its fake gives the real shapes and strides, and opcheck passes."""
+    s, h, d = 5, 4, 16
+    oa = _t(s, h, d, seed=21)
+    ob = _t(s, h, d, seed=22)
+    la = _t(s, h, seed=23).t()  # [H, S], strides (1, H)
+    lb = _t(h, 2 * s, seed=24)[:, ::2]  # [H, S], strides (2S, 2)
+    with cpu_backend(backend):
+        o, lse = torch.ops.xoffload.merge_attention_states(oa, la, ob, lb)
+        ro, rl = ops.merge(oa, la.contiguous(), ob, lb.contiguous())
+    assert torch.equal(o, ro) and torch.equal(lse, rl)
+    with FakeTensorMode() as mode:
+        fo, fl = torch.ops.xoffload.merge_attention_states(*(mode.from_tensor(x) for x in (oa, la, ob, lb)))
+    for f, r in ((fo, o), (fl, lse)):
+        assert f.shape == r.shape and f.dtype == r.dtype and f.stride() == r.stride()
+    with cpu_backend("reference"):
+        torch.library.opcheck(torch.ops.xoffload.merge_attention_states.default, (oa, la, ob, lb))
+
+
 def test_kvcache_append_op_mutates_in_place():
     kc = torch.zeros(2, 6, 1, 4)
     vc = torch.zeros(2, 6, 1, 4)

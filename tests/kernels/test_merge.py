@@ -2,6 +2,8 @@
 
 CPU: the Triton code under the interpreter and the reference path. GPU (``-m cuda``): bf16/fp16.
 """
+import math
+
 import pytest
 import torch
 
@@ -283,3 +285,193 @@ def test_garbage_lse_gives_nan_not_a_silent_zero(backend, bad):
     ok[0, 1, 0] = False
     assert torch.isfinite(lse[ok]).all()
     assert torch.isfinite(o[0, 1]).all() and torch.isfinite(o[0, 0, 0]).all()
+
+
+# ------------------------------------------------------------------- LSEs of any strides
+LN2 = math.log(2.0)
+
+
+def _flashinfer_states(seq_len, heads, d, dtype, device, seed=0):
+    """Two states as FlashInfer keeps them: v ``[S, H, D]``, s ``[S, H]`` (fp32, base-2 LSE)."""
+    g = torch.Generator().manual_seed(seed)
+    va, vb = (torch.randn(seq_len, heads, d, generator=g).to(dtype).to(device) for _ in range(2))
+    sa, sb = (torch.randn(seq_len, heads, generator=g).to(device) for _ in range(2))
+    return va, sa, vb, sb
+
+
+def _flashinfer_merge_ref(va, sa, vb, sb):
+    """FlashInfer's merge_state in fp32 PyTorch, base 2: (v fp32 ``[S, H, D]``, s ``[S, H]``)."""
+    m = torch.maximum(sa, sb)
+    wa, wb = torch.exp2(sa - m), torch.exp2(sb - m)
+    tot = wa + wb
+    v = (wa[..., None] * va.float() + wb[..., None] * vb.float()) / tot[..., None]
+    return v, m + torch.log2(tot)
+
+
+def _check_flashinfer_in_place(seq_len, heads, d, dtype, device):
+    """FlashInfer's test_merge_state_in_place as a port runs it: its [S, H] base-2 LSEs converted
+    to natural log and handed over as transposed [H, S] views; the caller's tensors are updated."""
+    va, sa2, vb, sb2 = _flashinfer_states(seq_len, heads, d, dtype, device)
+    ref_v, ref_s2 = _flashinfer_merge_ref(va, sa2, vb, sb2)
+    sa, sb = sa2 * LN2, sb2 * LN2
+    lse_acc = sa.t()
+    r = merge_attention_states_(va, lse_acc, vb, sb.t())
+    assert r[0] is va and r[1] is lse_acc
+    # fp32 math, one rounding to the output dtype
+    assert max_err(va, ref_v) <= 2 * torch.finfo(dtype).eps * max(1.0, float(ref_v.abs().max()))
+    assert_lse_match(sa, ref_s2 * LN2)
+
+
+def test_in_place_merge_takes_transposed_lse(device):
+    o = torch.randn(64, 4, 64, dtype=torch.float16).to(device)
+    ob = torch.randn_like(o)
+    s = torch.randn(64, 4).to(device)
+    sb = torch.randn(64, 4).to(device)
+    ro, rl = merge_ref(torch.stack([o, ob]), torch.stack([s, sb]))
+    for be in _backends(device):
+        oc, sc = o.clone(), s.clone()
+        with _maybe_backend(be):
+            merge_attention_states_(oc, sc.t(), ob, sb.t())
+        assert max_err(oc, ro) <= 2 * torch.finfo(torch.float16).eps * max(1.0, float(ro.abs().max())), be
+        assert_lse_match(sc, rl)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", [4, 16])
+@pytest.mark.parametrize("seq_len", [1, 64])
+def test_flashinfer_merge_state_in_place_fp16(device, seq_len, heads, d):
+    for be in _backends(device):
+        with _maybe_backend(be):
+            _check_flashinfer_in_place(seq_len, heads, d, torch.float16, device)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", [4, 16, 32])
+@pytest.mark.parametrize("seq_len", [1, 64, 512])
+def test_flashinfer_merge_state_in_place_gpu(seq_len, heads, d, dtype):
+    _check_flashinfer_in_place(seq_len, heads, d, dtype, "cuda")
+
+
+def _lse_layouts(b1, b2, h, s, device):
+    """fp32 ``[b1, b2, h, s]`` views of bigger buffers (filled with 123) in several layouts:
+    (name, view, buffer). The last one's leading dims cannot be flattened without a copy."""
+    t = torch.full((b1, b2, s, h), 123.0, device=device)
+    sl = torch.full((b1, b2, h, 2 * s + 1), 123.0, device=device)
+    nf = torch.full((h, s, b1, b2 + 1), 123.0, device=device)
+    return [
+        ("transposed", t.transpose(-1, -2), t),
+        ("sliced", sl[..., 1:2 * s + 1:2], sl),
+        ("unflattenable", nf[..., :b2].permute(2, 3, 0, 1), nf),
+    ]
+
+
+def _untouched_outside(buf, view):
+    """Every element of ``buf`` outside ``view`` still holds the fill value 123."""
+    mask = torch.ones_like(buf, dtype=torch.bool)
+    mask.as_strided(view.shape, view.stride(), view.storage_offset() - buf.storage_offset()).fill_(False)
+    return bool((buf[mask] == 123.0).all())
+
+
+@pytest.mark.parametrize("s", [1, 5])
+def test_out_lse_of_any_strides(device, s):
+    """Output LSEs as transposed, sliced and unflattenable views, out of place (2-way, N-way) and in
+    place; input LSEs in the same layouts. The rest of the buffer stays untouched."""
+    b1, b2, h, d = 2, 3, 4, 16
+    g = torch.Generator().manual_seed(11)
+    outs = torch.randn(3, b1, b2, s, h, d, generator=g).half().to(device)
+    lses = (torch.randn(3, b1, b2, h, s, generator=g) * 3).to(device)
+    lses[1, 0, 1, 2] = NEG_INF
+    tol = 2 * torch.finfo(torch.float16).eps
+    ro2, rl2 = _ref_merge(outs[:2], lses[:2])
+    ro3, rl3 = _ref_merge(outs, lses)
+    for be in _backends(device):
+        with _maybe_backend(be):
+            for name, lv, buf in _lse_layouts(b1, b2, h, s, device):
+                o, l = merge_attention_states(outs[0], lses[0], outs[1], lses[1], out_lse=lv)
+                assert l is lv and _untouched_outside(buf, lv), (be, name)
+                assert max_err(o, ro2) <= tol * max(1.0, float(ro2.abs().max())), (be, name)
+                assert_lse_match(lv, rl2)
+                o, l = merge_attention_states_n(outs, lses, out_lse=lv)
+                assert l is lv and _untouched_outside(buf, lv), (be, name)
+                assert max_err(o, ro3) <= tol * max(1.0, float(ro3.abs().max())), (be, name)
+                assert_lse_match(lv, rl3)
+                # in place, the accumulator's LSE in this layout; the other input's LSE too
+                lv.copy_(lses[0])
+                lb = {n: v for n, v, _ in _lse_layouts(b1, b2, h, s, device)}[name]
+                lb.copy_(lses[1])
+                o_acc = outs[0].clone()
+                r = merge_attention_states_(o_acc, lv, outs[1], lb)
+                assert r[0] is o_acc and r[1] is lv and _untouched_outside(buf, lv), (be, name)
+                assert max_err(o_acc, ro2) <= tol * max(1.0, float(ro2.abs().max())), (be, name)
+                assert_lse_match(lv, rl2)
+
+
+def test_out_lse_aliasing_an_input_lse(device):
+    """out_lse may be lse_a or lse_b itself (here transposed views), or one of the N-way lses."""
+    s, h, d = 6, 3, 32
+    g = torch.Generator().manual_seed(12)
+    outs = torch.randn(3, s, h, d, generator=g).half().to(device)
+    raw = (torch.randn(3, s, h, generator=g) * 2).to(device)  # [N, S, H]
+    ro2, rl2 = _ref_merge(outs[:2], raw[:2].transpose(-1, -2))
+    ro3, rl3 = _ref_merge(outs, raw.transpose(-1, -2))
+    tol = 2 * torch.finfo(torch.float16).eps
+    for be in _backends(device):
+        with _maybe_backend(be):
+            ls = raw.clone().transpose(-1, -2)  # [N, H, S] view
+            o, l = merge_attention_states(outs[0], ls[0], outs[1], ls[1], out_lse=ls[1])
+            assert max_err(o, ro2) <= tol * max(1.0, float(ro2.abs().max())), be
+            assert_lse_match(ls[1], rl2)
+            ls = raw.clone().transpose(-1, -2)
+            o, l = merge_attention_states_n(outs, ls, out_lse=ls[2])
+            assert max_err(o, ro3) <= tol * max(1.0, float(ro3.abs().max())), be
+            assert_lse_match(ls[2], rl3)
+            # interleaved LSEs of one buffer share no element: accepted
+            buf = torch.full((h, s, 3), 123.0, device=device)
+            buf[..., 0], buf[..., 1] = raw[0].t(), raw[1].t()
+            o, l = merge_attention_states(outs[0], buf[..., 0], outs[1], buf[..., 1], out_lse=buf[..., 2])
+            assert_lse_match(buf[..., 2], rl2)
+            assert torch.equal(buf[..., 0], raw[0].t()) and torch.equal(buf[..., 1], raw[1].t()), be
+
+
+def test_out_lse_that_cannot_be_written_raises(device):
+    s, h, d = 4, 4, 16
+    oa = torch.randn(1, s, h, d).to(device)
+    la = torch.randn(1, h, s).to(device)
+    lb = torch.randn(1, h, s).to(device)
+    for be in _backends(device):
+        with _maybe_backend(be):
+            # elements that share memory
+            with pytest.raises(ValueError, match=r"out_lse with shape \(1, 4, 4\) strides \(4, 0, 1\) has elements "
+                                                 r"that share memory; expected one memory location per element"):
+                merge_attention_states(oa, la, oa, lb, out_lse=torch.zeros(1, 1, s, device=device).expand(1, h, s))
+            with pytest.raises(ValueError, match="share memory"):
+                merge_attention_states_(oa.clone(), torch.zeros(s, device=device).expand(1, h, s), oa, lb)
+            # lse_a's memory in another layout, shifted by one element, or o's memory
+            with pytest.raises(ValueError, match=r"out_lse \(strides \(16, 1, 4\)\) shares memory with lse_a .*"
+                                                 r"expected lse_a or lse_b itself"):
+                merge_attention_states(oa, la, oa, lb, out_lse=la.transpose(1, 2))
+            buf = torch.randn(h * s + 1, device=device)
+            with pytest.raises(ValueError, match="shares memory with lse_b"):
+                merge_attention_states(oa, la, oa, buf[:-1].view(1, h, s), out_lse=buf[1:].view(1, h, s))
+            with pytest.raises(ValueError, match="shares memory with o_a"):
+                merge_attention_states(oa, la, oa, lb, out_lse=oa[:, 0, :, :s])
+            lses = torch.stack([la, lb])
+            with pytest.raises(ValueError, match=r"shares memory with lses\[0\] .* expected lses\[0\] or lses\[1\]"):
+                merge_attention_states_n(torch.stack([oa, oa]), lses, out_lse=lses[0].transpose(1, 2))
+            # nothing was written
+            assert torch.equal(lses, torch.stack([la, lb])), be
+
+
+def test_overlap_helpers():
+    from xoffload.kernels.checks import has_internal_overlap, overlaps
+    b = torch.zeros(100)
+    assert not has_internal_overlap(b.as_strided((3, 2), (2, 3)))  # distinct, though strides interleave
+    assert has_internal_overlap(b.as_strided((3, 2), (1, 2)))  # offset 2 twice
+    assert not has_internal_overlap(b.as_strided((1, 4), (0, 1)))  # stride 0 on a dim of size 1
+    assert has_internal_overlap(torch.zeros(4, 1).expand(4, 3))
+    x = torch.zeros(4, 5, 3)
+    assert not overlaps(x[..., 0], x[..., 1]) and not overlaps(x[:2], x[2:])
+    assert overlaps(x[..., 0], x[..., 0]) and overlaps(x[..., 0], x[..., :2])
+    assert not overlaps(x.half(), x) and not overlaps(x.to("meta"), x.to("meta"))

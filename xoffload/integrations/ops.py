@@ -26,8 +26,9 @@ num_splits=None)``                          (out, lse) as above; same options (n
 ``rotary_emb(x, cos, sin, seqlen_offsets,   flash-attn's rotary embedding of x ``[B, S, H, D]``
 interleaved, same_position)``               with tables ``[N, R/2]`` at int32 ``[B]`` start
                                             positions -> rotated copy of x
-``merge_attention_states(o_a, lse_a, o_b,   o ``[..., S, H, D]``, lse ``[..., H, S]`` fp32 ->
-lse_b)``                                    merged (o, lse), exact by LSE
+``merge_attention_states(o_a, lse_a, o_b,   o ``[..., S, H, D]``, lse ``[..., H, S]`` fp32 of any
+lse_b)``                                    strides (e.g. ``[S, H].t()``) -> merged (o, lse
+                                            contiguous), exact by LSE
 ``kvcache_append_(k_cache!, v_cache!, k,    writes k/v ``[B, S_new, Hkv, D]`` into the caches at
 v, cache_seqlens, cache_batch_idx,          rows ``cache_batch_idx`` (or 0..B-1), positions
 block_table=None)``                         ``cache_seqlens[b] + i``; with ``block_table`` int32
@@ -413,7 +414,9 @@ def rotary(x, cos, sin, seqlen_offsets, interleaved: bool, same_position: bool =
 
 
 def merge(o_a, lse_a, o_b, lse_b):
-    """Two-way LSE merge (:func:`xoffload.kernels.merge_attention_states`); compile-safe."""
+    """Two-way LSE merge (:func:`xoffload.kernels.merge_attention_states`): o ``[..., S, H, D]``,
+    fp32 LSEs ``[..., H, S]`` of any strides -> (o, lse ``[..., H, S]``); compile-safe. Raises
+    TypeError / ValueError as the kernel."""
     if _compiling():
         return torch.ops.xoffload.merge_attention_states(o_a, lse_a, o_b, lse_b)
     return _K.merge_attention_states(o_a, lse_a, o_b, lse_b)

@@ -3,6 +3,7 @@
 The check vocabulary (each raises a one-line ``TypeError`` / ``ValueError`` naming the argument and
 the offending value, shape or dtype): :func:`check_tensor`, :func:`check_same`, :func:`check_heads`,
 :func:`check_qkv` (q/k/v of an attention call), :func:`check_out` (a caller's output buffer),
+:func:`has_internal_overlap` / :func:`overlaps` (memory shared by elements of output buffers),
 :func:`check_int`, :func:`check_pow2`, :func:`is_int`, :func:`check_eps`, :func:`check_bool`, :func:`check_cu_seqlens`,
 and flash-attn's attention options :func:`check_window`, :func:`check_softcap`,
 :func:`check_alibi_slopes`. The runtime, the sparse policies and the integrations use the same
@@ -248,6 +249,57 @@ def check_out(name: str, out, shape, dtype, device) -> None:
         raise ValueError(f"{name} is on {out.device}, expected {device}")
     if out.dim() > 0 and out.shape[-1] > 1 and out.stride(-1) != 1:
         raise ValueError(f"{name} must have a contiguous last dim, got strides {tuple(out.stride())}")
+
+
+def _element_offsets(t: torch.Tensor) -> torch.Tensor:
+    """Offsets (in elements, from ``t.data_ptr()``) of every element of ``t``: int64 on the CPU,
+    computed from the shape and strides (no data read, no device sync)."""
+    off = torch.zeros((), dtype=torch.int64)
+    for n, st in zip(t.shape, t.stride()):
+        off = off.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+    return off.reshape(-1)
+
+
+def _byte_span(t: torch.Tensor) -> tuple:
+    """``[first, last)`` byte addresses that ``t``'s elements can touch (``t`` non-empty)."""
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` share memory (e.g. an ``expand``-ed view, a stride of 0).
+
+    Exact: a cheap stride test proves most layouts distinct; the rest are checked element by element
+    from the strides (host-side arithmetic on ``t.numel()`` offsets, no data read)."""
+    if t.numel() <= 1:
+        return False
+    extent = 0
+    for st, n in sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1):
+        if st <= extent:
+            break
+        extent += (n - 1) * st
+    else:
+        return False
+    offs = _element_offsets(t)
+    return offs.unique().numel() != offs.numel()
+
+
+def overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when an element of ``a`` and an element of ``b`` share memory.
+
+    Exact for tensors of one dtype whose starts are a whole number of elements apart (element by
+    element, from the strides, when their byte spans intersect); otherwise any intersection of the
+    byte spans counts. Meta tensors and different devices never overlap."""
+    if a.device != b.device or a.device.type == "meta" or a.numel() == 0 or b.numel() == 0:
+        return False
+    (a0, a1), (b0, b1) = _byte_span(a), _byte_span(b)
+    if a1 <= b0 or b1 <= a0:
+        return False
+    es = a.element_size()
+    diff = b.data_ptr() - a.data_ptr()
+    if a.dtype != b.dtype or diff % es:
+        return True
+    return bool(torch.isin(_element_offsets(b) + diff // es, _element_offsets(a)).any())
 
 
 def check_eps(eps) -> float:

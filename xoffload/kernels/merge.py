@@ -15,8 +15,13 @@ Layout (the outputs of :func:`flash_attn_with_lse` and :func:`decode_attn_with_l
 ``o`` has shape ``[..., S, H, D]`` and its LSE has shape ``[..., H, S]`` (fp32, natural log), where
 ``...`` is any number (>= 0) of leading dims. So the dense layout ``o [B, S, H, D]`` /
 ``lse [B, H, S]``, the varlen layout ``o [T, H, D]`` / ``lse [H, T]`` and the decode layout
-``o [B, 1, H, D]`` / ``lse [B, H, 1]`` are all accepted. Only the last dim of an output must be
-contiguous; every other stride (also of the LSEs) is honoured.
+``o [B, 1, H, D]`` / ``lse [B, H, 1]`` are all accepted. Only the last dim of an output ``o`` must
+be contiguous; every other stride is honoured. LSEs, input and output, may have any strides (a
+transposed ``[S, H].t()`` view, a slice), passed to the kernel as they are. An output LSE whose
+leading dims cannot be flattened into one without a copy is written through a contiguous buffer
+that is copied back. What an output LSE cannot be: a tensor whose elements share memory (a stride
+of 0, an ``expand``-ed view), or one that shares memory with an input or the output ``o`` without
+being an input LSE itself (same start, shape and strides; the in-place form): both raise ValueError.
 
 CUDA tensors run an elementwise Triton kernel; CPU tensors run :func:`reference.merge_ref`, or the
 Triton code under ``TRITON_INTERPRET=1`` (see :mod:`xoffload.kernels.checks`).
@@ -28,7 +33,7 @@ import triton
 import triton.language as tl
 
 from . import reference
-from .checks import check_out, check_same, check_tensor, next_pow2, use_triton
+from .checks import check_out, check_same, check_tensor, has_internal_overlap, next_pow2, overlaps, use_triton
 
 __all__ = ["merge_attention_states", "merge_attention_states_n", "merge_attention_states_"]
 
@@ -61,11 +66,44 @@ def _check_state(o_name, o, lse_name, lse, min_dim=3):
         raise ValueError(f"{lse_name} is on {lse.device} but {o_name} is on {o.device}")
 
 
-def _check_out(out, out_lse, o_shape, device):
+def _same_view(a, b) -> bool:
+    """``a`` and ``b`` address the same elements in the same order (start, shape, strides)."""
+    return (a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and all(x == y for n, x, y in zip(a.shape, a.stride(), b.stride()) if n > 1))
+
+
+def _check_out(out, out_lse, o_shape, device, lse_ins, others):
+    """``out`` as :func:`check_out`; ``out_lse`` fp32 ``[..., H, S]`` of any strides whose elements
+    are distinct in memory, either one of ``lse_ins`` ((name, tensor) pairs) itself or sharing no
+    memory with them, with ``others`` or with ``out``."""
     if out is not None:
         check_out("out", out, o_shape, None, device)
-    if out_lse is not None:
-        check_out("out_lse", out_lse, _lse_shape(o_shape), torch.float32, device)
+    if out_lse is None:
+        return
+    if not isinstance(out_lse, torch.Tensor):
+        raise TypeError(f"out_lse must be a torch.Tensor, got {type(out_lse).__name__}")
+    if out_lse.dtype != torch.float32:
+        raise TypeError(f"out_lse has dtype {out_lse.dtype}, expected torch.float32")
+    want = _lse_shape(o_shape)
+    if tuple(out_lse.shape) != want:
+        raise ValueError(f"out_lse has shape {tuple(out_lse.shape)}, expected [..., H, S] = {want}")
+    if out_lse.device != torch.device(device):
+        raise ValueError(f"out_lse is on {out_lse.device}, expected {device}")
+    if has_internal_overlap(out_lse):
+        raise ValueError(
+            f"out_lse with shape {want} strides {tuple(out_lse.stride())} has elements that share memory; "
+            f"expected one memory location per element (any strides otherwise)"
+        )
+    names = " or ".join(n for n, _ in lse_ins) or "an input LSE"
+    for i, (name, t) in enumerate(list(lse_ins) + list(others) + [("out", out)]):
+        if t is None or (i < len(lse_ins) and _same_view(out_lse, t)):
+            continue
+        if overlaps(out_lse, t):
+            raise ValueError(
+                f"out_lse (strides {tuple(out_lse.stride())}) shares memory with {name} (shape {tuple(t.shape)} "
+                f"strides {tuple(t.stride())}); expected {names} itself (same start, shape and strides) or "
+                f"memory that no input or output uses"
+            )
 
 
 def _as4(name, o):
@@ -85,8 +123,9 @@ def _as4(name, o):
         return o.reshape(lead, s, h, d)
 
 
-def _as3(name, lse):
-    """View ``[..., H, S]`` as ``[L, H, S]``."""
+def _as3(lse, copy=True):
+    """View ``[..., H, S]`` (any strides) as ``[L, H, S]``; where the leading dims cannot be
+    flattened without a copy, a contiguous copy (``copy``) or None."""
     h, s = lse.shape[-2:]
     lead = 1
     for x in lse.shape[:-2]:
@@ -94,12 +133,15 @@ def _as3(name, lse):
     try:
         return lse.view(lead, h, s)
     except RuntimeError:
-        if name in ("out_lse",):
-            raise ValueError(
-                f"{name} with shape {tuple(lse.shape)} strides {tuple(lse.stride())}: its leading dims "
-                f"cannot be flattened without a copy"
-            ) from None
-        return lse.reshape(lead, h, s)
+        return lse.reshape(lead, h, s) if copy else None
+
+
+def _lse_target(out_lse, shape3):
+    """(``[L, H, S]`` tensor the kernel writes, whether it must be copied into ``out_lse`` after)."""
+    lo = _as3(out_lse, copy=False)
+    if lo is None:
+        return torch.empty(shape3, dtype=torch.float32, device=out_lse.device), True
+    return lo, False
 
 
 # ----------------------------------------------------------------------------------------------
@@ -226,8 +268,8 @@ def _geometry(o4, l3):
 def _launch_merge2(o_a, lse_a, o_b, lse_b, out, out_lse):
     """Triton 2-way merge; all tensors already validated, out/out_lse allocated (out_lse may be None)."""
     oa, ob, oo = _as4("o_a", o_a), _as4("o_b", o_b), _as4("out", out)
-    la, lb = _as3("lse_a", lse_a), _as3("lse_b", lse_b)
-    lo = _as3("out_lse", out_lse) if out_lse is not None else la
+    la, lb = _as3(lse_a), _as3(lse_b)
+    lo, copy_back = _lse_target(out_lse, la.shape) if out_lse is not None else (la, False)
     L, _, _, D = oa.shape
     if oa.numel() == 0:
         return
@@ -241,6 +283,8 @@ def _launch_merge2(o_a, lse_a, o_b, lse_b, out, out_lse):
         S, H, D, *sa, *sla, *sb, *slb, *so, *slo,
         WRITE_LSE=out_lse is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
     )
+    if copy_back:
+        out_lse.copy_(lo.view(out_lse.shape))
 
 
 def _launch_mergen(outs, lses, out, out_lse):
@@ -262,7 +306,7 @@ def _launch_mergen(outs, lses, out, out_lse):
     except RuntimeError:
         li = lses.reshape(N, lead, h, s)
     oo = _as4("out", out)
-    lo = _as3("out_lse", out_lse) if out_lse is not None else li[0]
+    lo, copy_back = _lse_target(out_lse, li.shape[1:]) if out_lse is not None else (li[0], False)
     if oo.numel() == 0:
         return
     S, H, si, sli = _geometry(oi[0], li[0])
@@ -274,6 +318,8 @@ def _launch_mergen(outs, lses, out, out_lse):
         N, S, H, d, oi.stride(0), *si, li.stride(0), *sli, *so, *slo,
         WRITE_LSE=out_lse is not None, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=4,
     )
+    if copy_back:
+        out_lse.copy_(lo.view(out_lse.shape))
 
 
 def _merge_reference(outs, lses):
@@ -296,10 +342,12 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None):
             the last dim must be contiguous). E.g. ``[B, S, H, D]`` (dense), ``[T, H, D]``
             (varlen), ``[B, 1, H, D]`` (decode).
         lse_a, lse_b: fp32 natural-log LSEs ``[..., H, S]`` (``[B, H, S]``, ``[H, T]``,
-            ``[B, H, 1]``); -inf marks an empty state (no keys).
+            ``[B, H, 1]``) of any strides (e.g. a ``[S, H].t()`` view); -inf marks an empty state.
         out: optional output ``[..., S, H, D]`` of any supported float dtype (cast on store); may
             be ``o_a`` or ``o_b`` itself (in-place). Its leading dims must be flattenable.
-        out_lse: optional fp32 ``[..., H, S]``; may be ``lse_a`` or ``lse_b``.
+        out_lse: optional fp32 ``[..., H, S]`` of any strides whose elements are distinct in
+            memory; may be ``lse_a`` or ``lse_b`` itself (same start, shape and strides), else it
+            must share no memory with the inputs or ``out``.
 
     Returns:
         ``(o, lse)``: o ``[..., S, H, D]`` in ``o_a.dtype`` (or ``out``), lse fp32 ``[..., H, S]``.
@@ -308,14 +356,17 @@ def merge_attention_states(o_a, lse_a, o_b, lse_b, *, out=None, out_lse=None):
     Raises:
         TypeError: a non-tensor, an unsupported dtype, mismatched output dtypes, a non-fp32 LSE.
         ValueError: shapes that disagree (naming the argument and shapes), tensors on different
-            devices, a non-contiguous last dim of an output.
+            devices, a non-contiguous last dim of an output ``o``, leading dims of ``out`` that
+            cannot be flattened, an ``out_lse`` whose elements share memory (stride 0, ``expand``)
+            or that shares memory with an input or ``out`` without being ``lse_a`` / ``lse_b``.
     """
     _check_state("o_a", o_a, "lse_a", lse_a)
     _check_state("o_b", o_b, "lse_b", lse_b)
     check_same([("o_a", o_a), ("o_b", o_b)])
     if o_a.shape != o_b.shape:
         raise ValueError(f"o_a has shape {tuple(o_a.shape)} but o_b has {tuple(o_b.shape)}; they must match")
-    _check_out(out, out_lse, o_a.shape, o_a.device)
+    _check_out(out, out_lse, o_a.shape, o_a.device, [("lse_a", lse_a), ("lse_b", lse_b)],
+               [("o_a", o_a), ("o_b", o_b)])
     if out is None:
         out = torch.empty(o_a.shape, dtype=o_a.dtype, device=o_a.device)
     if out_lse is None:
@@ -335,9 +386,10 @@ def merge_attention_states_n(outs, lses, *, out=None, out_lse=None):
     Args:
         outs: ``[N, ..., S, H, D]`` (fp16/bf16/fp32; last dim contiguous), e.g. ``[N, B, S, H, D]``
             or ``[N, T, H, D]``.
-        lses: fp32 ``[N, ..., H, S]``, e.g. ``[N, B, H, S]`` or ``[N, H, T]``.
+        lses: fp32 ``[N, ..., H, S]`` of any strides, e.g. ``[N, B, H, S]`` or ``[N, H, T]``.
         out: optional ``[..., S, H, D]`` of any supported float dtype (cast on store).
-        out_lse: optional fp32 ``[..., H, S]``.
+        out_lse: optional fp32 ``[..., H, S]`` of any strides whose elements are distinct in
+            memory; may be one ``lses[i]`` itself, else shares no memory with the inputs or ``out``.
 
     Returns:
         ``(o, lse)``: o ``[..., S, H, D]`` in ``outs.dtype`` (or ``out``), lse fp32 ``[..., H, S]``.
@@ -348,7 +400,8 @@ def merge_attention_states_n(outs, lses, *, out=None, out_lse=None):
     """
     _check_state("outs", outs, "lses", lses, min_dim=4)
     o_shape = tuple(outs.shape[1:])
-    _check_out(out, out_lse, o_shape, outs.device)
+    lse_ins = [(f"lses[{i}]", lses[i]) for i in range(outs.shape[0])] if out_lse is not None else []
+    _check_out(out, out_lse, o_shape, outs.device, lse_ins, [("outs", outs)])
     if out is None:
         out = torch.empty(o_shape, dtype=outs.dtype, device=outs.device)
     if out_lse is None:
@@ -368,8 +421,14 @@ def merge_attention_states_n(outs, lses, *, out=None, out_lse=None):
 def merge_attention_states_(o_acc, lse_acc, o_b, lse_b):
     """In-place accumulation: ``(o_acc, lse_acc) <- merge((o_acc, lse_acc), (o_b, lse_b))``.
 
-    Shapes and dtypes as :func:`merge_attention_states` (``o_b`` must have ``o_acc``'s dtype).
-    Start an accumulator with ``o_acc = 0``, ``lse_acc = -inf``. Returns ``(o_acc, lse_acc)``.
-    ``o_acc`` / ``lse_acc`` must have flattenable leading dims (any plain tensor does).
+    Shapes and dtypes as :func:`merge_attention_states` (``o_b`` must have ``o_acc``'s dtype):
+    ``o_acc`` ``[..., S, H, D]`` (last dim contiguous, leading dims flattenable: any plain tensor),
+    ``lse_acc`` fp32 ``[..., H, S]`` of any strides (e.g. a ``[S, H].t()`` view) whose elements
+    are distinct in memory. Start an accumulator with ``o_acc = 0``, ``lse_acc = -inf``. Both are
+    updated in place; returns ``(o_acc, lse_acc)``.
+
+    Raises:
+        TypeError / ValueError as :func:`merge_attention_states` (with ``out=o_acc``,
+        ``out_lse=lse_acc``): e.g. ValueError for an ``expand``-ed ``lse_acc``.
     """
     return merge_attention_states(o_acc, lse_acc, o_b, lse_b, out=o_acc, out_lse=lse_acc)
