@@ -98,7 +98,7 @@ class QuestDecode(DecodePolicy):
             need not be contiguous; :func:`~xoffload.sparse.quest_calibrate.calibrate_dense_layers` adds the layers where the
             min/max bound loses the most attention on calibration prompts (SmolLM2: ``(0, 1, 8,
             15, 18, 19)``: its bound misses the needle in retrieval layers 18-19 even at budget 1024 of 4K; see
-            ``benchmarks/calibrate_quest_layers.py``). Checked against the model's layers when the
+            ``tools/calibrate_quest_layers.py``). Checked against the model's layers when the
             store is built (ValueError naming the layers outside it); a non-int entry is a TypeError.
         group_score: how a KV head's query heads combine their page bounds (:func:`page_scores`):
             ``"max"`` (default, measured on the H200) or ``"softmax"`` (per-head softmax over pages,
@@ -414,7 +414,7 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
             an upper bound for every head of the group; ``"softmax"`` — each head's bounds through a
             softmax over the pages (``scale`` times the bound), summed over the group, so a head
             whose bounds are all alike does not outvote one that singles a page out (the CPU
-            diagnosis in ``benchmarks/diag_quest.py`` found it at the oracle's recall on SmolLM2).
+            diagnosis in ``tools/diag_quest.py`` found it at the oracle's recall on SmolLM2).
         scale: softmax scale for ``group="softmax"`` (default ``1/sqrt(D)``).
         channels, klab: optional exact channels ``[Hkv, r]`` and their values ``[Hkv, n_pages * P,
             r]`` (:class:`PageSummaries`); alpha: the range weight on the other channels (``[0,

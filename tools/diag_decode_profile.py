@@ -11,7 +11,7 @@ peak GPU memory of a request comes from, and where a steady decode step's time g
 
 Writes ``--out`` (JSON) and a text report beside it. Usage::
 
-    PYTHONPATH=$PWD python benchmarks/diag_decode_profile.py --config offload+quest \
+    PYTHONPATH=$PWD python tools/diag_decode_profile.py --config offload+quest \
         --lengths 32768,131072 --out /tmp/diag_decode.json
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 from _common import doc_summary, env_record, parse_gpu_args  # noqa: E402
 from bench_llm import _free, _prompt  # noqa: E402
 

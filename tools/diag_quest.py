@@ -15,7 +15,7 @@
    each sparse layer's output equals attention over sink + independently recomputed selected pages
    + tail.
 
-Usage: ``PYTHONPATH=$PWD python benchmarks/diag_quest.py [--length 2048] [--steps 12]``.
+Usage: ``PYTHONPATH=$PWD python tools/diag_quest.py [--length 2048] [--steps 12]``.
 """
 from __future__ import annotations
 

@@ -21,8 +21,8 @@ docs/DESIGN.md (session 12) gives the figures. ``--sass`` prints, for each form,
 count of every loop of the sm_90 SASS (compiled on the spot; no GPU needed: Triton's ptxas and
 nvdisasm), the MUFU, HGMMA and spill (LDL/STL) counts among them.
 
-Run: ``python benchmarks/diag_option_forms.py [--parts softcap,alibi,window] [--out FILE]``
-(writes ``benchmarks/results/option_forms.json``); ``python benchmarks/diag_option_forms.py --sass``.
+Run: ``python tools/diag_option_forms.py [--parts softcap,alibi,window] [--out FILE]``
+(writes ``benchmarks/results/option_forms.json``); ``python tools/diag_option_forms.py --sass``.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ import tempfile
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import torch  # noqa: E402
 

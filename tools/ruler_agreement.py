@@ -6,7 +6,7 @@ earlier and are equal up to there: agreement too). Prints, per mode and task, th
 samples that agree over N tokens and the mean agreeing prefix (tokens before the first difference,
 capped at N). With ``--into`` the figures are added to the JSON under ``"agreement_first_n"``.
 
-Usage: ``python benchmarks/ruler_agreement.py OUT/ruler.json [--tokens 64] [--into FILE.json]``.
+Usage: ``python tools/ruler_agreement.py OUT/ruler.json [--tokens 64] [--into FILE.json]``.
 """
 from __future__ import annotations
 

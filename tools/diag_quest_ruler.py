@@ -10,7 +10,7 @@ For a sample of ``--task`` at ``--length`` (xoffload.evals.tasks.build), prints:
   value tokens and whether Quest's selection holds the page with most of it ("needle recall"),
   for the scoring variants of :func:`xoffload.sparse.quest.page_scores`.
 
-Usage: ``PYTHONPATH=$PWD python benchmarks/diag_quest_ruler.py --task niah_single_2 --length 4096
+Usage: ``PYTHONPATH=$PWD python tools/diag_quest_ruler.py --task niah_single_2 --length 4096
 --sample 0 [--budget 512] [--page 32] [--steps 10] [--cache REC.pt --record-only]``.
 
 Replay (decode only, from recorded prefills: seconds per variant instead of a 4K prefill each):

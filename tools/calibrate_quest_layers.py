@@ -1,10 +1,10 @@
 """Which layers Quest should keep dense on a model: per sparse layer, the attention its min/max page
 selection loses over an oracle's (:func:`xoffload.sparse.quest_calibrate.calibrate_dense_layers`), on
-calibration prompts recorded by ``benchmarks/diag_quest.py`` (needle prompts of
+calibration prompts recorded by ``tools/diag_quest.py`` (needle prompts of
 ``xoffload.evals.needle``, not the RULER tasks the policy is evaluated on) or
-``benchmarks/diag_quest_ruler.py --cache``.
+``tools/diag_quest_ruler.py --cache``.
 
-Usage: ``PYTHONPATH=$PWD python benchmarks/calibrate_quest_layers.py SPEC[,SPEC...] [--budget 512]
+Usage: ``PYTHONPATH=$PWD python tools/calibrate_quest_layers.py SPEC[,SPEC...] [--budget 512]
 [--extra 4] [--out benchmarks/results/quest_layers_smollm2.json]``; a SPEC is a ``.pt`` record or
 ``needle:LENGTH:SEED:DEPTH`` (recorded now with ``diag_quest.record``, 12 greedy steps, cached in
 ``/tmp/quest_cal_needle_LENGTH_SEED_DEPTH.pt``). The figures in

@@ -23,8 +23,8 @@ call. Records: ``softcap_ws_run1.json`` (tma + ws, written by the script's first
 it stopped at the D=64 crash, so D=64 causal is missing), ``softcap_ws_run2.json`` (library + tma:
 the 128x64 / 4-warp / 2-stage TMA tile that the library adopted), ``softcap_ws_s13_d64.json``.
 
-Run: ``python benchmarks/diag_softcap_ws.py [--parts library,tma] [--shapes d128_h32_kv8]
-[--out FILE]`` on a GPU; ``python benchmarks/diag_softcap_ws.py --sass`` compiles this kernel's
+Run: ``python tools/diag_softcap_ws.py [--parts library,tma] [--shapes d128_h32_kv8]
+[--out FILE]`` on a GPU; ``python tools/diag_softcap_ws.py --sass`` compiles this kernel's
 variants for sm_90 here (no GPU) and prints their SASS size and whether the warps were split into
 groups (``setmaxnreg``).
 """
@@ -39,6 +39,7 @@ import sys
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 import torch  # noqa: E402
 import triton  # noqa: E402
