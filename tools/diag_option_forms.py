@@ -13,11 +13,11 @@ What it compares (bf16, batch 1, the shapes of ``bench_flash_attn.py``: D=128 32
 Each row: ms (median of ``triton.testing.do_bench``), TFLOP/s (``4 * Hq * D`` per visible pair),
 and the ratio to the plain kernel's TFLOP/s at its default config in the same run (timed twice:
 the spread is the run's noise). The library's defaults are what ``bench_flash_attn.py --suite
-options`` times; this script is how they were chosen. Session 12 also timed forms since removed
+options`` times; this script is how they were chosen. It also timed forms since removed
 (softcap against a static per-row reference, with and without a hand-pipelined loop; a conditional
 rescale; ALiBi's column term through the tensor cores): their records are
 ``benchmarks/results/option_forms_run{1,2,3}.json``, their code is in git at e2ad721, and
-docs/DESIGN.md (session 12) gives the figures. ``--sass`` prints, for each form, the instruction
+docs/DESIGN.md gives the figures. ``--sass`` prints, for each form, the instruction
 count of every loop of the sm_90 SASS (compiled on the spot; no GPU needed: Triton's ptxas and
 nvdisasm), the MUFU, HGMMA and spill (LDL/STL) counts among them.
 

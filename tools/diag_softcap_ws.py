@@ -2,7 +2,7 @@
 on-device TMA descriptors) lift softcap's share of the plain prefill's speed, and how does the
 library's kernel do in the tiles such a kernel prefers?
 
-Issue 13 asks softcap prefill for >= 0.9x our plain prefill's TFLOP/s. FlashAttention-3 (Shah et
+The target asks softcap prefill for >= 0.9x our plain prefill's TFLOP/s. FlashAttention-3 (Shah et
 al. 2024) overlaps one warpgroup's softmax with another's products by giving the loads to a
 producer warp and syncing through mbarriers; Triton >= 3.5 can build that producer / consumer
 split on sm_90 when the loads are TMA descriptors made on the device. This script holds a minimal

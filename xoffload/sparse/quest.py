@@ -42,7 +42,7 @@ __all__ = ["DEFAULT_REUSE_BIAS", "DecodePlan", "GROUP_SCORES", "PageSummaries", 
 GROUP_SCORES = ("max", "softmax")
 
 #: QuestDecode's reuse bias when none is given (group score "max"): a cached page gives way only to
-#: a page whose score says eight times its attention weight (2 in session 9; 8 since session 10,
+#: a page whose score says eight times its attention weight (2 earlier; 8 now,
 #: measured on the H200 for speed and on SmolLM2 for accuracy, see QuestDecode)
 DEFAULT_REUSE_BIAS = 8.0
 
@@ -141,7 +141,7 @@ class QuestDecode(DecodePolicy):
             :data:`DEFAULT_REUSE_BIAS` (8) with ``group_score="max"``, off with ``"softmax"``
             (:attr:`reuse_factor` is the value in use); 1.0: off. A value other than 1 needs
             ``group_score="max"`` (raw ``q·k`` scores). Chosen from measurements on the H200 and
-            SmolLM2 (docs/DESIGN.md, session 10): at 8 the 8B shape decodes 32K at 0.98x and 128K
+            SmolLM2 (docs/DESIGN.md): at 8 the 8B shape decodes 32K at 0.98x and 128K
             at 0.73x resident dense, RULER-style accuracy unchanged against 2.
         prefetch: offload with the page cache only — while layer ``l`` computes, layer ``l+1``'s
             pages are chosen from an estimate of its query (layer ``l+1``'s projection of layer
