@@ -75,9 +75,9 @@ def variant_configs() -> dict:
 
 def reuse_configs() -> dict:
     """Opt-in configurations (run only when ``--configs`` names them, at every length): ``quest``
-    and ``quest-ch`` without the page cache's reuse bias (``reuse_bias=1.0``; the default is on
-    since session 9, 2 then and 8 since session 10, :data:`xoffload.sparse.quest.DEFAULT_REUSE_BIAS`),
-    the comparison that measured it (session 9 ran these with the bias as the variant:
+    and ``quest-ch`` without the page cache's reuse bias (``reuse_bias=1.0``; the default is 8,
+    :data:`xoffload.sparse.quest.DEFAULT_REUSE_BIAS`),
+    the comparison that measured it (an earlier run ran these with the bias as the variant:
     ``offload+quest-reuse2``), and ``quest`` with the bias fixed at 2, 4 and 8 (the sweep that moved
     the default to 8, where ``offload+quest`` was the bias-2 row: ``offload+quest-reuse8`` is now
     the default ``offload+quest`` under a name that stays 8 if the default moves)."""

@@ -322,7 +322,7 @@ def plot_cap(series: dict, path: str) -> str:
     """Throughput against sequences of recorded cap parts, one line per label: ``series`` maps a
     label (e.g. ``"reuse bias 8"``) to result JSONs of this benchmark whose ``cap_part`` rows are
     merged (a later file's batch replaces an earlier one's); the resident row under the cap (the
-    first file's that has one) and 3x it (issue 15's target) as horizontal lines. Runs without a
+    first file's that has one) and 3x it (target) as horizontal lines. Runs without a
     GPU (``--replot-cap``)."""
     import matplotlib
 
@@ -469,7 +469,7 @@ def main(argv=None):
     new = 16 if a.quick else a.new
     from xoffload.sparse import QuestDecode
 
-    # reuse_bias None is the library default, which changed (2, then 8 since session 10): record its value
+    # reuse_bias None is the library default, which changed (2, then 8): record its value
     res = {"name": "batch", "preset": PRESET, "ctx": a.ctx, "new": new, "reuse_bias": a.reuse_bias,
            "reuse_factor": QuestDecode(reuse_bias=a.reuse_bias).reuse_factor,
            "dense_layers": list(_quest(a.budget).dense_layers), "exact_channels": EXACT_CHANNELS, "results": {}, "errors": {}, "tracebacks": {},

@@ -1,4 +1,4 @@
-"""Benchmark: host<->device KV transfers of the offload runtime (issue 3 section 3).
+"""Benchmark: host<->device KV transfers of the offload runtime (section 3).
 
 Measured (CUDA events / triton.testing.do_bench, never wall clock):
 

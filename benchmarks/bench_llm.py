@@ -1,4 +1,4 @@
-"""End-to-end model benchmark (issue 4 §5): random-weight Llama-3.1-8B shape, bf16, one GPU.
+"""End-to-end model benchmark (§5): random-weight Llama-3.1-8B shape, bf16, one GPU.
 
 Measured in one run, on the same random weights:
 - ours, ``gpu`` and ``offload`` modes: prefill tok/s, TTFT, decode ms/token, peak GPU memory, at

@@ -6,7 +6,7 @@ One sparse layer's selection reads its candidate pages' summaries: Quest's min a
 2). The ceiling is that many bytes at the device-to-device copy bandwidth measured in the same run
 (a scorer cannot read less). Times are CUDA-graph replays (the decode step replays its graph;
 ``do_bench`` around a call of a few microseconds measures the Python checks before the launch:
-session 7's first run, eager, read 33.5 us at 128K for a kernel the decode profile shows at
+ first run, eager, read 33.5 us at 128K for a kernel the decode profile shows at
 6.1 us), the eager call kept as ``ms_eager``. Peer: the same scores written in PyTorch (the fp32 reference
 functions run on the GPU: the nine-op form the kernels replace). Shapes: the Llama-3.1-8B decode
 shape (32 query / 8 KV heads, D 128, pages of 32 tokens) at 32K and 128K, and SmolLM2's (9 / 3

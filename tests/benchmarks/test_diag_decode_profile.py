@@ -1,10 +1,12 @@
-"""The memory attribution of benchmarks/diag_decode_profile.py on a synthetic allocator trace: the
+"""The memory attribution of tools/diag_decode_profile.py on a synthetic allocator trace: the
 peak of allocated bytes and what is alive at it, grouped by the first xoffload frame."""
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                                "tools"))
 
 import diag_decode_profile as D  # noqa: E402
 

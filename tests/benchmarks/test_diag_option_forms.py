@@ -1,4 +1,4 @@
-"""benchmarks/diag_option_forms.py without a GPU: its SASS loop counter on the prefill kernel's
+"""tools/diag_option_forms.py without a GPU: its SASS loop counter on the prefill kernel's
 option forms (compiled for sm_90 by Triton's ptxas in a subprocess, as test_compile_sm90 does), and
 the structure the edge loop is meant to give: a window's query block runs two loops with both masked
 edges in one, three without, and the unmasked interior loop is the same size either way."""
@@ -10,7 +10,7 @@ import sys
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SCRIPT = os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks", "diag_option_forms.py")
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tools", "diag_option_forms.py")
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""benchmarks/diag_softcap_ws.py without a GPU: its minimal TMA forward kernel computes attention
+"""tools/diag_softcap_ws.py without a GPU: its minimal TMA forward kernel computes attention
 (under the interpreter, fp16, against the fp32 reference with the dtype's tolerance), and Triton
 splits its loop into producer / consumer warp groups for sm_90 only with 4 warps (compiled here)."""
 import os
@@ -11,8 +11,8 @@ import torch
 from helpers import assert_lse_match, attention_in_dtype, max_err, out_tol
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-BENCH = os.path.join(os.path.dirname(os.path.dirname(HERE)), "benchmarks")
-sys.path.insert(0, BENCH)
+TOOLS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "tools")
+sys.path.insert(0, TOOLS)
 
 
 @pytest.mark.parametrize("causal,softcap", [(False, 0.0), (True, 0.0), (True, 5.0), (False, 5.0)])
@@ -40,7 +40,7 @@ def test_warp_specialization_splits_only_four_warps():
     code = ("import sys; sys.path.insert(0, %r); from diag_softcap_ws import sass; "
             "print(sass(64, (128, 64, 4, 2), True, False)['num_warps_compiled'], "
             "sass(64, (128, 64, 8, 2), True, False)['num_warps_compiled'], "
-            "sass(64, (128, 64, 4, 2), False, True)['SETMAXNREG'])" % BENCH)
+            "sass(64, (128, 64, 4, 2), False, True)['SETMAXNREG'])" % TOOLS)
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     if p.returncode != 0 and "ptxas" in p.stderr.lower() and "not found" in p.stderr.lower():
         pytest.skip("no ptxas in this Triton install")

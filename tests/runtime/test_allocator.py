@@ -58,7 +58,7 @@ def test_block_tables_prefer_contiguous_runs():
     assert block_runs(a.table(0), 3, 3, 16) == []
 
 
-# ------------------------------------------------------------ reference counts (issue 14)
+# ------------------------------------------------------------ reference counts
 def test_shared_blocks_refcounts_and_free():
     a = BlockAllocator(6, block_size=4)
     start = a.snapshot()

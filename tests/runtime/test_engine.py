@@ -384,7 +384,7 @@ def test_release_ring_buffers_between_steps_and_reclaim():
     assert e.release_ring_buffers() == per_ring
 
 
-# ------------------------------------------------------------- sharing / copy-on-write (issue 14)
+# ------------------------------------------------------------- sharing / copy-on-write
 def _fork_ref(r, parent, child, n):
     for l in range(r.eng.num_layers):
         r.k[(child, l)] = r.k[(parent, l)][:n].clone()

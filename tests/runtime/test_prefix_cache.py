@@ -1,4 +1,4 @@
-"""PrefixCache (runtime/prefix_cache.py) over OffloadEngine's shared blocks (issue 14): matching of
+"""PrefixCache (runtime/prefix_cache.py) over OffloadEngine's shared blocks: matching of
 full and partial blocks, exact KV read-back of reused prefixes, copy-on-write of a cached partial
 block, LRU leaf-first eviction that never touches a block a live sequence holds, the exhaustion
 error, stats, pool accounting.

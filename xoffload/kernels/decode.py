@@ -321,7 +321,7 @@ def _store_split_state(O, L, acc, m_i, l_i, split, b, s_row, hq, offs_d, mmask, 
 
 
 # Length-dependent integers are not specialised (divisible by 16 / equal to 1): a request at a
-# length not seen before must not compile a new variant (the stall of issue 12: 0.6 s).
+# length not seen before must not compile a new variant (a 0.6 s stall was seen).
 @triton.jit(do_not_specialize=["S_max", "B_cache", "NUM_SPLITS"])
 def _decode_split_kernel(
     Q, K, V, Lens, Lpad, Bidx, Slopes, O, L,

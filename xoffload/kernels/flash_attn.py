@@ -296,23 +296,23 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
         return LaunchConfig(128, 64, 8, 3)
     if dtype == torch.float32:
         return LaunchConfig(32, 16, 4, 2) if block_d <= 128 else LaunchConfig(16, 16, 4, 1)
-    # H200, bf16, causal window 4096 (session 12, diag_option_forms.py): at 128K 128x64 tiles with
+    # H200, bf16, causal window 4096 (tools/diag_option_forms.py): at 128K 128x64 tiles with
     # 8 warps run best (option_forms_run4.json: D=64 406-412 TFLOP/s against 378-382 in 64x64 / 4
-    # warps, D=128 453-457 against 421-442; session 10's 32K sweep had 8 warps losing, 319 against
-    # 415 at D=64, before session 11's kernel changes). A window with ALiBi at D=64 keeps 64x64 /
+    # warps, D=128 453-457 against 421-442; an earlier 32K sweep had 8 warps losing, 319 against
+    # 415 at D=64, before later kernel changes). A window with ALiBi at D=64 keeps 64x64 /
     # 4 warps (32K: 385 against 311 with 8 warps); with softcap the tiles tie. ALiBi at D=64 in
-    # 128x64 with 4 warps (session 10: causal 379 vs 320). Softcap at D=64 keeps the plain tiles
+    # 128x64 with 4 warps (causal 379 vs 320). Softcap at D=64 keeps the plain tiles
     # (TMA in them: 347 / 340 TFLOP/s against 335 / 350, non-causal / causal; softcap_ws_s13_d64.json).
     if window and alibi and block_d <= 64:
         return LaunchConfig(64, 64, 4, 3)
     if alibi and block_d <= 64:
-        # through TMA where it can (session 13, option_forms_s13_d64.json, 32K, head to head: causal
+        # through TMA where it can (32K, head to head: causal
         # 432 TFLOP/s against 412 with pointer loads, non-causal 405 against 400; the final
         # benchmark, attention_options_s13_scores.json: causal 423, non-causal 385 against 398-402
         # with pointer loads in two earlier runs)
         return LaunchConfig(128, 64, 4, 3, tma=tma)
     if 64 < block_d <= 128 and tma and not alibi:
-        # session 13: with Q / K / V through TMA a 128x64 tile fits one warpgroup (4 warps, 2
+        # With Q / K / V through TMA a 128x64 tile fits one warpgroup (4 warps, 2
         # stages) without the address registers of pointer loads (with pointer loads these tiles
         # spill: 150-180 TFLOP/s). 32K, D=128 (softcap_ws_run2.json, attention_options_s13*.json):
         # plain 514-532 TFLOP/s against 503-511 in 128x128 / 8 warps, softcap 471-487 against
@@ -357,7 +357,7 @@ def _tma_possible(q, k, v, opts) -> bool:
 
 def _edges_one_loop(opts) -> bool:
     """Whether the option path walks both masked edges of a query block in one loop: windows and
-    ALiBi. H200 (session 12, option_forms_run*.json): causal ALiBi at 32K, D=128, 0.98x plain
+    ALiBi. H200: causal ALiBi at 32K, D=128, 0.98x plain
     against 0.94-0.95x with three loops (two runs); a 4096 window at 128K, D=128, in 64x64 tiles
     1.10x the area-scaled causal time against 1.15x, and at its own 128x64 / 8-warp tiles within
     noise either way (D=64 1.11x against 1.09x, D=128 1.07x against 1.06x in one run; 1.10x / 1.04x

@@ -34,9 +34,9 @@ Softcap (``softcap * tanh(s / softcap)``) costs two MUFU operations per score on
 (``tanh.approx.f32`` and exp2) where the plain kernel has one. Cheaper forms (an fp16x2 tanh, a
 polynomial exp2 on part of the columns; a static per-row reference instead of the running max,
 with and without a hand-pipelined loop; a conditional rescale) were measured on the H200 and
-removed, as was ALiBi's column term through the tensor cores (docs/DESIGN.md, sessions 11-12).
+removed, as was ALiBi's column term through the tensor cores (docs/CHANGELOG.md).
 What lifted softcap at D=128 to 0.91-0.92x the plain kernel was the loads: through TMA (``USE_TMA``)
-its 128x64 tile fits one warpgroup (session 13).
+its 128x64 tile fits one warpgroup.
 """
 from __future__ import annotations
 

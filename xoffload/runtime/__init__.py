@@ -33,7 +33,7 @@ Contract notes (what a caller of the engine may rely on beyond the method list a
   (N x 2 x max_tokens x Hkv x D elements on the GPU), reused across steps.
 * ``offload_layer`` after decode steps (e.g. a second turn) is allowed: the decode buffer is
   flushed to the pool first.
-* Sharing (issue 14): ``add_sequence(prefix_blocks=, prefix_len=)`` starts a sequence on shared
+* Sharing: ``add_sequence(prefix_blocks=, prefix_len=)`` starts a sequence on shared
   physical blocks; ``fork(parent, n_tokens)`` shares a parent's first tokens; ``flush(seq)`` moves
   the decode buffer to the pool. Nobody writes into a shared block: the engine copies a shared,
   partly filled block (all layers, K and V) into a fresh one before a sequence's first write into

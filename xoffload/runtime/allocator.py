@@ -5,7 +5,7 @@ layer's pool array (``pool.k[layer][block]``). Sequences are keyed by the int id
 assigns (never ``id()`` of an object). Allocation prefers contiguous runs of physical blocks, so
 that a whole layer of a sequence is usually one large copy.
 
-Blocks are reference counted (prefix sharing, issue 14): a block may sit in several sequences'
+Blocks are reference counted (prefix sharing): a block may sit in several sequences'
 tables (``add(seq, shared=...)``) and be held by non-sequence holders such as the prefix cache
 (``retain`` / ``release``, counted apart as "external" references). A block is free exactly when
 its count is 0. Invariant (checked by :meth:`BlockAllocator.check`): ``refcount(b)`` = number of

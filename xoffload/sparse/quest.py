@@ -42,7 +42,7 @@ __all__ = ["DEFAULT_REUSE_BIAS", "DecodePlan", "GROUP_SCORES", "PageSummaries", 
 GROUP_SCORES = ("max", "softmax")
 
 #: QuestDecode's reuse bias when none is given (group score "max"): a cached page gives way only to
-#: a page whose score says eight times its attention weight (2 in session 9; 8 since session 10,
+#: a page whose score says eight times its attention weight (2 earlier; 8 now,
 #: measured on the H200 for speed and on SmolLM2 for accuracy, see QuestDecode)
 DEFAULT_REUSE_BIAS = 8.0
 
@@ -98,7 +98,7 @@ class QuestDecode(DecodePolicy):
             need not be contiguous; :func:`~xoffload.sparse.quest_calibrate.calibrate_dense_layers` adds the layers where the
             min/max bound loses the most attention on calibration prompts (SmolLM2: ``(0, 1, 8,
             15, 18, 19)``: its bound misses the needle in retrieval layers 18-19 even at budget 1024 of 4K; see
-            ``benchmarks/calibrate_quest_layers.py``). Checked against the model's layers when the
+            ``tools/calibrate_quest_layers.py``). Checked against the model's layers when the
             store is built (ValueError naming the layers outside it); a non-int entry is a TypeError.
         group_score: how a KV head's query heads combine their page bounds (:func:`page_scores`):
             ``"max"`` (default, measured on the H200) or ``"softmax"`` (per-head softmax over pages,
@@ -141,7 +141,7 @@ class QuestDecode(DecodePolicy):
             :data:`DEFAULT_REUSE_BIAS` (8) with ``group_score="max"``, off with ``"softmax"``
             (:attr:`reuse_factor` is the value in use); 1.0: off. A value other than 1 needs
             ``group_score="max"`` (raw ``q·k`` scores). Chosen from measurements on the H200 and
-            SmolLM2 (docs/DESIGN.md, session 10): at 8 the 8B shape decodes 32K at 0.98x and 128K
+            SmolLM2 (docs/DESIGN.md): at 8 the 8B shape decodes 32K at 0.98x and 128K
             at 0.73x resident dense, RULER-style accuracy unchanged against 2.
         prefetch: offload with the page cache only — while layer ``l`` computes, layer ``l+1``'s
             pages are chosen from an estimate of its query (layer ``l+1``'s projection of layer
@@ -414,7 +414,7 @@ def page_scores(q: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, *, grou
             an upper bound for every head of the group; ``"softmax"`` — each head's bounds through a
             softmax over the pages (``scale`` times the bound), summed over the group, so a head
             whose bounds are all alike does not outvote one that singles a page out (the CPU
-            diagnosis in ``benchmarks/diag_quest.py`` found it at the oracle's recall on SmolLM2).
+            diagnosis in ``tools/diag_quest.py`` found it at the oracle's recall on SmolLM2).
         scale: softmax scale for ``group="softmax"`` (default ``1/sqrt(D)``).
         channels, klab: optional exact channels ``[Hkv, r]`` and their values ``[Hkv, n_pages * P,
             r]`` (:class:`PageSummaries`); alpha: the range weight on the other channels (``[0,

@@ -1,7 +1,7 @@
 """Measured choices for :class:`~xoffload.sparse.quest.QuestDecode` on a given model: how much
 attention a layer's page selection loses against an oracle (:func:`selection_loss`) and which
 layers to keep dense because of it (:func:`calibrate_dense_layers`; Quest itself keeps layers 0-1
-dense from the sparsity it measured). Used by ``benchmarks/calibrate_quest_layers.py``.
+dense from the sparsity it measured). Used by ``tools/calibrate_quest_layers.py``.
 """
 from __future__ import annotations
 

@@ -1,0 +1,436 @@
+"""docs/RESULTS.md from benchmarks/results/*.json: ``python -m benchmarks.report [--check]``.
+
+The one source of the project's figures. Every table names the machine (the GPU recorded in the
+JSON), the commit the run measured, the command that made it, and whether the result is still
+current: a result is **stale** when the code it measures (``CODE`` below) changed after the
+recorded commit (``git log -1 -- PATHS`` is not an ancestor of it), **commit unknown** when the JSON
+records none, **commit not in history** when git does not know it. The output depends only on the
+JSON files and the git history, never on the clock.
+
+:data:`HEADLINES` holds the figures README.md quotes: anchor -> the numbers as printed; the test
+``tests/test_report.py`` checks that README's bold numbers on the line that links to an anchor are
+exactly these, and that the committed RESULTS.md equals a fresh :func:`render`.
+
+Plots: the PNGs in docs/ were drawn from the same JSONs by the scripts named under each table
+(``bench_e2e.py --replot``, ``bench_batch.py --replot-cap``); the report links them.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "benchmarks", "results")
+OUT = os.path.join(ROOT, "docs", "RESULTS.md")
+
+# benchmark -> the code it measures (a result is stale when any of it changed after its commit)
+_ENGINE = ["xoffload/engine", "xoffload/runtime", "xoffload/sparse", "xoffload/kernels", "xoffload/models"]
+CODE = {
+    "e2e": _ENGINE,
+    "batch": _ENGINE,
+    "session": _ENGINE,
+    "ruler": _ENGINE + ["xoffload/evals"],
+    "attention": ["xoffload/kernels/flash_attn.py", "xoffload/kernels/flash_attn_opts.py",
+                  "xoffload/kernels/launch.py"],
+    "decode": ["xoffload/kernels/decode.py"],
+    "paged_decode": ["xoffload/kernels/paged_decode.py"],
+    "merge": ["xoffload/kernels/merge.py"],
+    "topk": ["xoffload/kernels/topk.py"],
+    "quest_score": ["xoffload/kernels/quest_score.py", "xoffload/kernels/channel_score.py"],
+    "layer_ops": ["xoffload/kernels/norm.py", "xoffload/kernels/swiglu.py", "xoffload/kernels/rope.py"],
+    "xattn": ["xoffload/kernels/xattn.py", "xoffload/kernels/block_sparse.py", "xoffload/kernels/block_index.py",
+              "xoffload/sparse/xattention.py"],
+    "transfer": ["xoffload/runtime", "xoffload/kernels/gather.py"],
+    "needle": _ENGINE + ["xoffload/evals"],
+}
+
+# the latest run of the benchmarks the tables above do not show: kept, indexed with their status
+OTHER = {
+    "attention_options_s13.json": ("attention", "python benchmarks/bench_flash_attn.py --suite options "
+                                   "--cases window,paged,softcap,alibi --seqs 32768,131072"),
+    "attention_options_s13_scores.json": ("attention", "python benchmarks/bench_flash_attn.py --suite options "
+                                          "--cases softcap,alibi --no-flex"),
+    "xattn.json": ("xattn", "python benchmarks/bench_xattn.py --quick"),
+    "xattn_real.json": ("xattn", "python benchmarks/bench_xattention_real.py"),
+    "xattn_bs_sweep.json": ("xattn", "python benchmarks/bench_block_sparse.py --quick"),
+    "transfer.json": ("transfer", "python benchmarks/bench_engine.py --quick"),
+    "e2e_full.json": ("e2e", "python benchmarks/bench_e2e.py --time-budget 545 (the basis of --plan's timings)"),
+    "e2e_rest.json": ("e2e", "python benchmarks/bench_e2e.py --part qwen,smollm2,stall (the basis of --plan's timings)"),
+    "model.json": ("e2e", "python benchmarks/bench_llm.py"),
+    "needle_quest.json": ("needle", "python benchmarks/bench_needle_sparse.py"),
+    "needle_dense_h200.json": ("needle", "xoffload needle --lengths 1k,2k,4k,8k --num-depths 10"),
+}
+
+# file -> (benchmark, command that wrote it)
+SOURCES = {
+    "e2e_defaults_new64.json": ("e2e", "python benchmarks/bench_e2e.py --part 8b --lengths 32768,131072 "
+                                "--configs resident,offload+quest,offload+quest-ch --no-peers --new 64"),
+    "e2e.json": ("e2e", "python benchmarks/bench_e2e.py --time-budget 560"),
+    "ruler_smollm2_questch.json": ("ruler", None),  # the eval records its own command
+    "ruler_smollm2_session_s11.json": ("ruler", None),
+    "ruler_smollm2_fp32_hf.json": ("ruler", None),
+    "ruler_smollm2_reuse_s10.json": ("ruler", None),
+    "session_turns.json": ("session", "python benchmarks/bench_session.py --part profile,turns"),
+    "session_prefix_batch.json": ("session", "python benchmarks/bench_session.py --part prefix_batch"),
+    "batch_cap_b16_allsparse.json": ("batch", "python benchmarks/bench_batch.py --part cap --no-peers "
+                                     "--cap-batches 16 --cap-resident 1 --new 32 --dense-layers none"),
+    "batch_cap_b16_default.json": ("batch", "python benchmarks/bench_batch.py --part cap --no-peers "
+                                   "--cap-batches 16 --cap-resident 1 --new 32"),
+    "batch_long_128k.json": ("batch", "python benchmarks/bench_batch.py --part long --no-peers "
+                             "--long-batches max --new 32"),
+    "attention_s13.json": ("attention", "python benchmarks/bench_flash_attn.py --quick"),
+    "decode.json": ("decode", "python benchmarks/bench_decode.py"),
+    "paged_decode.json": ("paged_decode", "python benchmarks/bench_paged_decode.py --quick"),
+    "merge.json": ("merge", "python benchmarks/bench_merge.py"),
+    "topk.json": ("topk", "python benchmarks/bench_topk.py"),
+    "quest_score.json": ("quest_score", "python benchmarks/bench_quest_score.py"),
+    "layer_ops.json": ("layer_ops", "python benchmarks/bench_layer_ops.py --quick"),
+}
+
+GB = 1e9
+
+
+def load(name: str) -> dict:
+    with open(os.path.join(RESULTS, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+# ---------------------------------------------------------------- git: is a result still current
+def _git(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _last_change(paths: tuple) -> str | None:
+    out = _git("log", "-1", "--format=%H", "--", *paths).stdout.strip()
+    return out or None
+
+
+def env_of(d: dict) -> dict:
+    """GPU, commit and date of a result, wherever its schema keeps them."""
+    e = d.get("env") or d.get("meta") or d
+    commit = e.get("commit") or d.get("commit")
+    m = re.match(r"[0-9a-f]{7,40}", str(commit or ""))
+    gpu = e.get("gpu") or d.get("gpu")
+    if gpu is None and "H200" in str(d.get("command", "")):
+        gpu = "NVIDIA H200"
+    return {"gpu": gpu or "unknown", "commit": m.group(0)[:7] if m else None,
+            "dirty": "dirty" in str(commit or ""), "date": str(e.get("date") or "")[:10] or "unknown"}
+
+
+def status(commit: str | None, bench: str) -> str:
+    if not commit:
+        return "commit unknown"
+    if _git("cat-file", "-e", commit + "^{commit}").returncode != 0:
+        return "commit not in history"
+    last = _last_change(tuple(CODE[bench]))
+    if last and _git("merge-base", "--is-ancestor", last, commit).returncode != 0:
+        return "stale: the measured code changed since"
+    return "current"
+
+
+def provenance(name: str) -> str:
+    d = load(name)
+    bench, cmd = {**SOURCES, **OTHER}[name]
+    e = env_of(d)
+    cmd = cmd or re.sub(r"^\S*__main__\.py", "xoffload", str((d.get("meta") or {}).get("command") or d.get("command")))
+    cmd = re.sub(r" --out \S+", "", cmd)
+    commit = (e["commit"] or "unknown") + (" (uncommitted changes)" if e["dirty"] else "")
+    return (f"Source `benchmarks/results/{name}` · machine: {e['gpu']} · commit `{commit}` · {e['date']} · "
+            f"**{status(e['commit'], bench)}**  \nCommand: `{cmd}`")
+
+
+# ---------------------------------------------------------------- tables
+def fmt(x) -> str:
+    """Three significant figures or so: 5.91, 26.7, 349."""
+    if x is None:
+        return ""
+    return f"{x:.2f}" if abs(x) < 10 else f"{x:.1f}" if abs(x) < 100 else f"{x:.0f}"
+
+
+def table(header: list, rows: list) -> str:
+    out = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    out += ["| " + " | ".join(str(c) for c in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def anchor(aid: str) -> str:
+    return f'<a id="{aid}"></a>'
+
+
+HEADLINES: dict = {}
+
+
+def headline(aid: str, *values: str) -> str:
+    HEADLINES[aid] = list(values)
+    return anchor(aid)
+
+
+def steady(d: dict, key: str, length: int):
+    r = d["results"].get(key, {}).get(str(length))
+    return r.get("decode_steady_ms_per_token") if isinstance(r, dict) else None
+
+
+def sec_e2e_defaults() -> str:
+    name = "e2e_defaults_new64.json"
+    d = load(name)
+    w = d["models"]["8b"]["weights_bytes"]
+    rows = []
+    for cfg, label in [("resident", "`resident`"), ("offload+quest", "`offload+quest` (budget 2048)"),
+                       ("offload+quest-ch", "`offload+quest-ch` (16 exact channels)")]:
+        for L in (32768, 131072):
+            r = d["results"][f"8b/{cfg}"][str(L)]
+            ms, res = r["decode_steady_ms_per_token"], steady(d, "8b/resident", L)
+            ratio = ms / res
+            cell = label
+            if cfg == "offload+quest":
+                k = "128k" if L == 131072 else "32k"
+                vals = [f"{ms:.2f}", f"{res:.2f}"] + ([f"{(r['peak_gpu_memory_bytes'] - w) / GB:.2f}"] if L == 131072 else [])
+                cell = headline(f"e2e-8b-quest-{k}", *vals) + label
+            rows.append([cell, f"{L // 1024}K", f"{ms:.2f}", f"{ratio:.3f}×",
+                         f"{r['h2d_bytes_per_token'] / 1e6:.1f}" if r.get("h2d_bytes_per_token") else "0",
+                         f"{100 * r['cache_hit_rate']:.0f}%" if r.get("cache_hit_rate") else "",
+                         f"{(r['peak_gpu_memory_bytes'] - w) / GB:.2f}"])
+    return "\n\n".join([
+        "## End to end: Llama-3.1-8B shape, today's defaults", provenance(name),
+        f"Random weights, bf16, 64 new tokens; decode in the steady state (CUDA-graph replays). "
+        f"H2D {d['h2d_GBps']:.1f} GB/s and HBM copy {d['hbm_GBps']:.0f} GB/s measured in the same run.",
+        table(["configuration", "context", "decode ms/token", "÷ resident", "H2D MB/token", "cache hits",
+               "peak GPU memory − weights (GB)"], rows),
+        "![8B end to end, defaults](e2e_defaults_new64_8b.png)"])
+
+
+E2E_CONFIGS = ["resident", "resident+quest", "resident+quest-ch", "offload", "offload-uva", "offload-ring",
+               "offload+xattn", "offload+quest", "offload+quest-ch", "hf_gpu_cache", "hf_offloaded_cache"]
+
+
+def sec_e2e_all() -> str:
+    name = "e2e.json"
+    d = load(name)
+    parts = []
+    for part, title, png in [("8b", "Llama-3.1-8B shape (random weights)", "e2e_8b.png"),
+                             ("qwen3_8b", "Qwen3-8B shape (random weights)", "e2e_qwen3_8b.png"),
+                             ("smollm2", "SmolLM2-135M (real weights)", "e2e_smollm2.png")]:
+        lengths = sorted({int(L) for k, v in d["results"].items() if k.startswith(part + "/")
+                          and isinstance(v, dict) for L in v if L.isdigit()})
+        rows = []
+        for cfg in E2E_CONFIGS:
+            key = f"{part}/{cfg}"
+            if not isinstance(d["results"].get(key), dict):
+                continue
+            vals = [steady(d, key, L) for L in lengths]
+            cell = f"`{cfg}`"
+            if part == "8b" and cfg == "offload":
+                cell = headline("e2e-8b-offload", f"{vals[-1]:.0f}") + cell
+            rows.append([cell] + [fmt(v) for v in vals])
+        parts += [f"### {title}",
+                  table(["decode ms/token"] + [f"{L // 1024}K" for L in lengths], rows),
+                  f"![{title}]({png})"]
+    return "\n\n".join([
+        "## End to end: every configuration", provenance(name),
+        "bf16, 12 new tokens per point, decode in the steady state; `hf_*`: transformers `generate` "
+        "with its cache on the GPU / offloaded, on the same weights and prompts. The reuse bias was 2 then "
+        "(8 now): the Quest rows are slower than today's (table above)."] + parts)
+
+
+def ruler_rows(name: str, modes=None, base="resident") -> list:
+    d = load(name)
+    rows = []
+    for m, avg in d["average"].items():
+        if modes and m not in modes:
+            continue
+        by = d["average_by_length"].get(m, {})
+        ag = d["agreement"].get(m, {})
+        rows.append([m, avg, by.get("4096"), by.get("8192"),
+                     f"{ag['same_score']}/{ag['total']}" if ag else "",
+                     f"{ag['token_identical']}/{ag['total']}" if ag else ""])
+    return rows
+
+
+def sec_ruler() -> str:
+    out = ["## Accuracy: RULER-style, SmolLM2-135M",
+           "11 tasks (8 needle variants, variable tracking, common / frequent words) × 4K and 8K tokens, "
+           "score 0-100 averaged over the 22 cells; agreement with the first mode of the run, sample by sample."]
+    name = "ruler_smollm2_reuse_s10.json"
+    d = load(name)
+    rows = []
+    for m, avg in d["average"].items():
+        if m == "offload+quest-ch@512":
+            cell = headline("ruler-questch-512", f"{avg:.2f}", f"{d['average']['resident']:.2f}") + f"`{m}`"
+        else:
+            cell = f"`{m}`"
+        rows.append([cell, f"{d['prompts_per_mode'][m]}", f"{avg:.2f}", f"{d['average_on_common_prompts'][m]:.2f}"])
+    out += ["### Decode policies at budget 512, default reuse bias", provenance(name),
+            "The run's time limit stopped the last mode after 133 of 220 prompts; the last column averages the "
+            "133 prompts every mode answered.",
+            table(["mode", "prompts", "average", "average on the common 133"], rows)]
+    for name, title, png in [("ruler_smollm2_questch.json", "`quest-ch` at every budget", "ruler_smollm2_questch.png"),
+                             ("ruler_smollm2_session_s11.json", "Asked as the second turn of a session", None),
+                             ("ruler_smollm2_fp32_hf.json", "fp32: our resident mode against transformers (`hf`)", None)]:
+        rows = [[f"`{r[0]}`", f"{r[1]:.2f}", f"{r[2]:.2f}", f"{r[3]:.2f}", r[4], r[5]] for r in ruler_rows(name)]
+        out += [f"### {title}", provenance(name),
+                table(["mode", "average", "4K", "8K", "same score", "token-identical"], rows)]
+        if png:
+            out.append(f"![{title}]({png})")
+    return "\n\n".join(out)
+
+
+def sec_session() -> str:
+    name = "session_turns.json"
+    t = load(name)["results"]["turns"]
+    dense, sparse = t["turn2_dense"], t["turn3_sparse"]
+    rows = [[headline("session-ttft", f"{dense['ttft_ms']:.0f}", f"{sparse['ttft_ms']:.0f}")
+             + "dense history (every block once)", f"{dense['ttft_ms']:.0f}",
+             f"{dense['history_h2d_bytes'] / GB:.2f}", f"{dense['ratio_to_turn1']:.3f}×"],
+            [f"sparse history, {sparse['history_budget']} tokens per KV head", f"{sparse['ttft_ms']:.0f}",
+             f"{sparse['history_h2d_bytes'] / GB:.2f}", f"{sparse['ratio_to_turn1']:.3f}×"]]
+    name2 = "session_prefix_batch.json"
+    pb = load(name2)["results"]["prefix_batch"]
+    pc, nr = pb["prefix_caching"], pb["no_reuse"]
+    rows2 = [[headline("prefix-batch", f"{pc['ratio_all_to_one']:.2f}") + "prefix caching",
+              f"{pc['one_s']:.2f}", f"{pc['all_s']:.2f}", f"{pc['ratio_all_to_one']:.2f}×"],
+             ["no reuse", f"{nr['one_s']:.2f}", f"{nr['all_s']:.2f}", f"{nr['ratio_all_to_one']:.2f}×"]]
+    return "\n\n".join([
+        "## Sessions and prefix caching, Llama-3.1-8B shape", provenance(name),
+        f"One `offload` session with Quest decode: turn one appends a {t['history_tokens']}-token document "
+        f"({t['history_bytes'] / GB:.1f} GB of KV; prefill {t['turn1']['prefill_ms'] / 1000:.2f} s), then a "
+        f"{t['question_tokens']}-token question. TTFT by CUDA events; the PCIe floor of reading the whole history "
+        f"is {t['floor_ms']:.0f} ms.",
+        table(["second turn", "TTFT ms", "GB read from the pool", "÷ turn one's prefill"], rows),
+        provenance(name2),
+        f"`resident`, `max_num_seqs={pb['max_num_seqs']}`: {pb['questions']} questions of {pb['question_tokens']} "
+        f"tokens over one {pb['doc_tokens'] // 1024}K document, {pb['new_tokens']} new tokens each; all of them "
+        "against one alone.",
+        table(["", "one request (s)", f"all {pb['questions']} (s)", "ratio"], rows2)])
+
+
+def sec_batch() -> str:
+    out = ["## Batched decode, Llama-3.1-8B shape"]
+    rows = []
+    for name, label in [("batch_cap_b16_allsparse.json", "16 prompts, every layer sparse"),
+                        ("batch_cap_b16_default.json", "16 prompts, default policy (layers 0-1 dense)")]:
+        d = load(name)
+        c = d["results"]["cap_part"]
+        tg = c["targets"]
+        cell = label
+        if "allsparse" in name:
+            cell = headline("batch-cap-16", f"{tg['offload_quest_best_tok_per_s']:.0f}",
+                            f"{tg['offload_quest_over_resident']:.2f}") + label
+        rows.append([cell, tg["most_offload_quest_seqs"], f"{tg['offload_quest_best_tok_per_s']:.0f}",
+                     f"{tg['resident_under_cap_tok_per_s']:.0f}", f"{tg['offload_quest_over_resident']:.2f}×"])
+        out.append(provenance(name))
+    out += [f"32K-token contexts under a 24 GiB GPU cap (`torch.cuda.set_per_process_memory_fraction`); "
+            "`offload` + Quest (budget 2048, reuse bias 8) with a page cache per sequence; `resident` fits one "
+            "sequence there.",
+            table(["", "sequences at once", "offload+quest tok/s", "resident tok/s", "ratio"], rows)]
+    name = "batch_long_128k.json"
+    lp = load(name)["results"]["long_part"]
+    oq, rs = lp["offload_quest"], lp["resident"]
+    n = max(oq, key=int)
+    out += [provenance(name),
+            f"128K-token contexts, no cap: host memory holds {lp['host_max_seqs']} sequences, the GPU "
+            f"{lp['gpu_max_seqs']} for `resident`.",
+            table(["", "sequences", "tok/s", "ms per step", "H2D MB per sequence and token"],
+                  [["`offload` + Quest", n, f"{oq[n]['tok_per_s']:.0f}", f"{oq[n]['step_ms']:.2f}",
+                    f"{oq[n]['h2d_bytes_per_token'] / 1e6:.1f}"],
+                   ["`resident`", max(rs, key=int), f"{rs[max(rs, key=int)]['tok_per_s']:.0f}",
+                    f"{rs[max(rs, key=int)]['step_ms']:.2f}", ""]])]
+    return "\n\n".join(out)
+
+
+def sec_prefill() -> str:
+    name = "attention_s13.json"
+    d = load(name)
+    rows = []
+    for r in d["records"]:
+        impl = r["impl"]
+        ours = impl["ours"]["tflops"]
+        cell = f"{r['shape']}, {r['S'] // 1024}K, {'causal' if r['causal'] else 'full'}"
+        if r["shape"] == "d128_h32_kv8" and r["S"] == 32768 and r["causal"]:
+            cell = headline("prefill-32k", f"{ours:.0f}", f"{r['ratios']['ours/flex']:.2f}") + cell
+        peers = ", ".join(f"{k} {v['tflops']:.0f}" for k, v in impl.items() if k != "ours" and v.get("tflops"))
+        rows.append([cell, f"{ours:.0f}", peers, f"{r['ratios']['ours/flex']:.2f}×"])
+    return "\n\n".join(["## Kernels: dense prefill (`flash_attn_with_lse`)", provenance(name),
+                        "bf16, batch 1; TFLOP/s by " + d["flops_rule"] + "; peers in the same run (SDPA's FLASH "
+                        "and cuDNN backends return no LSE; FlexAttention does).",
+                        table(["shape (D, query / KV heads), length", "ours TFLOP/s", "peers TFLOP/s", "ours ÷ Flex"],
+                              rows)])
+
+
+def _label(r: dict) -> str:
+    if r.get("name"):
+        return f"{r.get('kernel', '')} {r['name']}".strip()
+    bits = [str(r.get(k)) for k in ("kernel", "case", "heads") if r.get(k)]
+    for k, u in (("Sk", " tokens"), ("tokens", " tokens"), ("page", "-token pages"), ("B", " sequences")):
+        if r.get(k) is not None:
+            bits.append(f"{r[k]}{u}")
+    return ", ".join(bits)
+
+
+def sec_rows(name: str, title: str, frac_key: str, frac_label: str, head=None) -> str:
+    d = load(name)
+    rows = []
+    for r in d["rows"]:
+        cell = _label(r)
+        if head and head[0](r):
+            cell = headline(head[1], *[f(r) for f in head[2]]) + cell
+        rows.append([cell, f"{r['ms'] * 1000:.1f}", f"{r['GBps']:.0f}",
+                     f"{r[frac_key]:.2f}" if r.get(frac_key) is not None else ""])
+    return "\n\n".join([f"## Kernels: {title}", provenance(name),
+                        table(["case", "µs", "GB/s", frac_label], rows)])
+
+
+def sec_other() -> str:
+    out = ["## Other recorded runs",
+           "The latest run of each benchmark the tables above do not show (their figures are in the JSON)."]
+    for name in OTHER:
+        out.append("- " + provenance(name).replace("  \n", " · "))
+    return "\n\n".join(out)
+
+
+def render() -> str:
+    HEADLINES.clear()
+    secs = [sec_e2e_defaults(), sec_e2e_all(), sec_ruler(), sec_session(), sec_batch(), sec_prefill(),
+            sec_rows("decode.json", "split-KV decode (`decode_attn_with_lse`)", "frac_of_hbm_copy",
+                     "÷ HBM copy",
+                     (lambda r: r["Sk"] == 131072 and r["B"] == 1 and r["Hq"] == 32, "decode-128k",
+                      [lambda r: f"{r['GBps'] / 1000:.2f}", lambda r: f"{100 * r['frac_of_hbm_copy']:.0f}"])),
+            sec_rows("paged_decode.json", "paged decode (`paged_decode_attn_with_lse`)", "frac_of_contiguous",
+                     "÷ contiguous decode"),
+            sec_rows("merge.json", "LSE merge (`merge_attention_states`)", "frac_of_hbm_copy", "÷ HBM copy"),
+            sec_rows("topk.json", "exact top-k (the page choice)", "ratio_to_launch_floor", "÷ launch floor"),
+            sec_rows("quest_score.json", "Quest page scores", "frac_of_hbm_copy", "÷ HBM copy"),
+            sec_rows("layer_ops.json", "fused RMSNorm / SwiGLU / QKV + RoPE", "frac_of_hbm_copy", "÷ HBM copy"), sec_other()]
+    head = ["# Results",
+            "<!-- generated by `python -m benchmarks.report` from benchmarks/results/*.json; do not edit by hand -->",
+            "Every figure of the project, from the recorded JSON. Each table names the machine, the commit it "
+            "measured, the command, and its status: **current** (the measured code has not changed since), "
+            "**stale** (it has: rerun the command), **commit unknown**. Terms: [DESIGN.md, Glossary]"
+            "(DESIGN.md#glossary)."]
+    return "\n\n".join(head + secs) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="Write docs/RESULTS.md from benchmarks/results/*.json.")
+    ap.add_argument("--check", action="store_true", help="exit 1 if docs/RESULTS.md differs from a fresh report")
+    ap.add_argument("--out", default=OUT, help="where to write (default docs/RESULTS.md)")
+    args = ap.parse_args(argv)
+    text = render()
+    if args.check:
+        with open(args.out, encoding="utf-8") as f:
+            same = f.read() == text
+        print("docs/RESULTS.md is up to date" if same else "docs/RESULTS.md differs: run python -m benchmarks.report")
+        return 0 if same else 1
+    with open(args.out, "w", encoding="utf-8") as f:
+        f.write(text)
+    print(f"wrote {os.path.relpath(args.out, ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
