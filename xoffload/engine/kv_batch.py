@@ -268,7 +268,17 @@ class BatchKV:
         self.active = torch.zeros(R, dtype=torch.int64, device=self.device)
         self.n = 0
         self.max_len = max([s.final_len for s in seqs] + [1])
+        self.max_prompt = max([s.prompt_len for s in seqs] + [1])
+        self.max_new = max([s.req.max_new for s in seqs] + [1])
         self._closed = False
+
+    def check_shape(self, seq) -> None:
+        """ValueError when ``seq`` is longer than the store's per-row tables were sized for (its
+        prompt, new tokens or whole length over the largest request it was opened for): the
+        engine then opens a store sized for it once the running sequences are done."""
+        if seq.final_len > self.max_len or seq.prompt_len > self.max_prompt or seq.req.max_new > self.max_new:
+            raise ValueError(f"prompt {seq.index} ({seq.prompt_len} prompt + {seq.req.max_new} new tokens) is longer "
+                             f"than this store's rows ({self.max_prompt} prompt, {self.max_new} new, {self.max_len} in all)")
 
     @classmethod
     def open(cls, model, config, shared, seqs) -> "BatchKV":
@@ -415,6 +425,7 @@ class ResidentBatchKV(BatchKV):
         return f"the KV pool holds {self.pool.num_blocks * self.block} tokens ({why})"
 
     def check(self, seq):
+        self.check_shape(seq)
         n = _blocks(seq.final_len, self.block)
         if n > self.pool.num_blocks:
             raise ValueError(f"prompt {seq.index} needs {n * self.block} tokens of KV ({seq.prompt_len} prompt + "
@@ -530,6 +541,7 @@ class OffloadBatchKV(BatchKV):
         return max(seq.req.max_new - 1, 0)
 
     def check(self, seq):
+        self.check_shape(seq)
         n = self._prompt_blocks(seq)
         if n > self.cap_blocks:
             raise ValueError(f"prompt {seq.index} needs {n * self.block} tokens of KV in the CPU pool ({seq.prompt_len} "
@@ -865,6 +877,7 @@ class OffloadQuestBatchKV(BatchKV):
                 _blocks(self._summary_pages(p), SUMMARY_BLOCK))
 
     def check(self, seq):
+        self.check_shape(seq)
         nb, nt, ns = self._needs(seq)
         if self.dpool is not None and nb > self.dpool.num_blocks:  # cannot happen: sized from the requests
             raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of dense-layer KV on the GPU but "

@@ -8,7 +8,6 @@ from tqdm.auto import tqdm
 
 from . import inputs
 from .llm_engine import LLMEngine
-from .request import RequestOutput
 from .scheduler import Sequence
 
 __all__ = ["LLM"]
@@ -77,12 +76,15 @@ class LLM:
         """A conversation whose KV stays stored between turns (:class:`~.session.Session`):
         ``s.generate(prompt, params)`` / ``s.chat(message, params)`` prefill only the new tokens
         against the stored history (dense, or the Quest-chosen pages of it with
-        ``history_budget`` tokens per KV head) and answer; ``s.close()`` frees the KV. Raises
-        ValueError for ``max_num_seqs > 1``, the ring offload store and bad options."""
+        ``history_budget`` tokens per KV head) and answer; ``s.close()`` frees the KV. With
+        ``max_num_seqs > 1`` a :class:`~.session_prefix.PrefixSession`: turns of many
+        conversations share decode steps, their KV kept by the prefix cache. Raises ValueError
+        for the ring offload store and bad options."""
         from .session import Session
+        from .session_prefix import PrefixSession
 
-        return Session(self.engine, history_budget=history_budget, dense_layers=dense_layers,
-                       recent_pages=recent_pages)
+        cls = Session if self.config.max_num_seqs == 1 else PrefixSession
+        return cls(self.engine, history_budget=history_budget, dense_layers=dense_layers, recent_pages=recent_pages)
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False,
                  length_warning: str = "warn") -> list:
@@ -197,5 +199,3 @@ def _request(e: LLMEngine, ids: list, sp):
     return Request.make(ids, sp, max_model_len=c.max_model_len, seed=c.seed, stop_ids=e.stop_ids,
                         device=e.model.device)
 
-
-RequestOutput = RequestOutput  # re-exported for ``from xoffload.engine.llm import RequestOutput``

@@ -8,7 +8,8 @@ the work under a lock; an abort from the thread that drives the loop, between st
 once); one thread at a time runs :meth:`step`, which holds the device.
 
 Store epochs: the KV store (the table in :func:`~.kv_batch.batch_store_class`) is opened when the
-engine goes busy, its GPU pools sized from the requests waiting then (and the free GPU memory), and
+engine goes busy, its GPU pools sized for ``max_num_seqs`` requests like the largest one waiting
+then (within the free GPU memory), and
 closed when the engine is idle again (its pinned host pool and the prefix cache live as long as the
 engine). A request that arrives while the store is open and fits it joins the running batch at the
 next step; one the store cannot hold waits (and the requests behind it: first in, first out) until
@@ -228,18 +229,16 @@ class LLMEngine:
         with self._lock:
             if request_id not in self._requests:
                 raise ValueError(f"unknown request_id {request_id!r}")
-        kept, final = [], None
-        while final is None:
-            for o in self.step():
-                if o.request_id == request_id and o.finished:
-                    final = o
-                else:
-                    kept.append(o)
-            if final is None and not self._holds(request_id):
-                raise RuntimeError(f"request {request_id!r} finished in a step another caller consumed")
-        with self._lock:
-            self._outputs[:0] = kept
-        return final
+        while True:
+            with self._step_lock:  # steps and hand-backs of concurrent waiters do not interleave
+                outs = self.step()
+                final = next((o for o in outs if o.request_id == request_id and o.finished), None)
+                with self._lock:
+                    self._outputs[:0] = [o for o in outs if o is not final]
+                if final is not None:
+                    return final
+                if not self._holds(request_id):
+                    raise RuntimeError(f"request {request_id!r} finished in a step another caller consumed")
 
     def _holds(self, request_id: str) -> bool:
         with self._lock:
@@ -343,7 +342,11 @@ class LLMEngine:
         kw = dict(self.store_kw)
         if self.prefix_cache is not None and self.store_cls is OffloadBatchKV:
             kw["prefix_cache"] = self.prefix_cache
-        store = self.store_cls.open(self.model, self.config, self.offload, seqs, **kw)
+        # sized for max_num_seqs requests like the largest waiting one, so that requests of its
+        # size arriving later join the running batch
+        big = max(seqs, key=lambda s: (s.req.final_len, len(s.req.ids)))
+        sizing = seqs + [big] * max(0, self.config.max_num_seqs - len(seqs))
+        store = self.store_cls.open(self.model, self.config, self.offload, sizing, **kw)
         r = self._runner = StepRunner(self.model, self.config, store, self.clock)
         self._epoch_start = self.clock.mark()
         self._store_info = store.describe()

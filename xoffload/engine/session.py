@@ -66,7 +66,7 @@ class Session:
     chunk).
 
     Args:
-        engine: the engine (``max_num_seqs=1``).
+        engine: the engine (``max_num_seqs=1``; above, :class:`~.session_prefix.PrefixSession`).
         history_budget: None (each chunk attends to the whole history: *dense history*) or the
             tokens of history each sparse layer's chunk attends to per KV head (*sparse history*:
             a multiple of ``page_size``, at least two pages; the sink, the recent pages and the
@@ -85,14 +85,15 @@ class Session:
     """
 
     def __init__(self, engine, *, history_budget: int | None = None, dense_layers: int | None = None,
-                 recent_pages: int = 4):
+                 recent_pages: int = 4, batched: bool = False):
         from .kv_store import store_class
 
         if engine.closed:
             raise ValueError("this LLM was closed; create a new one")
         cfg = engine.config
-        if cfg.max_num_seqs != 1:
-            raise ValueError(f"sessions need max_num_seqs=1, got {cfg.max_num_seqs}")
+        if cfg.max_num_seqs != 1 and not batched:
+            raise ValueError(f"a Session holds its KV itself and needs max_num_seqs=1, got {cfg.max_num_seqs}: "
+                             f"use LLM.session(), which gives a PrefixSession there")
         if cfg.tensor_parallel_size != 1:
             raise ValueError(f"sessions run on one device; tensor_parallel_size={cfg.tensor_parallel_size} "
                              f"is not supported for them yet")

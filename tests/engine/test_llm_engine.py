@@ -1,0 +1,289 @@
+"""The step loop (xoffload.engine.llm_engine.LLMEngine): requests join and leave between steps and
+give the tokens they give alone; step outputs stream each request's tokens; abort frees a request's
+KV at once; submission from several threads; bad input leaves the engine serving; a long mixed
+run (requests, aborts, session turns) leaks no block. CPU, tiny random model, greedy: token for
+token."""
+import random
+import threading
+
+import pytest
+import torch
+
+from xoffload import LLMEngine
+from xoffload.engine import LLM, SamplingParams
+
+from .llm_helpers import tiny_random
+
+SDPA = {"prefill_attn": "sdpa"}
+SP = SamplingParams(max_tokens=6, ignore_eos=True)
+MODES = [("gpu", {}), ("offload", {"kv_block_size": 32})]
+
+
+def _prompts(lens, seed=0, vocab=256):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+def _alone(prompts, sp=SP):
+    llm = LLM(tiny_random(), mode="gpu", max_model_len=512, **SDPA)
+    return [llm.generate(p, sp)[0].token_ids for p in prompts]
+
+
+def _run(engine, finals=None):
+    """Step until idle; returns {request_id: final output} and checks every output's shape."""
+    finals = {} if finals is None else finals
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            assert o.request_id not in finals, "an output after the final one"
+            if o.finished:
+                finals[o.request_id] = o
+            else:
+                assert o.finish_reason is None and o.text is None  # no tokenizer on the random model
+    return finals
+
+
+@pytest.mark.parametrize("mode,kw", MODES)
+def test_requests_join_mid_run_and_stream(mode, kw):
+    """B joins after A has decoded a few steps, C after B (both run beside A: the store is sized
+    for max_num_seqs requests like A); D, longer than A, waits for a store sized for it. Each
+    gives its one-request tokens, and the unfinished outputs of a request grow token by token up
+    to its final ones."""
+    prompts = _prompts([130, 40, 90, 300], seed=1)
+    ref = _alone(prompts)
+    e = LLMEngine(tiny_random(), mode=mode, max_model_len=512, max_num_seqs=4, **SDPA, **kw)
+    seen, finals, most = {}, {}, 0
+    e.add_request("a", prompts[0], SP)
+    for step in range(40):
+        if step == 2:
+            e.add_request("b", prompts[1], SP)
+        if step == 3:
+            e.add_request("c", prompts[2], SP)
+            e.add_request("d", prompts[3], SP)
+        for o in e.step():
+            prev = seen.get(o.request_id, [])
+            assert o.token_ids[:len(prev)] == prev and len(o.token_ids) >= len(prev)
+            seen[o.request_id] = o.token_ids
+            if o.finished:
+                finals[o.request_id] = o
+        if e._runner is not None:
+            most = max(most, len(e._runner.sched.running))
+    _run(e, finals)
+    assert [finals[r].token_ids for r in "abcd"] == ref
+    assert all(finals[r].finish_reason == "length" for r in "abcd")
+    assert most == 3
+
+
+@pytest.mark.parametrize("mode,kw", MODES)
+def test_abort_mid_decode_frees_blocks_at_once(mode, kw):
+    e = LLMEngine(tiny_random(), mode=mode, max_model_len=512, max_num_seqs=2, **SDPA, **kw)
+    p = _prompts([100, 70], seed=2)
+    e.add_request("keep", p[1], SP)
+    e.add_request("x", p[0], SamplingParams(max_tokens=50, ignore_eos=True))
+    e.step()
+    e.step()
+    free_running = e.num_free_blocks
+    e.abort_request("x")  # between steps, from the thread that drives the loop: freed now
+    if mode == "offload":
+        assert e.num_free_blocks > free_running
+        assert len(e.offload.sequences()) == 1
+    else:
+        assert e.num_free_blocks > free_running  # the store's GPU pool
+    e.abort_request(["x", "unknown"])  # finished and unknown ids are ignored
+    finals = _run(e)
+    assert finals["x"].finish_reason == "abort" and finals["x"].finished
+    assert finals["keep"].token_ids == _alone([p[1]])[0]
+    if mode == "offload":
+        assert e.num_free_blocks == e.offload.allocator.num_blocks and e.offload.sequences() == []
+        e.offload.allocator.check()
+    else:
+        assert e.num_free_blocks is None  # idle: no store open
+
+
+def test_abort_a_waiting_request_and_bad_input_leave_the_engine_serving():
+    e = LLMEngine(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, kv_cache_tokens=256,
+                  max_num_seqs=1, **SDPA)
+    p = _prompts([50, 60], seed=3)
+    e.add_request("a", p[0], SP)
+    e.add_request("b", p[1], SP)
+    e.step()  # a runs, b waits (one at a time)
+    e.abort_request("b")
+    with pytest.raises(ValueError, match="already in use"):
+        e.add_request("a", p[0], SP)
+    with pytest.raises(ValueError, match=r"prompt big needs 288 tokens of KV in the CPU pool .*holds 256"):
+        e.add_request("big", _prompts([270], seed=4)[0], SP)
+    with pytest.raises(ValueError, match="token id 999"):
+        e.add_request("bad", [1, 999], SP)
+    with pytest.raises(TypeError, match="request_id"):
+        e.add_request(7, p[0], SP)
+    finals = _run(e)
+    assert finals["b"].finish_reason == "abort" and finals["b"].token_ids == []
+    assert finals["a"].token_ids == _alone([p[0]])[0]
+    assert e.num_free_blocks == e.offload.allocator.num_blocks
+
+
+def test_threads_submit_while_one_loop_drives_the_device():
+    """Four threads add requests (and a session's turns run from two more threads) while the main
+    thread steps; every request gets its one-request tokens."""
+    e = LLMEngine(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, max_num_seqs=4, **SDPA)
+    prompts = _prompts([30 + 7 * i for i in range(16)], seed=5)
+    ref = _alone(prompts)
+    go = threading.Barrier(5)
+
+    def submit(t):
+        go.wait()
+        for i in range(t, 16, 4):
+            e.add_request(f"r{i}", prompts[i], SP)
+
+    threads = [threading.Thread(target=submit, args=(t,)) for t in range(4)]
+    for t in threads:
+        t.start()
+    go.wait()
+    finals = {}
+    while any(t.is_alive() for t in threads) or e.has_unfinished_requests():
+        for o in e.step():
+            if o.finished:
+                finals[o.request_id] = o
+    for t in threads:
+        t.join()
+    assert [finals[f"r{i}"].token_ids for i in range(16)] == ref
+
+
+def test_session_turns_from_threads_equal_serial_turns():
+    m = tiny_random()
+    p = _prompts([60, 20, 80, 25, 40, 15], seed=6)
+    serial = LLM(m, mode="offload", kv_block_size=32, max_model_len=512, **SDPA)
+    want = []
+    for a, b in ((p[0], p[1]), (p[2], p[3]), (p[4], p[5])):
+        with serial.session() as s:
+            want.append([s.generate(a, SP).token_ids, s.generate(b, SP).token_ids])
+    llm = LLM(m, mode="offload", kv_block_size=32, max_model_len=512, **SDPA)
+    got = [None] * 3
+
+    def talk(i):
+        with llm.session() as s:
+            got[i] = [s.generate(p[2 * i], SP).token_ids, s.generate(p[2 * i + 1], SP).token_ids]
+
+    threads = [threading.Thread(target=talk, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == want
+    assert llm.offload.sequences() == [] and llm.offload.num_free_blocks == llm.offload.allocator.num_blocks
+
+
+def _serial_conversations(convs, sp=SP):
+    """Each conversation's answers from a session holding its KV, one turn after another."""
+    llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, **SDPA)
+    out = []
+    for turns in convs:
+        with llm.session() as s:
+            out.append([s.generate(t, sp).token_ids for t in turns])
+    return out
+
+
+def test_conversations_share_decode_steps_and_keep_their_kv():
+    """Four conversations of two turns each, submitted turn by turn from one thread: each turn of
+    all four runs in the same decode steps; the second turn prefills only its new tokens (the first
+    turn's prompt comes from the prefix cache) and every answer equals a held-KV session's."""
+    prompts = _prompts([70, 20, 90, 15, 40, 33, 120, 9], seed=11)
+    convs = [prompts[2 * i:2 * i + 2] for i in range(4)]
+    want = _serial_conversations(convs)
+    llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, max_num_seqs=4,
+              prefix_caching=True, **SDPA)
+    e, sessions = llm.engine, [llm.session() for _ in convs]
+    got = [[] for _ in convs]
+    for turn in range(2):
+        rids = {s.submit(c[turn], SP): i for i, (s, c) in enumerate(zip(sessions, convs))}
+        finals = _run(e)
+        assert e.stats["max_running"] == 4
+        for rid, i in rids.items():
+            got[i].append(finals[rid].token_ids)
+            t = finals[rid].timings
+            if turn == 1:
+                assert t["history_tokens"] == len(convs[i][0]) and t["chunk_tokens"] == len(SP_ANSWER) + len(convs[i][1])
+    assert got == want
+    for s in sessions:
+        s.close()
+    assert e.offload.sequences() == []
+    e.offload.allocator.check()
+
+
+SP_ANSWER = [0] * SP.max_tokens
+
+
+def test_evicted_conversation_prefills_its_history_again():
+    """A pool that holds two of three documents: the least recently used conversation's blocks go,
+    its next turn says how many history tokens it computed again, and its answer is unchanged."""
+    prompts = _prompts([200, 10, 200, 10, 200, 10], seed=12)
+    convs = [prompts[2 * i:2 * i + 2] for i in range(3)]
+    want = _serial_conversations(convs)
+    llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, max_num_seqs=2,
+              kv_cache_tokens=16 * 32, prefix_caching=True, **SDPA)
+    ss = [llm.session() for _ in convs]
+    first = [s.generate(c[0], SP).token_ids for s, c in zip(ss, convs)]
+    last = ss[2].generate(convs[2][1], SP)  # the most recent document: still cached
+    oldest = ss[0].generate(convs[0][1], SP)  # evicted by the third document
+    assert [[first[0], oldest.token_ids], [first[2], last.token_ids]] == [want[0], want[2]]
+    assert last.timings["history_recomputed_tokens"] == 0 and last.timings["history_tokens"] == 200
+    assert oldest.timings["history_recomputed_tokens"] > 0 and oldest.timings["history_tokens"] < 200
+    assert llm.offload.sequences() == []
+    llm.offload.allocator.check()
+
+
+@pytest.mark.slow
+def test_200_mixed_requests_aborts_and_turns_leak_nothing():
+    """200 requests of random lengths and max_tokens through 4 slots, one in ten aborted at a
+    random step, conversation turns in between; afterwards every pool block is free (or held by
+    the prefix cache only) and the allocator's books balance; the requests not aborted give their
+    one-request tokens (checked on a sample)."""
+    rnd = random.Random(7)
+    m = tiny_random()
+    e = LLMEngine(m, mode="offload", kv_block_size=32, max_model_len=256, kv_cache_tokens=2048,
+                  max_num_seqs=4, prefix_caching=True, **SDPA)
+    from xoffload.engine.session_prefix import PrefixSession
+    convs = [PrefixSession(e) for _ in range(3)]
+    prompts = _prompts([rnd.randint(1, 150) for _ in range(200)], seed=8)
+    sps = [SamplingParams(max_tokens=rnd.randint(1, 8), ignore_eos=True) for _ in range(200)]
+    aborted, finals, turns = set(), {}, set()
+    for i in range(200):
+        e.add_request(f"r{i}", prompts[i], sps[i])
+        if rnd.random() < 0.1:
+            aborted.add(f"r{i}")
+        if i % 5 == 4:
+            for o in e.step():
+                if o.finished:
+                    finals[o.request_id] = o
+            e.abort_request([r for r in aborted if r not in finals])
+        if i % 20 == 10:
+            c = convs[(i // 20) % 3]
+            if not c.busy:
+                turns.add(c.submit(_prompts([rnd.randint(1, 20)], seed=i)[0], SP))
+    _run(e, finals)
+    assert len(finals) == 200 + len(turns) and turns <= set(finals)
+    assert sum(c.turns for c in convs) == len(turns) >= 3
+    for r in aborted:
+        assert finals[r].finish_reason in ("abort", "length")
+    ref_llm = LLM(m, mode="gpu", max_model_len=256, **SDPA)
+    for i in rnd.sample([i for i in range(200) if f"r{i}" not in aborted], 10):
+        assert finals[f"r{i}"].token_ids == ref_llm.generate(prompts[i], sps[i])[0].token_ids
+    assert e.offload.sequences() == []
+    assert e.num_free_blocks + e.prefix_cache.evictable_blocks() == e.offload.allocator.num_blocks
+    e.prefix_cache.clear()
+    assert e.num_free_blocks == e.offload.allocator.num_blocks
+    e.offload.allocator.check()
+
+
+def test_resident_engine_keeps_serving_after_close_and_offload_refuses():
+    p = _prompts([20], seed=9)[0]
+    for mode, kw in MODES:
+        e = LLMEngine(tiny_random(), mode=mode, max_model_len=128, **SDPA, **kw)
+        e.add_request("a", p, SP)
+        e.close()
+        if mode == "gpu":
+            assert not e.has_unfinished_requests() or _run(e)["a"].finish_reason in ("abort", "error", "length")
+            e.add_request("b", p, SP)
+            assert _run(e)["b"].token_ids == _alone([p])[0]
+        else:
+            with pytest.raises(ValueError, match="closed"):
+                e.add_request("b", p, SP)
