@@ -8,10 +8,30 @@ flash-attn-style API, torch custom ops).
 """
 __version__ = "0.1.0"
 
-from .integrations.flash_api import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
-from .engine import LLM, EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from .sparse import DensePrefill, PrefillPolicy, XAttentionPrefill, xattention_prefill
+# Names resolved on first use (PEP 562), so that ``import xoffload`` and the command line's
+# ``--help`` load no torch, Triton or model code.
+_LAZY = {
+    "LLM": ".engine", "LLMEngine": ".engine", "EngineConfig": ".engine", "RequestOutput": ".engine", "SamplingParams": ".engine",
+    "PrefillPolicy": ".sparse", "DensePrefill": ".sparse", "XAttentionPrefill": ".sparse",
+    "xattention_prefill": ".sparse",
+    "flash_attn_func": ".integrations.flash_api", "flash_attn_varlen_func": ".integrations.flash_api",
+    "flash_attn_with_kvcache": ".integrations.flash_api",
+}
 
 __all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "SamplingParams", "PrefillPolicy", "DensePrefill",
            "XAttentionPrefill", "flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache",
            "xattention_prefill"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

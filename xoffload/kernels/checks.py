@@ -209,28 +209,80 @@ def check_cu_seqlens(name: str, cu: torch.Tensor, total: int | None, device, val
         raise ValueError(f"{name}[-1] = {int(c[-1])} must equal the packed length {total}")
 
 
+#: the layout of the 4-D inputs of the attention kernels (q, k, v, KV caches)
+FLASH_LAYOUT = "[batch, seqlen, heads, head_dim] (flash-attn layout)"
+
+
+def _qkv_problem(qs, ks, vs, names, where, same_batch) -> str | None:
+    """The first shape problem of q, k, v shapes ``qs``, ``ks``, ``vs`` (``vs`` None: no v), or None."""
+    qn, kn, vn = names
+    if vs is not None and ks != vs:
+        return f"{kn} and {vn} must have the same shape{where}, got {kn} {ks} and {vn} {vs}"
+    if same_batch and qs[0] != ks[0]:
+        return f"{qn} and {kn} must have the same batch size: {qn} {qs}, {kn} {ks}"
+    if qs[-1] != ks[-1]:
+        return f"{qn} and {kn} must have the same head_dim: {qn} {qs}, {kn} {ks}{where}"
+    hq, hkv, d = qs[-2], ks[-2], qs[-1]
+    if hkv <= 0 or hq <= 0:
+        return f"head counts must be positive: {qn} has {hq} heads, {kn} has {hkv}"
+    if hq % hkv != 0:
+        return f"{qn} heads ({hq}) must be a multiple of {kn} heads ({hkv}) (GQA)"
+    if d <= 0 or d > MAX_HEAD_DIM:
+        return f"head_dim must be in [1, {MAX_HEAD_DIM}], got {d}"
+    return None
+
+
+def _transposed_names(shapes, names, where, same_batch) -> list:
+    """Which of the 4-D tensors, read as ``[B, H, S, D]`` (dims 1 and 2 swapped), make the shape
+    check pass: the cheapest choices (k and v swapped together count as one), each a list of names;
+    ``[]`` when no choice does."""
+    import itertools
+
+    present = [i for i, sh in enumerate(shapes) if sh is not None]
+    found, best = [], None
+    for r in range(1, len(present) + 1):
+        for pick in itertools.combinations(present, r):
+            cost = len(pick) - (1 if 1 in pick and 2 in pick else 0)
+            sw = [sh if i not in pick else (sh[0], sh[2], sh[1], sh[3]) for i, sh in enumerate(shapes)]
+            if _qkv_problem(*sw, names, where, same_batch) is None and (best is None or cost <= best):
+                found, best = ([] if best is not None and cost < best else found) + [[names[i] for i in pick]], cost
+    return found
+
+
 def check_qkv(q, k, v, ndim: int, layout: str = "", *, same_batch: bool = False,
               names=("q", "k", "v")) -> None:
     """Check the q, k, v of an attention call: tensors of ``ndim`` dims, a supported dtype, contiguous
     last dim, one dtype and device, k and v of one shape, q's head_dim equal to k's and a valid GQA
     ratio (heads are dim -2, head_dim dim -1); with ``same_batch`` also q's dim 0 equal to k's.
     ``v`` may be None (a q/k-only call). ``layout`` (e.g. ``"[B, S, H, D]"``) and ``names`` (the
-    arguments' names) appear in the errors. Raises TypeError / ValueError."""
+    arguments' names) appear in the errors. Raises TypeError / ValueError.
+
+    4-D inputs are :data:`FLASH_LAYOUT` ``[batch, seqlen, heads, head_dim]``, not PyTorch SDPA's
+    ``[batch, heads, seqlen, head_dim]``. A ``[B, H, S, D]`` tensor is caught when its shape then
+    disagrees with the others' (GQA ratio, k/v shapes), and the error names it and says to pass
+    ``.transpose(1, 2)``; when every tensor is transposed and the lengths happen to agree as head
+    counts (e.g. ``Sq == Sk``), the shapes are valid and nothing can tell."""
     qn, kn, vn = names
     named = [(qn, q), (kn, k)] + ([(vn, v)] if v is not None else [])
     for name, t in named:
         check_tensor(name, t, ndim)
     check_same(named)
     where = f" ({layout})" if layout else ""
-    if v is not None and tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"{kn} and {vn} must have the same shape{where}, got {kn} {tuple(k.shape)} and "
-                         f"{vn} {tuple(v.shape)}")
-    if same_batch and q.shape[0] != k.shape[0]:
-        raise ValueError(f"{qn} and {kn} must have the same batch size: {qn} {tuple(q.shape)}, {kn} {tuple(k.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"{qn} and {kn} must have the same head_dim: {qn} {tuple(q.shape)}, "
-                         f"{kn} {tuple(k.shape)}{where}")
-    check_heads(q.shape[-2], k.shape[-2], q.shape[-1], qn, kn)
+    shapes = [tuple(q.shape), tuple(k.shape), None if v is None else tuple(v.shape)]
+    problem = _qkv_problem(*shapes, names, where, same_batch)
+    if problem is None:
+        return
+    if ndim == 4:
+        problem += f"; expected {FLASH_LAYOUT}"
+        options = [" and ".join(o) for o in _transposed_names(shapes, names, where, same_batch)]
+        if options:
+            if len(options) > 1:
+                who, verb = f"either {', or '.join(options)},", "looks"
+            else:
+                who, verb = options[0], "look" if " and " in options[0] else "looks"
+            problem += (f"; {who} {verb} like [B, H, S, D] (swapping its dims 1 and 2 makes the shapes agree): "
+                        f"pass .transpose(1, 2)")
+    raise ValueError(problem)
 
 
 def check_out(name: str, out, shape, dtype, device) -> None:

@@ -141,7 +141,10 @@ def decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, *, softmax_scale=No
     Args:
         q: ``[B, Sq, Hq, D]`` fp16/bf16/fp32 (only the last dim must be contiguous); ``Sq`` small
             (1 for decode; a few for a speculative draft; the rows of all Sq tokens share each K/V
-            tile). Query row i sits at position ``n - Sq + i`` of its sequence of n keys.
+            tile). Query row i sits at position ``n - Sq + i`` of its sequence of n keys. This is
+            flash-attn's layout ``[batch, seqlen, heads, head_dim]`` (also of the caches), not
+            PyTorch SDPA's ``[B, H, S, D]``: a transposed tensor is named in the error when the
+            shapes then disagree (:func:`~xoffload.kernels.checks.check_qkv`).
         k_cache, v_cache: ``[B_cache, S_max, Hkv, D]``, same dtype/device as q, any strides but the
             last dim (e.g. slices of a larger buffer). ``Hq % Hkv == 0``; query head h reads KV head
             ``h // (Hq // Hkv)``. ``D <= 256``. ``B_cache == B`` unless ``cache_batch_idx`` is given.

@@ -641,7 +641,10 @@ def flash_attn_with_lse(q, k, v, *, causal=False, softmax_scale=None, window_siz
     """Scaled dot-product attention over a padded batch, returning the output and its LSE.
 
     Args:
-        q: ``[B, Sq, Hq, D]`` fp16 / bf16 / fp32; only the last dim must be contiguous.
+        q: ``[B, Sq, Hq, D]`` fp16 / bf16 / fp32; only the last dim must be contiguous. This is
+            flash-attn's layout ``[batch, seqlen, heads, head_dim]``, not PyTorch SDPA's
+            ``[B, H, S, D]``: a transposed q, k or v is named in the error when the shapes then
+            disagree (:func:`~xoffload.kernels.checks.check_qkv`).
         k, v: ``[B, Sk, Hkv, D]``, same dtype and device as ``q``; ``Hq % Hkv == 0`` (GQA: query
             head ``h`` reads KV head ``h // (Hq // Hkv)``); ``D <= 256``. With ``block_table``:
             paged caches ``[num_pages, page_size, Hkv, D]`` and ``Sk`` is

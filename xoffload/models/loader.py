@@ -106,9 +106,32 @@ def _check_shapes(cfg: ModelConfig, w: Weights, source: str) -> None:
 
 
 def resolve_dtype_device(dtype, device):
+    """``(torch.dtype, torch.device)`` from user values.
+
+    Args:
+        dtype: None (bf16 on CUDA, fp32 elsewhere), a ``torch.dtype`` (bf16, fp16 or fp32) or a name
+            (``"bf16"``, ``"bfloat16"``, ``"fp16"``, ``"float16"``, ``"half"``, ``"fp32"``, ``"float32"``).
+        device: None (CUDA when available, else the CPU), a ``torch.device`` or a string (``"cuda"``,
+            ``"cuda:N"``, ``"cpu"``). ``"cuda"`` resolves to the current CUDA device (with its index).
+
+    Raises:
+        ValueError: an unknown device string; a CUDA device when no CUDA is available (a CPU build of
+            torch, or no visible GPU) or one whose index is out of range; an unknown dtype name.
+        TypeError: a dtype other than bf16, fp16 or fp32.
+    """
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {device!r}; use 'cuda', 'cuda:N' or 'cpu'") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch is a CPU-only build" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise ValueError(f"device {str(device)!r} asked for, but no CUDA is available ({why}); use device='cpu'")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r} asked for, but only {torch.cuda.device_count()} CUDA "
+                             f"device(s) are visible")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     if dtype is None:
