@@ -11,8 +11,9 @@ prefills the missing part again at its next turn, and its timings say how many t
 (``history_recomputed_tokens``). The history is read whole (no ``history_budget``): the decode
 policy (``sparse_decode``) still chooses what each decode step reads.
 
-In ``resident`` mode the cached blocks live in the store's GPU pool, which holds them while the
-engine is busy; a turn after the engine went idle prefills the conversation again.
+Without ``prefix_caching`` every turn prefills the whole conversation again (the answers are
+the same). In ``resident`` mode the cached blocks live in the store's GPU pool, which holds them
+while the engine is busy; a turn after the engine went idle prefills the conversation again.
 """
 from __future__ import annotations
 
@@ -28,8 +29,7 @@ class PrefixSession(Session):
     as :class:`~.session.Session` (``generate``, ``chat``, ``append``, ``submit``, ``close``).
 
     Raises:
-        ValueError: ``history_budget`` (the history is read whole), no ``prefix_caching``, and as
-            :class:`~.session.Session`.
+        ValueError: ``history_budget`` (the history is read whole), and as :class:`~.session.Session`.
     """
 
     def __init__(self, engine, *, history_budget: int | None = None, dense_layers=None, recent_pages: int = 4):
@@ -37,9 +37,6 @@ class PrefixSession(Session):
             raise ValueError(f"history_budget={history_budget}: sessions with max_num_seqs="
                              f"{engine.config.max_num_seqs} read their history whole (their KV is the prefix "
                              f"cache's); use max_num_seqs=1 for a sparse history")
-        if not engine.config.prefix_caching:
-            raise ValueError(f"sessions with max_num_seqs={engine.config.max_num_seqs} keep their KV between turns "
-                             f"through the prefix cache: pass prefix_caching=True")
         super().__init__(engine, dense_layers=dense_layers, recent_pages=recent_pages, batched=True)
 
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, request_id: str | None = None,
