@@ -32,4 +32,6 @@ def test_api_tour_runs(capsys):
     assert a1["history_tokens"] == 1500 and a2["history_sparse_layers"] == 2  # every layer sparse
     assert 0 < a2["history_h2d_bytes"] < a1["history_h2d_bytes"]
     assert ns["again"].timings["prefix_reused_tokens"] == 1504  # all but the last prompt token
-    assert "tok" not in capsys.readouterr().err
+    printed = capsys.readouterr()
+    assert "tok" not in printed.err
+    assert "('r1', [" in printed.out and ", True)]" in printed.out  # the step loop's outputs, the last one finished

@@ -9,7 +9,8 @@ once); one thread at a time runs :meth:`step`, which holds the device.
 
 Store epochs: the KV store (the table in :func:`~.kv_batch.batch_store_class`) is opened when the
 engine goes busy, its GPU pools sized for ``max_num_seqs`` requests like the largest one waiting
-then (within the free GPU memory), and
+then with :data:`HEADROOM` more prompt (within the free GPU memory: a conversation's next turn is
+its last prompt plus the answer and a question), and
 closed when the engine is idle again (its pinned host pool and the prefix cache live as long as the
 engine). A request that arrives while the store is open and fits it joins the running batch at the
 next step; one the store cannot hold waits (and the requests behind it: first in, first out) until
@@ -38,7 +39,21 @@ from .runner import StepRunner
 from .sampling import SamplingParams
 from .scheduler import FINISHED, Sequence
 
-__all__ = ["LLMEngine"]
+__all__ = ["LLMEngine", "HEADROOM"]
+
+#: a store is sized for prompts this much longer than the longest one waiting when it opens
+HEADROOM = 1.25
+
+
+def _headroom(seqs, config):
+    """A stand-in request that sizes a store (only its lengths are read): the longest waiting
+    prompt times :data:`HEADROOM` (within ``max_model_len``), with the most new tokens asked."""
+    from types import SimpleNamespace
+
+    new = max(s.req.max_new for s in seqs)
+    p = min(int(max(s.prompt_len for s in seqs) * HEADROOM) + 1, config.max_model_len - new + 1)
+    p = max(p, max(s.prompt_len for s in seqs))
+    return SimpleNamespace(prompt_len=p, final_len=p + new - 1, req=SimpleNamespace(max_new=new))
 
 
 class LLMEngine:
@@ -249,6 +264,7 @@ class LLMEngine:
             work, self._inbox = list(self._inbox), deque()
         for kind, x in work:
             if kind == "add":
+                x.marks["queued"] = self.clock.mark()  # the queue time counts from here
                 if self._runner is not None:
                     self._runner.sched.add(x, check=False)
                 else:
@@ -342,17 +358,13 @@ class LLMEngine:
         kw = dict(self.store_kw)
         if self.prefix_cache is not None and self.store_cls is OffloadBatchKV:
             kw["prefix_cache"] = self.prefix_cache
-        # sized for max_num_seqs requests like the largest waiting one, so that requests of its
-        # size arriving later join the running batch
-        big = max(seqs, key=lambda s: (s.req.final_len, len(s.req.ids)))
-        sizing = seqs + [big] * max(0, self.config.max_num_seqs - len(seqs))
+        sizing = seqs + [_headroom(seqs, self.config)] * max(1, self.config.max_num_seqs - len(seqs))
         store = self.store_cls.open(self.model, self.config, self.offload, sizing, **kw)
         r = self._runner = StepRunner(self.model, self.config, store, self.clock)
         self._epoch_start = self.clock.mark()
         self._store_info = store.describe()
         refused = False
         for s in seqs:
-            s.marks["queued"] = self._epoch_start
             try:
                 r.sched.add(s)
             except ValueError as e:
