@@ -16,7 +16,7 @@ def shared_model(monkeypatch):
     """Serve the already loaded SmolLM2 to the CLI (loading is tested elsewhere; saves ~10 s per call)."""
     m = smollm2()
     import xoffload.models as models
-    import xoffload.engine.llm as llm_mod
+    import xoffload.engine.llm_engine as llm_mod
 
     def fake_load(model=None, **kw):
         assert model is None or model == "smollm2"

@@ -68,16 +68,16 @@ class EngineConfig:
             attention kernel reads the pages in place over PCIe, serialised with the compute; with
             ``sparse_decode`` the same as ``"direct"``) or ``"ring"`` (the engine copies each layer
             into a ring of ``num_kv_buffers`` GPU buffers ahead of its compute; eager; dense only).
-        max_num_seqs: most sequences decoded together (default 1: prompts are served one after
-            another, each with its own KV store and CUDA graph). Above 1, ``generate`` batches its
-            prompts (:mod:`xoffload.engine.runner`): a scheduler admits them in submission order
-            while they fit, one decode step serves every running sequence, a finished one leaves
-            and a waiting one is prefilled and joins the next step (continuous batching); in
-            ``resident`` mode and ``offload`` without a decode policy with one attention launch
-            per layer for the whole batch and a CUDA graph per batch-size bucket (1, 2, 4, ...).
-        max_num_batched_tokens: most prompt tokens prefilled between two decode steps of a batched
-            generate (default ``max_model_len``; a longer prompt still runs, alone in its step).
-        kv_cache_tokens: tokens of KV a batched generate may hold for all its running sequences:
+        max_num_seqs: most sequences decoded together by the engine's step loop (default 1:
+            requests are served one after another, each with its own KV store and CUDA graph).
+            Above 1 a scheduler admits them in submission order while they fit, one decode step
+            serves every running sequence, a finished one leaves and a waiting one is prefilled
+            and joins the next step (continuous batching), with one attention launch per layer
+            for the whole batch and a CUDA graph per batch-size bucket (1, 2, 4, ...) in
+            ``resident`` mode and ``offload`` (dense or Quest decode).
+        max_num_batched_tokens: most prompt tokens prefilled between two decode steps (default
+            ``max_model_len``; a longer prompt still runs, alone in its step).
+        kv_cache_tokens: tokens of KV the running sequences may hold together:
             ``offload``: the pinned CPU pool (its size; default ``max_num_seqs * max_model_len``,
             allocated when the LLM is made); ``resident``: a cap on the GPU pool, which is
             otherwise sized per call from the requests (what the ``max_num_seqs`` largest need) and

@@ -1,5 +1,5 @@
 """Decode steps replayed from CUDA graphs (CUDA only): one graph per request
-(:class:`GraphDecode`), or one per batch-size bucket of a batched generate (:class:`BatchGraphs`)."""
+(:class:`GraphDecode`), or one per batch-size bucket of a store epoch (:class:`BatchGraphs`)."""
 from __future__ import annotations
 
 import torch
@@ -90,7 +90,7 @@ class GraphDecode:
 
 
 class BatchGraphs:
-    """Batched decode steps, one CUDA graph per batch-size bucket, for one batched generate call.
+    """Batched decode steps, one CUDA graph per batch-size bucket, for one store epoch.
 
     The step body is the batched store's: ``store.begin_step()``, the model's decode step of the
     static token input ``tok[:rows]`` at the store's device positions ``store.pos[:rows]``,

@@ -1,11 +1,11 @@
-"""Batched KV stores: the KV of every running sequence of a batched ``LLM.generate``, and one decode
-step's attention for all of them.
+"""The KV stores of the step loop: the KV of every running sequence of a store epoch
+(:class:`~xoffload.engine.llm_engine.LLMEngine`), and one decode step's attention for all of them.
 
 (Over 450 lines on purpose: the four batched stores share one row-pool and position
 bookkeeping base class; split apart they would each re-import and re-document it.)
 
-A batched store is opened per ``generate`` call (:meth:`BatchKV.open`, its pools sized from the
-requests submitted) and serves the :class:`~xoffload.engine.scheduler.Scheduler`:
+A store is opened per store epoch (:meth:`BatchKV.open`, its pools sized from the requests
+waiting and the engine's headroom) and serves the :class:`~xoffload.engine.scheduler.Scheduler`:
 
 - admission: ``check(seq)`` (ValueError naming the sizes when the sequence alone can never fit),
   ``can_admit(seq)``, ``admit(seq)`` (reserve every token of KV it may hold: prompt + new),
@@ -282,7 +282,7 @@ class BatchKV:
 
     @classmethod
     def open(cls, model, config, shared, seqs) -> "BatchKV":
-        """The store of one batched generate call over ``seqs``."""
+        """The store of one store epoch of the engine, sized for ``seqs``."""
         return cls(model, config, shared, seqs)
 
     def bucket(self, n: int) -> int:

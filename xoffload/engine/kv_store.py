@@ -12,8 +12,9 @@ A store is the model's prefill *sink* and decode *KV store* (:mod:`xoffload.mode
   exposes ``pos_t``, the int64 ``[1]`` device position, and ``capacity``, its token count);
 - ``close()``: free everything of this request (idempotent).
 
-:class:`LLM` picks the store class once, from ``mode``, through :func:`store_class`; per request it
-calls ``cls.for_request(model, shared, req, config)`` where ``shared`` is what
+The engine's store table (:func:`~xoffload.engine.kv_batch.batch_store_class`) picks the class once,
+from ``mode``, through :func:`store_class`, and its :class:`~xoffload.engine.kv_batch.SerialBatchKV`
+calls ``cls.for_request(model, shared, req, config)`` per request, where ``shared`` is what
 ``cls.open_shared(model, config)`` built once per LLM (e.g. the offload engine; None for the
 resident store) and ``req`` the :class:`~xoffload.engine.request.Request` (prompt ids, final
 length). A mode's registered class may hand a configuration to another class through

@@ -35,7 +35,7 @@ WAITING, RUNNING, FINISHED = "waiting", "running", "finished"
 
 
 class Sequence:
-    """One request while a batched generate serves it.
+    """One request while the engine serves it.
 
     Args:
         index: its place in the submission order (the output order).
