@@ -340,7 +340,7 @@ class LLMEngine:
         if self.model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.model.device)
         kw = dict(self.store_kw)
-        if self.prefix_cache is not None and self.store_cls is OffloadBatchKV:
+        if self.prefix_cache is not None and self.store_cls.takes_prefix_cache:
             kw["prefix_cache"] = self.prefix_cache
         # sized for max_num_seqs requests like the largest waiting one, so that requests of its
         # size arriving later join the running batch
