@@ -195,3 +195,46 @@ def test_reused_prefix_builds_what_a_fresh_prefill_builds(pol, dense_on_gpu, mon
             for g, w in zip(got_t, want_t) if isinstance(want_t, tuple) else [(got_t, want_t)]:
                 torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=f"prompt {i}: {name}")
     _whole(llm)
+
+
+def _common(x, y) -> int:
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    return n
+
+
+@pytest.mark.cuda
+def test_gpu_quest_prefix_caching_graphs_and_no_caching():
+    """bf16, random Llama-3.2-1B, Quest budget 512 (and quest-ch), pool blocks of 1024: a 3000-token
+    document and 4 questions with prefix caching, CUDA graphs on: (1) tokens equal the eager run
+    with caching exactly (the reused prefix is read back on the device: fetch_blocks' gather, the
+    staging's ordering after the pool writes); (2) against no caching the first token of every row
+    is equal and rows share >= 60% of their tokens as a common prefix (bf16: the history merge sums
+    in another order); (3) later prompts reuse the document; the pool's books balance."""
+    from xoffload.models import random_model
+    from xoffload.sparse import QuestDecode
+
+    m = random_model("llama-3.2-1b", dtype=torch.bfloat16, device="cuda", seed=0, std=0.02)
+    doc = _prompts([3000], seed=86, vocab=m.cfg.vocab_size)[0]
+    prompts = [doc + q for q in _prompts([40, 1, 700, 1100], seed=87, vocab=m.cfg.vocab_size)]
+    sp = SamplingParams(max_tokens=12, ignore_eos=True)
+    for pol in (QuestDecode(token_budget=512, reuse_bias=1.0),
+                QuestDecode(token_budget=512, reuse_bias=1.0, exact_channels=16, bound_scale=0.25)):
+        kw = dict(mode="offload", kv_block_size=1024, max_model_len=4200, max_num_seqs=4, sparse_decode=pol)
+        graph = LLM(m, prefix_caching=True, **kw)
+        assert batch_store_class(graph.config)[0] is OffloadQuestBatchKV
+        outs = graph.generate(prompts, sp)
+        a = _ids(outs)
+        assert _reused(outs)[0] == 0 and min(_reused(outs)[1:]) >= 3000, _reused(outs)
+        assert graph.batch_stats["graph_buckets"]
+        eager = LLM(m, prefix_caching=True, cuda_graph=False, **kw)
+        assert _ids(eager.generate(prompts, sp)) == a
+        ref = _ids(LLM(m, **kw).generate(prompts, sp))
+        pre = [_common(x, y) for x, y in zip(a, ref)]
+        assert all(p >= 1 for p in pre) and sum(pre) >= 0.6 * sum(map(len, ref)), pre
+        again = graph.generate(prompts[:2], sp)
+        # the first prompt now reuses the document too (its prefill sums in another order)
+        assert all(_common(x, y) >= 1 for x, y in zip(_ids(again), a[:2])) and min(_reused(again)) >= 3000
+        for llm in (graph, eager):
+            _whole(llm)
