@@ -148,9 +148,15 @@ def test_refused_configurations():
             sparse_decode=QuestDecode(token_budget=64, page_size=16))
     with pytest.raises(ValueError, match="offload_decode 'direct' or 'uva', got 'ring'"):
         LLM(m, mode="offload", offload_decode="ring", prefix_caching=True, max_model_len=256)
-    with pytest.raises(ValueError, match="batched offload .max_num_seqs=2. needs dense decode"):
+    with pytest.raises(ValueError, match="batched offload .max_num_seqs=2. with QuestDecode needs prefetch=False, "
+                                         "got prefetch=True$"):
         LLM(m, mode="offload", prefix_caching=True, max_num_seqs=2, max_model_len=256, kv_block_size=16,
-            sparse_decode=QuestDecode(token_budget=64, page_size=16))
+            sparse_decode=QuestDecode(token_budget=64, page_size=16, prefetch=True))
+    with pytest.raises(ValueError, match="needs bound_scale=1.0 without exact channels, got bound_scale=0.5$"):
+        LLM(m, mode="offload", prefix_caching=True, max_num_seqs=2, max_model_len=256, kv_block_size=16,
+            sparse_decode=QuestDecode(token_budget=64, page_size=16, bound_scale=0.5))
+    LLM(m, mode="offload", prefix_caching=True, max_num_seqs=2, max_model_len=256, kv_block_size=16,
+        sparse_decode=QuestDecode(token_budget=64, page_size=16))  # the batched Quest store caches prefixes
 
 
 def test_prefix_cached_teacher_forced_logits_equal_alone_cpu(monkeypatch):

@@ -590,8 +590,8 @@ def test_prefix_caching_in_a_batch():
     llm.prefix_cache.clear()
     assert eng.num_free_blocks == eng.allocator.num_blocks
     eng.allocator.check()
-    with pytest.raises(ValueError, match="no decode"):
-        LLM(m, prefix_caching=True, sparse_decode=QUEST, **kw)
+    with pytest.raises(ValueError, match="needs prefetch=False"):  # one per-request store per sequence
+        LLM(m, prefix_caching=True, sparse_decode=dataclasses.replace(QUEST, prefetch=True), **kw)
 
 
 def test_prefix_caching_in_a_batch_with_a_small_pool_and_repeats():

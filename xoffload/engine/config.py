@@ -86,11 +86,15 @@ class EngineConfig:
             needs one process per rank (``torchrun --nproc-per-node N``): attention / KV heads,
             MLP and vocabulary split across the ranks, each with its own KV store (its pinned
             pool and ring hold ``num_kv_heads / N`` heads); see :mod:`xoffload.models.parallel`.
-        prefix_caching: offload mode (batched: dense decode only) — a request (or a session's first
+        prefix_caching: offload mode (batched: dense decode, or Quest decode through the batched
+            Quest store) — a request (or a session's first
             turn) whose leading tokens equal KV already in the pool (blocks of earlier requests
             and closed sessions, matched by a chained hash of each block's token ids as vLLM's
             automatic prefix caching) shares those blocks and prefills only the rest, attending to
-            the reused prefix as a session attends to its history; blocks are reference-counted,
+            the reused prefix as a session attends to its history (with Quest decode the reused
+            pages' summaries, exact channels, resident sink / recent tokens and GPU dense-layer
+            rows are built from the whole prompt, the prefix read back from the pool, as a fresh
+            prefill builds them); blocks are reference-counted,
             a shared partly filled block is copied before it is written, and cached blocks no live
             sequence holds are evicted (LRU, leaf first) when the pool runs short
             (:class:`xoffload.runtime.PrefixCache`). Resident mode with ``max_num_seqs > 1`` and
@@ -181,7 +185,10 @@ class EngineConfig:
     def _prefix_caching_refusal(self) -> str | None:
         """Why this config cannot cache prefixes (one clause naming the value), or None: it needs
         one device, and either ``offload`` with ``direct`` / ``uva`` decode (batched: no decode
-        policy) or ``resident`` with ``max_num_seqs > 1`` and no decode policy."""
+        policy, or a :class:`~xoffload.sparse.QuestDecode` the batched Quest store serves: no
+        ``prefetch``, and exact channels when ``bound_scale < 1``; other policies run one
+        per-request store per sequence, which does not share blocks) or ``resident`` with
+        ``max_num_seqs > 1`` and no decode policy."""
         pol = None if self.sparse_decode is None else type(self.sparse_decode).__name__
         if self.tensor_parallel_size != 1:
             return f"it needs one device, got tensor_parallel_size={self.tensor_parallel_size}"
@@ -189,14 +196,29 @@ class EngineConfig:
             if self.offload_decode == "ring":
                 return "mode='offload' needs offload_decode 'direct' or 'uva', got 'ring'"
             if self.max_num_seqs > 1 and pol:
-                return (f"batched offload (max_num_seqs={self.max_num_seqs}) needs dense decode: "
-                        f"no decode policy, got sparse_decode={pol}")
+                return self._batched_offload_refusal()
             return None
         if self.max_num_seqs == 1:
             return (f"mode={self.mode!r} shares blocks between the prompts of one batched call: it needs "
                     f"max_num_seqs > 1, got max_num_seqs=1 (or mode='offload')")
         if pol:
             return f"mode={self.mode!r} needs dense decode: no decode policy, got sparse_decode={pol}"
+        return None
+
+    def _batched_offload_refusal(self) -> str | None:
+        """Batched offload with a decode policy: None where the batched Quest store serves it (the
+        store table of :func:`~xoffload.engine.kv_batch.batch_store_class`), else why not."""
+        from ..sparse.quest import QuestDecode
+
+        pol, n = self.sparse_decode, self.max_num_seqs
+        if not isinstance(pol, QuestDecode):
+            return (f"batched offload (max_num_seqs={n}) needs dense decode or QuestDecode, got "
+                    f"sparse_decode={type(pol).__name__}")
+        if pol.prefetch:
+            return f"batched offload (max_num_seqs={n}) with QuestDecode needs prefetch=False, got prefetch=True"
+        if not pol.exact_channels and pol.bound_scale != 1.0:
+            return (f"batched offload (max_num_seqs={n}) with QuestDecode needs bound_scale=1.0 without exact "
+                    f"channels, got bound_scale={pol.bound_scale}")
         return None
 
     @property

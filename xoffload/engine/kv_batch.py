@@ -41,6 +41,10 @@ Stores:
   pool, the dense layers on the GPU when they fit (else read in place), a GPU page cache per
   sequence (:mod:`~xoffload.engine.kv_batch_cache`) when it fits; per layer one batched score
   launch, one topk, one cache lookup + fill and one paged launch for the whole batch.
+
+The two offload stores cache prefixes (``prefix_caching``: ``open(..., prefix_cache=)``,
+``takes_prefix_cache``); the Quest store's prefill over a reused prefix is in
+:mod:`~xoffload.engine.kv_batch_quest_prefix`.
 - :class:`SerialBatchKV`: every other store (Quest resident, Quest with prefetch, the ring, stores
   registered later):
   one per-request store per sequence, the batch's model step shared (one read of the weights for
@@ -257,6 +261,8 @@ class BatchKV:
     """
 
     capturable = False
+    #: whether :meth:`open` takes the engine's ``prefix_cache=`` (the offload stores that cache prefixes)
+    takes_prefix_cache = False
 
     def __init__(self, model, config, shared, seqs):
         self.m, self.config, self.shared = model, config, shared
@@ -494,7 +500,29 @@ class ResidentBatchKV(BatchKV):
         super().close()
 
 
-class OffloadBatchKV(BatchKV):
+class _CachedPrompts:
+    """Prefix caching of the batched offload stores (a :class:`~xoffload.runtime.PrefixCache` over
+    the engine's pinned pool in ``self.cache``, or None): a sequence's pool sequence starts at its
+    prefill on the longest cached prefix of its prompt (``kv["sid"]`` None until then)."""
+
+    #: the engine passes its prefix cache to :meth:`open` (``prefix_cache=``)
+    takes_prefix_cache = True
+
+    def prefill_start(self, seq) -> int:
+        """With a prefix cache: start ``seq``'s pool sequence on the longest cached prefix of its
+        prompt (now, so that it sees the prompts prefilled before it in this call)."""
+        kv = seq.kv
+        if kv["sid"] is None:
+            kv["sid"], kv["start"] = self.cache.add_sequence(seq.req.ids[:-1])
+        return kv["start"]
+
+    def prefill_tokens(self, seq) -> int:
+        if self.cache is None:
+            return seq.prompt_len
+        return seq.prompt_len - self.cache.peek(seq.req.ids[:-1])
+
+
+class OffloadBatchKV(_CachedPrompts, BatchKV):
     """``offload`` (direct decode, no decode policy): every prompt's KV in the offload engine's
     pinned CPU pool, the generated tokens in a paged GPU tail pool (blocks of :data:`TAIL_BLOCK`).
 
@@ -566,19 +594,6 @@ class OffloadBatchKV(BatchKV):
         self._reserved += self._prompt_blocks(seq)
         seq.kv = {"key": key, "sid": sid, "start": 0, "tail": self.tail.reserve(key, self._new(seq)), "events": [],
                   "joined": False}
-
-    def prefill_start(self, seq) -> int:
-        """With a prefix cache: start ``seq``'s pool sequence on the longest cached prefix of its
-        prompt (now, so that it sees the prompts prefilled before it in this call)."""
-        kv = seq.kv
-        if kv["sid"] is None:
-            kv["sid"], kv["start"] = self.cache.add_sequence(seq.req.ids[:-1])
-        return kv["start"]
-
-    def prefill_tokens(self, seq) -> int:
-        if self.cache is None:
-            return seq.prompt_len
-        return seq.prompt_len - self.cache.peek(seq.req.ids[:-1])
 
     def release(self, seq):
         kv = seq.kv
@@ -654,7 +669,7 @@ class OffloadBatchKV(BatchKV):
         super().close()
 
 
-class OffloadQuestBatchKV(BatchKV):
+class OffloadQuestBatchKV(_CachedPrompts, BatchKV):
     """``offload`` + :class:`~xoffload.sparse.QuestDecode` (direct decode): the batched Quest store.
 
     Where each sequence's KV lives:
@@ -700,6 +715,22 @@ class OffloadQuestBatchKV(BatchKV):
     with ``prefetch=True`` keeps the per-request stores (:class:`SerialBatchKV`, see
     :func:`batch_store_class`).
 
+    Prefix caching (``prefix_caching``, the engine's :class:`~xoffload.runtime.PrefixCache` over the
+    pinned pool), as :class:`OffloadBatchKV` does it: a sequence's pool sequence starts at its
+    prefill on the longest cached prefix of its prompt (``cache.add_sequence(ids[:-1])``), the
+    model prefills only the rest, and at the last layer's ``done`` the prompt goes into the cache
+    (every layer's blocks: with a cache the dense layers are copied to the pool even when they
+    live on the GPU, so that later prompts can reuse them); admission counts the cache's evictable
+    blocks and reserves one more pool block per sequence (a shared, partly filled last block is
+    copied before the write). What the store builds from a prompt at prefill needs the whole
+    layer, so for a reused prefix of ``r`` tokens the prefill's staging holds all ``T`` tokens,
+    the first ``r`` read back from the pool (:mod:`~xoffload.engine.kv_batch_quest_prefix`): the
+    reused pages' summaries, the exact channels (chosen from the whole prompt's keys), the resident
+    sink / recent tokens and the GPU dense pool's rows are then those of a fresh prefill, and the
+    chunk attends to every reused token (dense) through the sink's ``history``. Only prefill does
+    more work; a decode step is the same (the GPU pools are keyed by the store's own key, the pool
+    sequence's block table read by :meth:`set_batch`).
+
     Decode, per layer, for all rows at once (every shape fixed for the call, so one CUDA graph per
     batch-size bucket): the new K/V written to each row's tail, one paged launch over the tails;
     for a sparse layer one :func:`~xoffload.kernels.quest_score.quest_page_scores_batched` launch
@@ -730,7 +761,7 @@ class OffloadQuestBatchKV(BatchKV):
     #: at once so that each gets a cache (``run_limit``; see the class docstring)
     CACHE_OVER_BATCH = 8
 
-    def __init__(self, model, config, shared, seqs):
+    def __init__(self, model, config, shared, seqs, prefix_cache=None):
         super().__init__(model, config, shared, seqs)
         from types import SimpleNamespace
 
@@ -738,6 +769,7 @@ class OffloadQuestBatchKV(BatchKV):
 
         self.eng = shared
         self.block = self.eng.block_size
+        self.cache = prefix_cache
         pol = self.policy = config.decode_policy
         self.r, self.alpha = int(pol.exact_channels), float(pol.bound_scale)
         if not self.r and self.alpha != 1.0:
@@ -752,6 +784,9 @@ class OffloadQuestBatchKV(BatchKV):
         self.dense = frozenset(range(L)) - self.sparse
         self._sl = {l: i for i, l in enumerate(sorted(self.sparse))}
         self.cap_blocks = self.eng.num_free_blocks  # the pool is this call's
+        if prefix_cache is not None:  # cached blocks no live sequence holds give way when needed
+            self.cap_blocks += prefix_cache.evictable_blocks()
+        self._keys = 0
         plans = [pol.plan(max(s.prompt_len, 1)) for s in seqs]
         self.N = max([p.num_candidates for p in plans] + [0])
         self.K = max([p.pages_per_step for p in plans] + [0]) if self.sparse else 0
@@ -871,16 +906,26 @@ class OffloadQuestBatchKV(BatchKV):
     def _prompt_blocks(self, seq) -> int:
         return _blocks(seq.prompt_len, self.block)
 
+    def _pool_blocks(self, seq) -> int:
+        # with a prefix cache, one more: a shared, partly filled last block is copied before the
+        # sequence writes into it (copy-on-write), the new block allocated while the old one is held
+        return self._prompt_blocks(seq) + (1 if self.cache is not None else 0)
+
+    @classmethod
+    def open(cls, model, config, shared, seqs, prefix_cache=None) -> "OffloadQuestBatchKV":
+        return cls(model, config, shared, seqs, prefix_cache)
+
     def _needs(self, seq) -> tuple:
         p = self.policy.plan(seq.prompt_len)
-        return (self._prompt_blocks(seq), _blocks(p.resident_prompt_tokens + self._new(seq), TAIL_BLOCK),
+        return (self._pool_blocks(seq), _blocks(p.resident_prompt_tokens + self._new(seq), TAIL_BLOCK),
                 _blocks(self._summary_pages(p), SUMMARY_BLOCK))
 
     def check(self, seq):
         self.check_shape(seq)
         nb, nt, ns = self._needs(seq)
-        if self.dpool is not None and nb > self.dpool.num_blocks:  # cannot happen: sized from the requests
-            raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of dense-layer KV on the GPU but "
+        if self.dpool is not None and self._prompt_blocks(seq) > self.dpool.num_blocks:  # cannot happen: sized from the requests
+            raise ValueError(f"prompt {seq.index} needs {self._prompt_blocks(seq) * self.block} tokens of dense-layer "
+                             f"KV on the GPU but "
                              f"the dense pool holds {self.dpool.num_blocks * self.block}")
         if nb > self.cap_blocks:
             raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of KV in the CPU pool "
@@ -902,46 +947,52 @@ class OffloadQuestBatchKV(BatchKV):
         nb, nt, ns = self._needs(seq)
         return (len(self._admitted) < self.run_limit and self._reserved + nb <= self.cap_blocks
                 and nt <= self.tail.alloc.num_free and ns <= self.sum_alloc.num_free
-                and (self.dpool is None or nb <= self.dpool.alloc.num_free))
+                and (self.dpool is None or self._prompt_blocks(seq) <= self.dpool.alloc.num_free))
 
     def admit(self, seq):
+        # the GPU pools are keyed by the store's own key; with a prefix cache the pool sequence
+        # starts at the prefill (prefill_start), on the blocks of the prompts prefilled before it
         p = self.policy.plan(seq.prompt_len)
         nb, _, ns = self._needs(seq)
-        sid = self.eng.add_sequence()
+        key = self._keys
+        self._keys += 1
+        sid = self.eng.add_sequence() if self.cache is None else None
         try:
-            tail = self.tail.reserve(sid, p.resident_prompt_tokens + self._new(seq))
-            self.sum_alloc.add(sid)
-            self.sum_alloc.allocate(sid, ns)
-            dtab = self.dpool.reserve(sid, seq.prompt_len) if self.dpool is not None else ()
+            tail = self.tail.reserve(key, p.resident_prompt_tokens + self._new(seq))
+            self.sum_alloc.add(key)
+            self.sum_alloc.allocate(key, ns)
+            dtab = self.dpool.reserve(key, seq.prompt_len) if self.dpool is not None else ()
             cslot = self.pcache.acquire() if self.pcache is not None else None
         except Exception:
-            self.tail.free(sid)
+            self.tail.free(key)
             if self.dpool is not None:
-                self.dpool.free(sid)
-            if self.sum_alloc.has(sid):
-                self.sum_alloc.free(sid)
-            self.eng.free(sid)
+                self.dpool.free(key)
+            if self.sum_alloc.has(key):
+                self.sum_alloc.free(key)
+            if sid is not None:
+                self.eng.free(sid)
             raise
-        self._admitted[sid] = seq
+        self._admitted[key] = seq
         self._reserved += nb
-        seq.kv = {"sid": sid, "plan": p, "tail": tail, "stab": self.sum_alloc.table(sid), "dtab": dtab,
-                  "events": [], "joined": False, "cslot": cslot}
+        seq.kv = {"key": key, "sid": sid, "start": 0, "plan": p, "tail": tail, "stab": self.sum_alloc.table(key),
+                  "dtab": dtab, "events": [], "joined": False, "cslot": cslot}
 
     def release(self, seq):
         kv = seq.kv
         if kv is None:
             return
-        sid = kv["sid"]
-        self._admitted.pop(sid, None)
-        self._reserved -= self._prompt_blocks(seq)
-        self.tail.free(sid)
-        if self.sum_alloc.has(sid):
-            self.sum_alloc.free(sid)
+        key = kv["key"]
+        self._admitted.pop(key, None)
+        self._reserved -= self._pool_blocks(seq)
+        self.tail.free(key)
+        if self.sum_alloc.has(key):
+            self.sum_alloc.free(key)
         if self.dpool is not None:
-            self.dpool.free(sid)
+            self.dpool.free(key)
         if self.pcache is not None and kv.get("cslot") is not None:
             self.pcache.release(kv["cslot"])
-        self.eng.free(sid)
+        if kv["sid"] is not None:
+            self.eng.free(kv["sid"])
         seq.kv = None
 
     def _cache_counts(self, seq):
@@ -988,8 +1039,15 @@ class OffloadQuestBatchKV(BatchKV):
         return bt[j // SUMMARY_BLOCK] * SUMMARY_BLOCK + j % SUMMARY_BLOCK
 
     def sink(self, seq):
+        """The prefill sink of ``seq``. Past a reused prefix (``kv["start"]`` tokens, prefix caching)
+        the model prefills the rest while :class:`~.kv_batch_quest_prefix.WholeLayer` fills each
+        layer's head from the pool, so ``done`` builds the summaries, channels, resident tokens and
+        dense rows from the whole layer, as a fresh prefill does; the chunk attends to the prefix
+        through ``history``."""
+        from .kv_batch_quest_prefix import WholeLayer
+
         kv = seq.kv
-        sid, events, p = kv["sid"], kv["events"], kv["plan"]
+        sid, events, p, start = kv["sid"], kv["events"], kv["plan"], kv["start"]
         P, T = self.page, seq.prompt_len
         res = p.resident_prompt_tokens
         trows = torch.empty(res, dtype=torch.int64, device=self.device)
@@ -1009,12 +1067,11 @@ class OffloadQuestBatchKV(BatchKV):
             drows = torch.empty(T, dtype=torch.int64, device=self.device)
             _to_device(drows, self.dpool.rows(kv["dtab"], T))
 
-        def buffers(layer, t):
-            if t != T:
-                raise ValueError(f"prompt {seq.index} has {T} tokens, its prefill has {t}")
-            return self._stage.buffers(self.eng, layer, t)
+        wl = WholeLayer(self.eng, self._stage, sid, start, T, self.scale)
+        last = self.cfg.num_layers - 1
 
-        def done(layer, k, v):
+        def done(layer, k_new, v_new):
+            k, v = wl.whole(layer)  # [T]: the reused prefix (read from the pool), then k_new
             if res:  # the resident tokens: sink, then the recent tail
                 tk, tv = self.tail.k[layer], self.tail.v[layer]
                 tk.index_copy_(0, trows[:s0], k[:s0])
@@ -1033,16 +1090,19 @@ class OffloadQuestBatchKV(BatchKV):
                     vals = torch.gather(k[f * P:(f + ns) * P].transpose(0, 1), 2,
                                         ch.long()[:, None, :].expand(-1, ns * P, -1))
                     self.summ.klab[si].index_copy_(1, lrows, vals)
-            if drows is not None and layer in self.dense:  # on the GPU only
+            if drows is not None and layer in self.dense:
                 di = self._dl[layer]
                 self.dpool.k[di].index_copy_(0, drows, k)
                 self.dpool.v[di].index_copy_(0, drows, v)
-                return
-            ev = self.eng.offload_layer(sid, layer, k, v)
+                if self.cache is None:  # on the GPU only (a cached prompt's blocks hold every layer)
+                    return
+            ev = self.eng.offload_layer(sid, layer, k_new, v_new)
             self._stage.copied(layer, ev)
             events.append(ev)
+            if self.cache is not None and layer == last:
+                self.cache.insert(sid, seq.req.ids)  # later sequences of this call may share the prompt
 
-        return _StagedSink(buffers, done)
+        return _StagedSink(wl.buffers, done, wl.history if start else None)
 
     def set_batch(self, seqs) -> int:
         rows = self.bucket(len(seqs))

@@ -356,7 +356,7 @@ class LLMEngine:
         if self.model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.model.device)
         kw = dict(self.store_kw)
-        if self.prefix_cache is not None and self.store_cls is OffloadBatchKV:
+        if self.prefix_cache is not None and self.store_cls.takes_prefix_cache:
             kw["prefix_cache"] = self.prefix_cache
         sizing = seqs + [_headroom(seqs, self.config)] * max(1, self.config.max_num_seqs - len(seqs))
         store = self.store_cls.open(self.model, self.config, self.offload, sizing, **kw)
