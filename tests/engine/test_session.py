@@ -310,8 +310,8 @@ def test_bad_input_leaves_the_session_serving(mode):
         s.generate(prompts[1], SP)
     with pytest.raises(ValueError, match="history_budget"):
         llm.session(history_budget=33)
-    with pytest.raises(ValueError, match="max_num_seqs"):
-        LLM(m, mode=mode, max_num_seqs=2, max_model_len=128, **kw).session()
+    with pytest.raises(ValueError, match="history_budget=64: sessions with max_num_seqs=2 read their history whole"):
+        LLM(m, mode=mode, max_num_seqs=2, max_model_len=128, **kw).session(history_budget=64)
     with pytest.raises(ValueError, match="ring"):
         LLM(m, mode="offload", offload_decode="ring", max_model_len=128).session()
 

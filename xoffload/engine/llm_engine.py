@@ -32,7 +32,7 @@ from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_dtype_device
 from .config import EngineConfig
 from .inputs import decode, prompt_ids
-from .kv_batch import OffloadBatchKV, batch_store_class
+from .kv_batch import batch_store_class
 from .kv_store import store_class
 from .request import Clock, Request, RequestOutput, request_timings
 from .runner import StepRunner
