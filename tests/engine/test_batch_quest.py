@@ -11,7 +11,9 @@ import pytest
 import torch
 
 from xoffload.engine import LLM, SamplingParams
-from xoffload.engine.kv_batch import OffloadQuestBatchKV, SerialBatchKV, batch_store_class
+from xoffload.engine.kv_batch import batch_store_class
+from xoffload.engine.kv_batch_quest import OffloadQuestBatchKV
+from xoffload.engine.kv_batch_serial import SerialBatchKV
 from xoffload.models import random_model
 from xoffload.sparse import QuestDecode
 
@@ -228,7 +230,7 @@ def test_page_cache_cut_to_memory_and_none_when_a_step_does_not_fit(monkeypatch)
     transparent without a reuse bias: tokens still equal alone); fewer than a step's pages for all
     three: two at a time, each with a cache (``run_limit``); not allowed to run fewer
     (``CACHE_OVER_BATCH = 1``): no cache, every selected page read in place."""
-    from xoffload.engine import kv_batch
+    from xoffload.engine import kv_batch_quest as kv_batch
     from xoffload.engine.kv_batch_cache import BatchPageCache
 
     m = tiny_random()

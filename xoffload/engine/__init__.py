@@ -22,7 +22,11 @@ from .cuda_graph import BatchGraphs, GraphDecode
 from .kv_store import (MODE_ALIASES, STORES, KVStore, OffloadKV, ResidentKV, Splits, canonical_mode,
                        register_store, store_class)
 from .kv_paged import OffloadPagedKV, PagedKV, ResidentPagedKV
-from .kv_batch import BatchKV, OffloadBatchKV, OffloadQuestBatchKV, ResidentBatchKV, SerialBatchKV, batch_store_class
+from .kv_batch import BatchKV, batch_store_class
+from .kv_batch_offload import OffloadBatchKV
+from .kv_batch_quest import OffloadQuestBatchKV
+from .kv_batch_resident import ResidentBatchKV
+from .kv_batch_serial import SerialBatchKV
 from .llm import LLM
 from .llm_engine import LLMEngine
 from .request import Clock, Request, RequestOutput

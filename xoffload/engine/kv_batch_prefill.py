@@ -1,5 +1,5 @@
 """The prefill sink of a group of sequences prefilled together (``LlamaModel.prefill_batch``) into
-the GPU pool of a batched resident store (:class:`~xoffload.engine.kv_batch.ResidentBatchKV` and
+the GPU pool of a batched resident store (:class:`~xoffload.engine.kv_batch_resident.ResidentBatchKV` and
 its prefix-caching subclass :class:`~xoffload.engine.kv_batch_prefix.ResidentPrefixBatchKV`).
 
 The model fills one ``[T, Hkv, D]`` K/V pair per layer for every token of the group (the
@@ -44,7 +44,7 @@ class BatchPrefillSink:
     """The sink of ``LlamaModel.prefill_batch`` for ``seqs`` of a resident batched ``store``.
 
     Args:
-        store: a :class:`~xoffload.engine.kv_batch.ResidentBatchKV` (its ``pool``, ``block``,
+        store: a :class:`~xoffload.engine.kv_batch_resident.ResidentBatchKV` (its ``pool``, ``block``,
             ``_staging``, ``cfg``, ``scale``, ``device``).
         seqs: the group's sequences, each admitted with its block table (``seq.kv["table"]``)
             and, when it reuses a prefix, ``seq.kv["start"]`` (its :meth:`prefill_start`; 0 or

@@ -28,7 +28,8 @@ import torch
 
 from ..kernels import flash_attn_with_lse, paged_decode_attn_with_lse
 from ..runtime.prefix_cache import PrefixCache
-from .kv_batch import ResidentBatchKV, _blocks, _StagedSink, _to_device
+from .kv_batch import _blocks, _StagedSink, _to_device
+from .kv_batch_resident import ResidentBatchKV
 
 __all__ = ["ResidentPrefixBatchKV", "HISTORY_SPLIT_ROWS"]
 
@@ -54,7 +55,7 @@ class _PoolBlocks:
 
 
 class ResidentPrefixBatchKV(ResidentBatchKV):
-    """:class:`~xoffload.engine.kv_batch.ResidentBatchKV` with prefix caching (module docstring);
+    """:class:`~xoffload.engine.kv_batch_resident.ResidentBatchKV` with prefix caching (module docstring);
     chosen by :func:`~xoffload.engine.kv_batch.batch_store_class` for ``mode="resident"``,
     ``prefix_caching=True``, dense decode. A request that reused a prefix carries ``prefix_reused_tokens`` in its timings
     (the key is absent when it reused none, as in offload mode: ``timings.get(..., 0)``);

@@ -13,7 +13,7 @@ A store is the model's prefill *sink* and decode *KV store* (:mod:`xoffload.mode
 - ``close()``: free everything of this request (idempotent).
 
 The engine's store table (:func:`~xoffload.engine.kv_batch.batch_store_class`) picks the class once,
-from ``mode``, through :func:`store_class`, and its :class:`~xoffload.engine.kv_batch.SerialBatchKV`
+from ``mode``, through :func:`store_class`, and its :class:`~xoffload.engine.kv_batch_serial.SerialBatchKV`
 calls ``cls.for_request(model, shared, req, config)`` per request, where ``shared`` is what
 ``cls.open_shared(model, config)`` built once per LLM (e.g. the offload engine; None for the
 resident store) and ``req`` the :class:`~xoffload.engine.request.Request` (prompt ids, final
