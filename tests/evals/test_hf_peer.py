@@ -53,7 +53,7 @@ def test_hf_peer_llm_interface_and_stop_ids():
     ours = random_model(cfg, dtype=torch.float32, device="cpu", seed=0, std=0.3)
     peer = hf_peer_llm(ours, max_model_len=64)
     assert peer.stop_ids == stop_token_ids(ours) == (5,)
-    assert tuple(sorted(LLM(ours, max_model_len=64)._stop_ids)) == peer.stop_ids  # the LLM's own rule
+    assert tuple(sorted(LLM(ours, max_model_len=64).engine.stop_ids)) == peer.stop_ids  # the LLM's own rule
     ids = list(range(1, 60))
     o = peer.generate(ids, SamplingParams(max_tokens=16))[0]
     assert o.prompt_token_ids == ids and o.finish_reason in ("stop", "length")
