@@ -381,9 +381,9 @@ def diagnose(preset="llama-3.2-1b", lengths=(3000, 33000), out_dir=None, device=
                 eng.free(seq)
                 # a fresh engine whose ring is allocated right after a prefill (LayerRing orders
                 # the load streams after the work that last used that memory): first tokens right?
-                from xoffload.runtime import OffloadEngine
+                from xoffload.runtime import OffloadRuntime
 
-                raw = OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
+                raw = OffloadRuntime(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
                                     device=str(model.device), max_tokens=n + 16)
                 seq = raw.add_sequence()
                 rkv = OffloadKV(raw, seq, cfg, model.dtype, model.device, model.scale)

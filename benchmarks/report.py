@@ -58,7 +58,7 @@ OTHER = {
     "xattn.json": ("xattn", "python benchmarks/bench_xattn.py --quick"),
     "xattn_real.json": ("xattn", "python benchmarks/bench_xattention_real.py"),
     "xattn_bs_sweep.json": ("xattn", "python benchmarks/bench_block_sparse.py --quick"),
-    "transfer.json": ("transfer", "python benchmarks/bench_engine.py --quick"),
+    "transfer.json": ("transfer", "python benchmarks/bench_offload.py --quick"),
     "e2e_full.json": ("e2e", "python benchmarks/bench_e2e.py --time-budget 545 (the basis of --plan's timings)"),
     "e2e_rest.json": ("e2e", "python benchmarks/bench_e2e.py --part qwen,smollm2,stall (the basis of --plan's timings)"),
     "model.json": ("e2e", "python benchmarks/bench_llm.py"),

@@ -19,7 +19,7 @@ if [[ $what == bench || $what == all ]]; then
   python3 benchmarks/bench_decode.py $quick --out "$out/decode.json" 2>&1 | tail -n 30 || rc=1
   python3 benchmarks/bench_paged_decode.py $quick --out "$out/paged_decode.json" 2>&1 | tail -n 40 || rc=1
   python3 benchmarks/bench_merge.py $quick --out "$out/merge.json" 2>&1 | tail -n 20 || rc=1
-  python3 benchmarks/bench_engine.py $quick --out "$out/transfer.json" 2>&1 | tail -n 30 || rc=1
+  python3 benchmarks/bench_offload.py $quick --out "$out/transfer.json" 2>&1 | tail -n 30 || rc=1
   python3 benchmarks/bench_xattn.py --warm-only >/dev/null 2>&1
   python3 benchmarks/bench_xattn.py $quick 2>&1 | tail -n 30 || rc=1
   python3 benchmarks/bench_block_sparse.py $quick 2>&1 | tail -n 30 || rc=1

@@ -358,7 +358,7 @@ def _make_checked(base):
 def check(n=8, length=2048):
     from xoffload.engine.kv_paged import PagedKV
     from xoffload.evals.needle import build_prompt, make_number
-    from xoffload.runtime import OffloadEngine
+    from xoffload.runtime import OffloadRuntime
     m = load()
     cfg = m.cfg
     number = make_number(random.Random(0))
@@ -373,7 +373,7 @@ def check(n=8, length=2048):
                         QuestDecode(token_budget=512, page_size=16), QuestDecode(token_budget=256, page_size=32)):
                 eng = seq = None
                 if placement == "offload":
-                    eng = OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32,
+                    eng = OffloadRuntime(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32,
                                         device="cpu", max_tokens=T + 64, block_size=64)
                     seq = eng.add_sequence()
                 kv = Checked(cfg, torch.float32, torch.device("cpu"), m.scale, prompt_len=T, max_new=n, policy=pol,

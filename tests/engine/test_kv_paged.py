@@ -17,7 +17,7 @@ from xoffload.engine.kv_paged import PagedKV
 from xoffload.kernels import cpu_backend
 from xoffload.kernels.reference import attention_ref
 from xoffload.models.loader import random_model
-from xoffload.runtime import OffloadEngine
+from xoffload.runtime import OffloadRuntime
 from xoffload.sparse.quest import QuestDecode
 
 T, N = 300, 10
@@ -76,7 +76,7 @@ def _run(m, ids, kv, n):
 
 
 def _engine(cfg, max_tokens, block=64):
-    return OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32, device="cpu",
+    return OffloadRuntime(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32, device="cpu",
                          max_tokens=max_tokens, block_size=block)
 
 
@@ -322,7 +322,7 @@ def test_gpu_offload_sparse_equals_resident_sparse_bf16(cache_pages, channels):
                       reuse_bias=1.0)  # the same selection in both placements (the bias would follow the cache)
     outs, toks = [], None
     for offload in (False, True):
-        eng = OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda",
+        eng = OffloadRuntime(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.bfloat16, device="cuda",
                             max_tokens=700, block_size=64) if offload else None
         seq = eng.add_sequence() if eng else None
         kv = PagedKV(cfg, torch.bfloat16, torch.device("cuda"), m.scale, prompt_len=600, max_new=8, policy=pol,

@@ -12,7 +12,7 @@ from xoffload.engine.kv_paged import PagedKV
 from xoffload.kernels import cpu_backend
 from xoffload.models.config import get_preset
 from xoffload.models.loader import random_model
-from xoffload.runtime import OffloadEngine
+from xoffload.runtime import OffloadRuntime
 from xoffload.sparse.quest import QuestDecode
 
 T, N = 300, 6
@@ -26,7 +26,7 @@ def model():
 
 
 def _engine(cfg, max_tokens):
-    return OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32, device="cpu",
+    return OffloadRuntime(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32, device="cpu",
                          max_tokens=max_tokens, block_size=64)
 
 

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from xoffload.runtime import CpuKVPool, OffloadEngine, PoolAllocationError
+from xoffload.runtime import CpuKVPool, OffloadRuntime, PoolAllocationError
 
 
 def test_pool_layout_and_size():
@@ -30,7 +30,7 @@ def test_pool_failed_allocation_names_size_and_hint():
     assert "smaller block_size" in msg
     assert isinstance(ei.value, MemoryError)
     with pytest.raises(PoolAllocationError, match="fewer blocks"):
-        OffloadEngine(1, 8, 128, device="cpu", max_tokens=1024, num_blocks=2 ** 36)
+        OffloadRuntime(1, 8, 128, device="cpu", max_tokens=1024, num_blocks=2 ** 36)
 
 
 class _FakeCudart:

@@ -1,4 +1,4 @@
-"""PrefixCache (runtime/prefix_cache.py) over OffloadEngine's shared blocks: matching of
+"""PrefixCache (runtime/prefix_cache.py) over OffloadRuntime's shared blocks: matching of
 full and partial blocks, exact KV read-back of reused prefixes, copy-on-write of a cached partial
 block, LRU leaf-first eviction that never touches a block a live sequence holds, the exhaustion
 error, stats, pool accounting.
@@ -11,14 +11,14 @@ import random
 import pytest
 import torch
 
-from xoffload.runtime import OffloadEngine, PoolExhaustedError, PrefixCache
+from xoffload.runtime import OffloadRuntime, PoolExhaustedError, PrefixCache
 
 L, H, D = 2, 2, 4
 DT = torch.float32
 
 
 def eng_(bs=4, nb=16, max_tokens=64, device="cpu", dtype=DT, layers=L):
-    return OffloadEngine(layers, H, D, dtype=dtype, device=device, max_tokens=max_tokens, block_size=bs,
+    return OffloadRuntime(layers, H, D, dtype=dtype, device=device, max_tokens=max_tokens, block_size=bs,
                          num_blocks=nb, num_buffers=2)
 
 

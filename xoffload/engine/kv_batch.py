@@ -245,7 +245,7 @@ class BatchKV:
     Args:
         model: the :class:`~xoffload.models.llama.LlamaModel`.
         config: the LLM's bound :class:`~xoffload.engine.config.EngineConfig`.
-        shared: what the LLM's store class shares between requests (the offload engine, or None).
+        shared: what the LLM's store class shares between requests (the offload runtime, or None).
         seqs: every :class:`~xoffload.engine.scheduler.Sequence` of the call (sizes the pools).
     """
 

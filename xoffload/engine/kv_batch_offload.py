@@ -11,7 +11,7 @@ from .kv_batch import (TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _S
 
 
 class OffloadBatchKV(_CachedPrompts, BatchKV):
-    """``offload`` (direct decode, no decode policy): every prompt's KV in the offload engine's
+    """``offload`` (direct decode, no decode policy): every prompt's KV in the offload runtime's
     pinned CPU pool, the generated tokens in a paged GPU tail pool (blocks of :data:`TAIL_BLOCK`).
 
     Admission reserves the prompt's blocks in the engine's pool (``kv_cache_tokens``, default

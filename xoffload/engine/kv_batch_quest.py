@@ -18,7 +18,7 @@ class OffloadQuestBatchKV(QuestPrefill, _CachedPrompts, BatchKV):
     """``offload`` + :class:`~xoffload.sparse.QuestDecode` (direct decode): the batched Quest store
     (docs/DESIGN.md, "The batched Quest store", says why each choice was made).
 
-    Where each sequence's KV lives: every layer's prompt KV in the offload engine's pinned pool
+    Where each sequence's KV lives: every layer's prompt KV in the offload runtime's pinned pool
     (``kv_cache_tokens``), copied there layer by layer during prefill; the page summaries (min and
     max of K per page of ``page_size`` tokens and KV head, plus the exact channels' values) of its
     candidate pages, sparse layers only, in one shared GPU summary pool ``[sparse layers, Hkv,

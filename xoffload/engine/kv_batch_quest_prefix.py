@@ -9,7 +9,7 @@ prompt at prefill (the page summaries, min/max of K per page and the exact chann
 sequence from the prompt's whole pages; the resident sink and recent tokens in the GPU tail; the
 dense layers' rows in the GPU dense pool) needs every token of the layer. :class:`WholeLayer` hands
 the model the tail ``[r, T)`` of a ``[T]`` staging pair per layer and fills its head ``[0, r)``
-from the pool (one :meth:`~xoffload.runtime.OffloadEngine.fetch_blocks` per layer), so the store's
+from the pool (one :meth:`~xoffload.runtime.OffloadRuntime.fetch_blocks` per layer), so the store's
 ``done`` sees the whole layer's K/V, as a fresh prefill's, without a concatenation; the same rows
 serve the chunk's attention to the reused prefix (:meth:`WholeLayer.history`: every reused token,
 dense, as :class:`~xoffload.engine.kv_batch_offload.OffloadBatchKV`'s sink). Only the new rows are copied
@@ -34,7 +34,7 @@ class WholeLayer:
     0: a plain prefill, the model's rows are the whole layer).
 
     Args:
-        eng: the :class:`~xoffload.runtime.OffloadEngine`; stage: the store's
+        eng: the :class:`~xoffload.runtime.OffloadRuntime`; stage: the store's
             :class:`~xoffload.engine.kv_store.PrefillStaging`; sid: the sequence's pool id;
             start: reused tokens; T: the prompt's tokens; scale: the softmax scale.
     """

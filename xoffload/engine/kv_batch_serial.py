@@ -13,7 +13,7 @@ class SerialBatchKV(BatchKV):
     sequence (``for_request``), each its own prefill sink; a decode step runs the model once for
     every row (the weights are read once for the batch) and each sequence's attention through its
     own store, one after another. Eager (not captured). Admission reserves ``final_len`` tokens
-    (in blocks of ``kv_block_size``) against the offload engine's pool when the store shares one,
+    (in blocks of ``kv_block_size``) against the offload runtime's pool when the store shares one,
     else against ``kv_cache_tokens`` (unlimited when not given)."""
 
     def __init__(self, model, config, shared, seqs, store_cls=None):

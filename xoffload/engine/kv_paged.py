@@ -3,7 +3,7 @@
 (Over 450 lines on purpose: one store with its three decode paths — staged dense, pages read in
 place, page cache — which share the tail, the step indices and the first-step setup.)
 
-Prefill writes every layer's K/V into a *row store*: the offload engine's pinned CPU pool
+Prefill writes every layer's K/V into a *row store*: the offload runtime's pinned CPU pool
 (``offload``) or one device tensor (``resident``). Decode then attends, per layer, to
 
 * the pages it reads in place with :func:`xoffload.kernels.paged_decode_attn_with_lse` — from host
@@ -49,7 +49,7 @@ class PagedKV(KVStore):
         prompt_len: ``T``, prompt tokens (the prefill length).
         max_new: most decode steps of the request (tail capacity for generated tokens).
         policy: None (read every page: dense decode) or a :class:`QuestDecode`.
-        engine, seq: the :class:`xoffload.runtime.OffloadEngine` and its sequence id when the
+        engine, seq: the :class:`xoffload.runtime.OffloadRuntime` and its sequence id when the
             prompt's KV lives in the pinned pool (``offload``); None: a device row store
             (``resident``; the Quest setting, saving HBM reads instead of PCIe bytes).
         stage_dense: offload dense decode (no policy) only — True (default): each layer's pool
@@ -268,7 +268,7 @@ class PagedKV(KVStore):
     def load_from_store(self, events=()) -> None:
         """Instead of a prefill: fill the tails from the prompt's KV already stored (the ``rows``
         given, or the engine sequence's pool blocks, read with
-        :meth:`~xoffload.runtime.OffloadEngine.fetch_blocks` on the current stream) — every token
+        :meth:`~xoffload.runtime.OffloadRuntime.fetch_blocks` on the current stream) — every token
         of the policy's dense layers, the sink and the recent tokens of its sparse layers; nothing
         without a policy. ``events``: the stored KV's pending pool writes (the first decode step
         waits for them on the GPU). Summaries come from the ``summaries`` given at construction."""

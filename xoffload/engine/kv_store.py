@@ -15,7 +15,7 @@ A store is the model's prefill *sink* and decode *KV store* (:mod:`xoffload.mode
 The engine's store table (:func:`~xoffload.engine.kv_batch.batch_store_class`) picks the class once,
 from ``mode``, through :func:`store_class`, and its :class:`~xoffload.engine.kv_batch_serial.SerialBatchKV`
 calls ``cls.for_request(model, shared, req, config)`` per request, where ``shared`` is what
-``cls.open_shared(model, config)`` built once per LLM (e.g. the offload engine; None for the
+``cls.open_shared(model, config)`` built once per LLM (e.g. the offload runtime; None for the
 resident store) and ``req`` the :class:`~xoffload.engine.request.Request` (prompt ids, final
 length). A mode's registered class may hand a configuration to another class through
 ``variant(config)`` (e.g. resident + ``sparse_decode`` -> the paged store). A new store plugs in
@@ -35,7 +35,7 @@ from ..kernels import decode_attn_with_lse
 from ..kernels.checks import check_int
 from ..kernels.decode import default_num_splits
 from ..models.config import ModelConfig
-from ..runtime import OffloadEngine
+from ..runtime import OffloadRuntime
 
 __all__ = ["KVStore", "ResidentKV", "OffloadKV", "PrefillStaging", "Splits", "STORES", "MODE_ALIASES", "register_store",
            "canonical_mode", "store_class"]
@@ -272,7 +272,7 @@ class ResidentKV(KVStore):
 
 
 class OffloadKV(KVStore):
-    """One :class:`~xoffload.runtime.OffloadEngine` sequence: layerwise prefill copies each layer's
+    """One :class:`~xoffload.runtime.OffloadRuntime` sequence: layerwise prefill copies each layer's
     K/V to the pinned CPU pool, decode streams layers through the engine's GPU ring. ``max_len``
     fixes the decode split count as in :class:`ResidentKV` (same value => same summation order);
     None chooses it per step. :meth:`close` frees the sequence and the ring buffers (re-created by
@@ -288,12 +288,12 @@ class OffloadKV(KVStore):
         self._stage = PrefillStaging(cfg.num_kv_heads, cfg.head_dim, dtype, device)
 
     @classmethod
-    def open_shared(cls, model, config) -> OffloadEngine:
-        """The LLM's offload engine; its pinned pool holds ``kv_cache_tokens`` tokens (default one
+    def open_shared(cls, model, config) -> OffloadRuntime:
+        """The LLM's offload runtime; its pinned pool holds ``kv_cache_tokens`` tokens (default one
         ``max_model_len`` sequence, ``max_num_seqs`` of them for batched generation)."""
         cfg = model.cfg
         tokens = config.kv_cache_tokens or config.max_num_seqs * config.max_model_len
-        return OffloadEngine(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
+        return OffloadRuntime(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
                              device=str(model.device), max_tokens=config.max_model_len,
                              block_size=config.kv_block_size, num_buffers=config.num_kv_buffers,
                              num_blocks=-(-tokens // config.kv_block_size))

@@ -30,7 +30,7 @@ class LLM:
     runs the same loop and returns the same outputs.
 
     Attributes: ``engine`` (the :class:`LLMEngine`), ``config``, ``model``, ``tokenizer``,
-    ``mode``, ``policy`` (the prefill policy), ``offload`` (the runtime's offload engine; None
+    ``mode``, ``policy`` (the prefill policy), ``offload`` (the runtime's offload runtime; None
     in resident mode), ``prefix_cache``, ``batch_stats`` (after :meth:`generate`: per decode step
     the sequences, padded rows and ms; per prefill its tokens and ms; decode tok/s; the most
     sequences that ran at once; the captured CUDA-graph buckets; the store).
@@ -186,7 +186,7 @@ class LLM:
         return msg[1], msg[2]
 
     def close(self):
-        """Release what the requests share (the offload engine's pinned pool and GPU ring); an
+        """Release what the requests share (the offload runtime's pinned pool and GPU ring); an
         offload LLM cannot generate afterwards (ValueError), a resident one keeps serving. Safe
         to call twice."""
         self.engine.close()

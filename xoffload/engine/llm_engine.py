@@ -66,7 +66,7 @@ class LLMEngine:
         **options: the fields of :class:`~xoffload.engine.config.EngineConfig`.
 
     Attributes: ``model``, ``config`` (bound), ``offload`` (the runtime's
-    :class:`~xoffload.runtime.OffloadEngine`: pinned pool + ring; None in resident mode),
+    :class:`~xoffload.runtime.OffloadRuntime`: pinned pool + ring; None in resident mode),
     ``prefix_cache``, ``sessions`` (live sessions by id), ``stats`` (the last store epoch's
     figures: decode steps, prefills, tok/s, max running, captured graph buckets, the store).
 
@@ -435,7 +435,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Abort every request, close every session, free the store and (offload) the pinned pool
-        and ring: an offload engine refuses requests afterwards, a resident one, which shares
+        and ring: an offload runtime refuses requests afterwards, a resident one, which shares
         nothing between stores, keeps serving. Safe to call twice."""
         if self.closed:
             return

@@ -1,7 +1,7 @@
 """Sessions: a conversation whose KV stays stored between turns (:meth:`LLM.session`).
 
 A :class:`Session` keeps the KV of every token it has seen — on the model's device (``resident``)
-or in the offload engine's pinned CPU pool (``offload``) — and each turn prefills only the new
+or in the offload runtime's pinned CPU pool (``offload``) — and each turn prefills only the new
 tokens, as a chunk that continues the history:
 
 * the chunk's queries attend to the history (all of it, or the pages a selection chose: *sparse

@@ -3,7 +3,7 @@
 The runtime moves and tracks ``[tokens, kv_heads, head_dim]`` K/V tensors per layer; it knows
 nothing of models. Public pieces:
 
-* :class:`OffloadEngine` - the runtime's contract: ``add_sequence``, ``seq_len``,
+* :class:`OffloadRuntime` - the runtime's contract: ``add_sequence``, ``seq_len``,
   ``offload_layer`` (prefill, async D2H), ``begin_step`` / ``layer_kv`` / ``end_layer`` /
   ``end_step`` (decode through the ring), ``fetch_blocks`` (sparse), ``free``, ``reset``.
 * :class:`CpuKVPool` - layer-major host K/V, pinned with ``cudaHostRegister`` in slabs;
@@ -40,7 +40,7 @@ Contract notes (what a caller of the engine may rely on beyond the method list a
   it (copy-on-write, on the offload stream on CUDA). ``free`` drops one reference per block.
 """
 from .allocator import BlockAllocator, PoolExhaustedError, block_runs
-from .engine import OffloadEngine
+from .offload import OffloadRuntime
 from ..kernels.gather import gather_blocks
 from .pool import CpuKVPool, PinnedSlabCache, PoolAllocationError, reuse_pinned_slabs
 from .prefix_cache import CacheStats, PrefixCache, PrefixMatch, block_hash
@@ -51,7 +51,7 @@ __all__ = [
     "CacheStats",
     "CpuKVPool",
     "LayerRing",
-    "OffloadEngine",
+    "OffloadRuntime",
     "PinnedSlabCache",
     "PoolAllocationError",
     "PoolExhaustedError",

@@ -104,7 +104,7 @@ def _lcp(a, b) -> int:
 
 
 class PrefixCache:
-    """Block-hash prefix cache over one :class:`~xoffload.runtime.OffloadEngine`'s pool (or any block
+    """Block-hash prefix cache over one :class:`~xoffload.runtime.OffloadRuntime`'s pool (or any block
     pool with the same small interface: ``block_size``, ``allocator`` (a
     :class:`~xoffload.runtime.BlockAllocator`), ``_closed``, ``kv_in_pool(seq, n, what)`` and,
     for :meth:`add_sequence`, ``add_sequence(prefix_blocks=, prefix_len=)``; the batched resident
@@ -169,7 +169,7 @@ class PrefixCache:
         """``match(token_ids)`` and start an engine sequence on the matched blocks, at once.
         Returns ``(seq, n_tokens)``: the new sequence already holds the first ``n_tokens``
         tokens' KV in every layer; the caller prefills ``token_ids[n_tokens:]``.
-        Raises as :meth:`match` and ``OffloadEngine.add_sequence``."""
+        Raises as :meth:`match` and ``OffloadRuntime.add_sequence``."""
         m = self.match(token_ids)
         return self.engine.add_sequence(prefix_blocks=m.blocks, prefix_len=m.n_tokens), m.n_tokens
 
@@ -281,7 +281,7 @@ class PrefixCache:
 
     def _check_open(self):
         if self._closed():
-            raise ValueError("the PrefixCache's OffloadEngine is closed")
+            raise ValueError("the PrefixCache's OffloadRuntime is closed")
 
     def _tokens(self, token_ids) -> array:
         if isinstance(token_ids, torch.Tensor):

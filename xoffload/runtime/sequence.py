@@ -1,4 +1,4 @@
-"""Per-sequence and per-decode-step bookkeeping of :class:`~xoffload.runtime.OffloadEngine`
+"""Per-sequence and per-decode-step bookkeeping of :class:`~xoffload.runtime.OffloadRuntime`
 (plain slotted records; the engine owns every mutation)."""
 from __future__ import annotations
 

@@ -4,13 +4,13 @@ Measured (CUDA events / triton.testing.do_bench, never wall clock):
 
 * ceiling: one plain H2D and one D2H ``copy_`` of a large registered (pinned) buffer.
 * whole-layer: prefill offload (``offload_layer``, D2H) of every layer and one decode step's ring
-  loads (H2D) through ``OffloadEngine``; also one raw ``copy_`` per layer.
+  loads (H2D) through ``OffloadRuntime``; also one raw ``copy_`` per layer.
 * scattered block fetches: ``fetch_blocks`` (Triton gather reading pinned memory through UVA) of
   random blocks, block sizes 256/1024/4096, shapes 8x128 (Llama-3.1-8B) and 3x64 (SmolLM2), against
   one ``copy_`` per block and the ceiling; plus a sweep of the gather kernel's tile/warps.
 * overlap: a bf16 GEMM loop runs while layers are offloaded and prefetched; slowdown of each.
 
-GB/s counts K and V bytes moved. Run: ``python benchmarks/bench_engine.py [--quick] [--out PATH]``
+GB/s counts K and V bytes moved. Run: ``python benchmarks/bench_offload.py [--quick] [--out PATH]``
 (table + JSON into benchmarks/results/transfer.json) or under pytest with pytest-benchmark.
 Skips cleanly without CUDA.
 """
@@ -71,11 +71,11 @@ def ceiling(quick):
 
 # ----------------------------------------------------------------------------- whole layer
 def whole_layer(quick, shape="llama8b_8x128"):
-    from xoffload.runtime import OffloadEngine
+    from xoffload.runtime import OffloadRuntime
 
     h, d = SHAPES[shape]
     L, T, bs = 4, (32768 if quick else 131072), 1024
-    e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=T + 64, block_size=bs, num_buffers=4,
+    e = OffloadRuntime(L, h, d, dtype=BF, device="cuda", max_tokens=T + 64, block_size=bs, num_buffers=4,
                       num_blocks=T // bs + 1)
     k = torch.randn(T, h, d, device="cuda").to(BF)
     v = torch.randn(T, h, d, device="cuda").to(BF)
@@ -119,14 +119,14 @@ def whole_layer(quick, shape="llama8b_8x128"):
 
 # -------------------------------------------------------------------------- block fetches
 def block_fetch(quick, shape, bs, sweep=False):
-    from xoffload.runtime import OffloadEngine, gather_blocks
+    from xoffload.runtime import OffloadRuntime, gather_blocks
 
     h, d = SHAPES[shape]
     blk_bytes = bs * h * d * 2  # one of K or V
     fetch_bytes = (64 if quick else 256) << 20  # K + V per fetch
     n = max(2, fetch_bytes // (2 * blk_bytes))
     nb = n * (2 if quick else 4)
-    e = OffloadEngine(1, h, d, dtype=BF, device="cuda", max_tokens=nb * bs, block_size=bs, num_blocks=nb)
+    e = OffloadRuntime(1, h, d, dtype=BF, device="cuda", max_tokens=nb * bs, block_size=bs, num_blocks=nb)
     s = e.add_sequence()
     src = torch.randn(nb * bs, h, d, device="cuda").to(BF)
     e.offload_layer(s, 0, src, src)
@@ -161,11 +161,11 @@ def block_fetch(quick, shape, bs, sweep=False):
 
 # ------------------------------------------------------------------------------- overlap
 def overlap(quick, shape="llama8b_8x128"):
-    from xoffload.runtime import OffloadEngine
+    from xoffload.runtime import OffloadRuntime
 
     h, d = SHAPES[shape]
     L, T, bs = 4, 16384, 1024
-    e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=T + 64, block_size=bs, num_buffers=L,
+    e = OffloadRuntime(L, h, d, dtype=BF, device="cuda", max_tokens=T + 64, block_size=bs, num_buffers=L,
                       num_blocks=2 * (T // bs) + 2)
     k = torch.randn(T, h, d, device="cuda").to(BF)
     kn = torch.randn(1, h, d, device="cuda").to(BF)
@@ -293,7 +293,7 @@ try:
     import pytest
 
     @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
-    def test_bench_engine(benchmark):
+    def test_bench_offload(benchmark):
         res = benchmark.pedantic(lambda: run_all(quick=True), rounds=1, iterations=1)
         benchmark.extra_info.update({"ceiling": res["ceiling"], "block_fetch": res["block_fetch"],
                                      "whole_layer": res["whole_layer"], "overlap": res["overlap"]})

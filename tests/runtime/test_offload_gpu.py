@@ -8,7 +8,7 @@ on a non-default stream. Tests may synchronize; the library never does.
 import pytest
 import torch
 
-from xoffload.runtime import CpuKVPool, OffloadEngine
+from xoffload.runtime import CpuKVPool, OffloadRuntime
 
 pytestmark = pytest.mark.cuda
 
@@ -26,7 +26,7 @@ def _gen(seed):
 
 def test_a_slow_writer_then_offload():
     T, h, d = 300, 8, 128
-    e = OffloadEngine(2, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_blocks=8)
+    e = OffloadRuntime(2, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_blocks=8)
     g = _gen(0)
     naive_bad = 0
     side = torch.cuda.Stream()
@@ -59,7 +59,7 @@ def test_a_slow_writer_then_offload():
 
 def test_b_two_buffer_ring_slow_attention():
     L, h, d, T = 6, 8, 128, 300
-    e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=64, num_buffers=2)
+    e = OffloadRuntime(L, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=64, num_buffers=2)
     g = _gen(1)
     s = e.add_sequence()
     ref_k, ref_v = [], []
@@ -87,7 +87,7 @@ def test_b_two_buffer_ring_slow_attention():
 
 def test_c_source_deleted_and_poisoned():
     T, h, d = 256, 8, 128
-    e = OffloadEngine(1, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_blocks=4)
+    e = OffloadRuntime(1, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_blocks=4)
     g = _gen(2)
     for it in range(ITERS):
         s = e.add_sequence()
@@ -123,7 +123,7 @@ def _decode_check(e, s, L, ref_k, ref_v, g, h, d, sleep=0):
 
 def test_d_ring_not_dividing_layers_wraparound():
     L, h, d, bs = 7, 3, 64, 16
-    e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=bs, num_buffers=3)
+    e = OffloadRuntime(L, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=bs, num_buffers=3)
     g = _gen(3)
     s = e.add_sequence()
     ref_k, ref_v = [], []
@@ -149,7 +149,7 @@ def test_d_ring_not_dividing_layers_wraparound():
 
 def test_e_compute_on_non_default_stream():
     L, h, d = 5, 8, 128
-    e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=1024, block_size=64, num_buffers=2)
+    e = OffloadRuntime(L, h, d, dtype=BF, device="cuda", max_tokens=1024, block_size=64, num_buffers=2)
     g = _gen(4)
     st = torch.cuda.Stream()
     with torch.cuda.stream(st):
@@ -181,7 +181,7 @@ def test_f_fresh_ring_buffers_wait_for_queued_writers():
     T, h, d, L, nb = 256, 8, 128, 4, 2
     g = _gen(5)
     for it in range(20):
-        e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_buffers=nb)
+        e = OffloadRuntime(L, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_buffers=nb)
         s = e.add_sequence()
         ref = [(_rand(T, h, d, g), _rand(T, h, d, g)) for _ in range(L)]
         for l, (k, v) in enumerate(ref):
@@ -208,7 +208,7 @@ def test_fragmented_tables_use_gather_and_fetch_blocks_match():
     # two sequences prefilled chunk by chunk interleave their blocks: whole-layer loads use the
     # gather kernel (runs of one 96 KiB block), fetch_blocks reads pinned memory through UVA
     L, h, d, bs = 3, 3, 64, 256
-    e = OffloadEngine(L, h, d, dtype=BF, device="cuda", max_tokens=4096, block_size=bs, num_blocks=40)
+    e = OffloadRuntime(L, h, d, dtype=BF, device="cuda", max_tokens=4096, block_size=bs, num_blocks=40)
     # (Tensor.is_pinned() is False for cudaHostRegister'ed memory on torch 2.11; not checked)
     assert e.use_gather and e.pool.pinned
     g = _gen(5)

@@ -1,4 +1,4 @@
-"""OffloadEngine: a sequence's KV lives in the host pool; layers stream through a GPU ring.
+"""OffloadRuntime: a sequence's KV lives in the host pool; layers stream through a GPU ring.
 
 (Over 450 lines on purpose: one class whose methods share one set of stream/event ordering rules,
 stated below and per method; splitting it would scatter them.)
@@ -57,8 +57,8 @@ from .sequence import SeqState, StepState
 _MIN_COPY_BYTES = 1 << 20  # below this per run, a whole-layer load uses the gather kernel
 
 
-class OffloadEngine:
-    """KV offload engine for ``num_layers`` layers of ``[tokens, num_kv_heads, head_dim]`` K and V.
+class OffloadRuntime:
+    """KV offload runtime for ``num_layers`` layers of ``[tokens, num_kv_heads, head_dim]`` K and V.
 
     Args:
         num_layers, num_kv_heads, head_dim: model shape.
@@ -598,7 +598,7 @@ class OffloadEngine:
     # ================================================================== internals
     def _check_open(self):
         if self._closed:
-            raise ValueError("the OffloadEngine is closed")
+            raise ValueError("the OffloadRuntime is closed")
 
     def _get(self, seq) -> SeqState:
         self._check_open()

@@ -1,4 +1,4 @@
-"""CPU tests of OffloadEngine (runtime/engine.py): pool exhaustion, decode-buffer flushes at block
+"""CPU tests of OffloadRuntime (runtime/offload.py): pool exhaustion, decode-buffer flushes at block
 boundaries, ring sizes, request isolation, random lifecycles, bad input. The allocator, pool, ring
 and gather kernel have their own test files.
 
@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from xoffload.runtime import OffloadEngine, PoolExhaustedError
+from xoffload.runtime import OffloadRuntime, PoolExhaustedError
 
 H, D = 1, 2
 DT = torch.float32
@@ -76,7 +76,7 @@ class Ref:
 
 
 def eng_(layers=2, bs=16, max_tokens=256, nb=None, nbuf=4, dtype=DT, h=H, d=D):
-    return OffloadEngine(layers, h, d, dtype=dtype, device="cpu", max_tokens=max_tokens, block_size=bs,
+    return OffloadRuntime(layers, h, d, dtype=dtype, device="cpu", max_tokens=max_tokens, block_size=bs,
                          num_buffers=nbuf, num_blocks=nb)
 
 
@@ -323,14 +323,14 @@ def test_bad_input_clear_errors_and_no_other_change():
 
 def test_engine_arg_validation():
     with pytest.raises(ValueError):
-        OffloadEngine(0, 1, 2, device="cpu")
+        OffloadRuntime(0, 1, 2, device="cpu")
     with pytest.raises(ValueError):
-        OffloadEngine(1, 1, 2, device="cpu", num_buffers=0)
+        OffloadRuntime(1, 1, 2, device="cpu", num_buffers=0)
     with pytest.raises(ValueError):
-        OffloadEngine(1, 1, 2, device="meta")
+        OffloadRuntime(1, 1, 2, device="meta")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
-            OffloadEngine(1, 1, 2, device="cuda")
+            OffloadRuntime(1, 1, 2, device="cuda")
 
 
 # -------------------------------------------------------------------------- gather path
@@ -340,7 +340,7 @@ def test_engine_arg_validation():
 def test_fragmented_tables_whole_layer_loads(gather):
     # chunks of two sequences alternate, so their block tables interleave (runs of one block);
     # gather=True takes the whole-block gather path of the ring loads (torch fallback on the CPU)
-    e = OffloadEngine(2, 2, 4, dtype=DT, device="cpu", max_tokens=256, block_size=8, num_blocks=40,
+    e = OffloadRuntime(2, 2, 4, dtype=DT, device="cpu", max_tokens=256, block_size=8, num_blocks=40,
                       num_buffers=2, gather=gather)
     r = Ref(e, seed=11)
     a, b = e.add_sequence(), e.add_sequence()
@@ -361,7 +361,7 @@ def test_fragmented_tables_whole_layer_loads(gather):
 def test_integer_kv_dtype_refused():
     """KV values are floating point; an int dtype is a caller mistake (found by adversarial testing)."""
     with pytest.raises(TypeError, match="floating-point"):
-        OffloadEngine(2, 1, 8, dtype=torch.int32, device="cpu", max_tokens=64, block_size=16)
+        OffloadRuntime(2, 1, 8, dtype=torch.int32, device="cpu", max_tokens=64, block_size=16)
 
 
 def test_release_ring_buffers_between_steps_and_reclaim():
