@@ -78,6 +78,25 @@ def test_run_eval_tables_agreement_json_png(tmp_path, tok, small_samples):
     assert "fake" in res.title() and "float32" in res.title()
 
 
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_outputs_get_the_permissions_of_a_plain_open(tmp_path, tok, small_samples, umask):
+    """ruler.json and ruler.png come out as `xoffload needle`'s needle.json (written with open()):
+    0o666 less the umask, not the 0600 of a temporary file."""
+    answers = {tuple(s.token_ids): s.outputs for s in small_samples[:1]}
+    old = os.umask(umask)
+    try:
+        with open(tmp_path / "plain.json", "w") as f:
+            f.write("{}")
+        run_eval({"gpu": FakeLLM(answers)}, tok, tasks=None, data=small_samples[:1], out_dir=str(tmp_path / "o"),
+                 progress=False)
+    finally:
+        os.umask(old)
+    want = (tmp_path / "plain.json").stat().st_mode & 0o777
+    assert want == 0o666 & ~umask
+    for name in (JSON_NAME, PNG_NAME):
+        assert (tmp_path / "o" / name).stat().st_mode & 0o777 == want, name
+
+
 def test_run_eval_failure_writes_no_json(tmp_path, tok, small_samples):
     answers = {tuple(s.token_ids): s.outputs for s in small_samples}
     llms = {"gpu": FakeLLM(answers), "offload": FakeLLM(answers, fail_at=2)}  # a dict: used, not closed
@@ -188,7 +207,11 @@ def test_length_above_max_model_len_exit_2(tmp_path, capsys, shared_model):
     f = tmp_path / "vt.jsonl"
     f.write_text(json.dumps({"input": "word " * 600, "outputs": ["a"], "length": 9}) + "\n")
     rc, cap = _run(["--data", str(f), "--max-model-len", "300", "--out", str(tmp_path / "o")], capsys)
-    assert rc == 2 and f"{f}:1: prompt of" in cap.err
+    # the one sample does not fit: skipped (a note), and with nothing left to run, exit 2 naming it
+    err = cap.err.strip().splitlines()
+    assert rc == 2 and len(err) == 2 and err[0].startswith(f"note: skipped {f}:1: prompt of ")
+    assert err[1].startswith("xoffload eval: error: none of the 1 --data samples fits max_model_len 300 ")
+    assert f"{f}:1: " in err[1]
     assert not (tmp_path / "o").exists()
 
 

@@ -1,10 +1,12 @@
 """RULER's metrics on hand examples, and RULER's own .jsonl data loaded (qa with string_match_part,
-old- and new-style answer prefixes, task names from paths, malformed lines named by line)."""
+old- and new-style answer prefixes, task names from paths, malformed lines named by line; the raw
+prompt by default, the chat template on request; the fit check with the effective answer length)."""
 import json
 
 import pytest
 
-from xoffload.evals.ruler_data import load_ruler_data, load_ruler_jsonl, task_name_for
+from xoffload.evals.ruler_data import (added_special_tokens, effective_max_new_tokens, load_ruler_data,
+                                       load_ruler_jsonl, prompt_ids, split_fitting, task_name_for)
 from xoffload.evals.scoring import (postprocess_pred, score, string_match_all, string_match_part,
                                     task_score)
 from xoffload.evals.tasks import chat_ids
@@ -52,8 +54,12 @@ def test_load_new_and_old_style(tmp_path, tok):
     assert [s.task for s in ss] == ["qa_1", "qa_1"] and [s.index for s in ss] == [0, 1]
     assert all(s.metric == "part" and s.max_new_tokens == 32 and s.length == 4096 for s in ss)
     assert ss[0].meta["line"] == 1 and ss[1].meta["line"] == 3 and ss[0].meta["ruler_length"] == 3900
-    assert ss[0].token_ids == chat_ids(tok, ss[0].input, " Answer:")
-    assert tok.decode(ss[0].token_ids).rstrip().endswith("Answer:")
+    # RULER's prompt: input + answer_prefix as written, no template added (SmolLM2 adds no BOS)
+    assert ss[0].token_ids == tok.encode(ss[0].input + " Answer:", add_special_tokens=False)
+    assert tok.decode(ss[0].token_ids) == ss[0].input + " Answer:"
+    (c,) = load_ruler_jsonl(str(qa), tok, chat=True)[:1]
+    assert c.token_ids == chat_ids(tok, c.input, " Answer:") and len(c.token_ids) > len(ss[0].token_ids)
+    assert tok.decode(c.token_ids).rstrip().endswith("Answer:")
     # old style: the answer prefix is inside "input"; the file stem is the task; no length folder
     niah = _write(tmp_path / "niah_single_1.jsonl", [
         {"input": "A special magic number ... What is the special magic number for x-y mentioned in the provided "
@@ -63,6 +69,7 @@ def test_load_new_and_old_style(tmp_path, tok):
     assert s.task == "niah_single_1" and s.metric == "all" and s.max_new_tokens == 128 and s.length == 1000
     assert s.answer_prefix == " The special magic number for x-y mentioned in the provided text is"
     assert s.input.endswith("provided text?") and s.token_ids == [] and s.index == 0
+    assert prompt_ids(tok, s.input, s.answer_prefix) == tok.encode(s.input + s.answer_prefix)  # the text as written
     both = load_ruler_data(f"{qa},{niah}", tok)
     assert [x.task for x in both] == ["qa_1", "qa_1", "niah_single_1"] and all(x.token_ids for x in both)
     # a task field and a generation length win over the path
@@ -91,3 +98,35 @@ def test_malformed_line_names_file_and_line(tmp_path, bad, what):
         load_ruler_jsonl(str(tmp_path / "missing.jsonl"))
     with pytest.raises(ValueError, match="no records"):
         load_ruler_jsonl(str(_write(tmp_path / "empty.jsonl", [""])))
+
+
+class _BosTokenizer:
+    """A stand-in tokenizer that puts id 7 in front by default, as Llama's does: one id per character."""
+
+    def __call__(self, text, add_special_tokens=True):
+        return {"input_ids": ([7] if add_special_tokens else []) + [100 + ord(c) for c in text]}
+
+
+def test_prompt_ids_and_added_special_tokens(tok):
+    assert added_special_tokens(tok) == []  # SmolLM2: no BOS, so prompts match RULER's own count
+    bos = _BosTokenizer()
+    assert added_special_tokens(bos) == [7]
+    assert prompt_ids(bos, "ab", " c") == [7, 197, 198, 132, 199]  # sent as RULER sends it: BOS included
+
+
+def test_split_fitting_uses_the_effective_answer_length(tmp_path):
+    f = _write(tmp_path / "8192" / "cwe.jsonl", [{"input": "x", "outputs": ["a"], "length": 10}] * 3)
+    ss = load_ruler_jsonl(str(f))
+    for s, n in zip(ss, (8000, 8080, 8192)):
+        s.token_ids = [1] * n
+    assert [s.max_new_tokens for s in ss] == [120] * 3 and effective_max_new_tokens(ss[0], 48) == 48
+    assert effective_max_new_tokens(ss[0], 500) == 120 and effective_max_new_tokens(ss[0]) == 120
+    kept, skipped = split_fitting(ss, 8192)  # RULER's 120: only the first fits
+    assert kept == ss[:1] and [k["line"] for k in skipped] == [2, 3]
+    assert skipped[0] == {"source": str(f), "line": 2, "task": "cwe", "index": 1, "length": 8192,
+                          "prompt_tokens": 8080, "max_new_tokens": 120, "max_model_len": 8192}
+    kept, skipped = split_fitting(ss, 8192, max_new_tokens=48)  # capped at 48: the second fits too
+    assert kept == ss[:2] and [(k["line"], k["max_new_tokens"]) for k in skipped] == [(3, 48)]
+    ss[0].token_ids = []
+    with pytest.raises(ValueError, match="no token ids"):
+        split_fitting(ss, 8192)

@@ -9,7 +9,15 @@ Every argument is checked before the model is loaded (tasks, ``--samples``, leng
 ``--data`` files line by line); the lengths against the model's context once its config is known.
 A bad argument prints one line ``xoffload eval: error: ...`` to stderr and returns 2, with no JSON
 written. Each finished record is appended to ``ruler.partial.jsonl`` at once; ``ruler.json`` is
-written atomically after every run has finished, and the partial file is then removed.
+written atomically after every run has finished, and the partial file is then removed. Every file
+gets the same permissions as ``xoffload needle``'s (``0o666`` less the umask: 0644 under the usual
+umask 022). The last line printed is the total time.
+
+``--data`` runs RULER's own data as RULER does (:mod:`.ruler_data`): the prompt is ``input +
+answer_prefix`` as written (RULER's template is in the data), unless ``--chat-template`` wraps it in
+the model's; a sample whose prompt plus its effective answer length (RULER's per task, or
+``--max-new-tokens`` when smaller) does not fit ``--max-model-len`` is skipped, listed on stdout and
+in ``ruler.json``'s ``meta.skipped``, and the rest run.
 ``--resume`` continues a cut run from its partial file (same setup only); an interrupt (SIGINT,
 e.g. ``timeout -s INT``) returns 130 with the finished records kept.
 """
@@ -87,6 +95,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="RULER .jsonl file(s), comma-separated (fields input, outputs, length; optional "
                         "index, answer_prefix, task); task name from a 'task' field, the file stem or, for "
                         "<task>/validation.jsonl, the folder")
+    p.add_argument("--chat-template", action="store_true",
+                   help="wrap each --data prompt in the model's chat template (input as the user turn, "
+                        "answer_prefix opening the assistant turn); default: input + answer_prefix as they "
+                        "are, tokenized with the tokenizer's default special tokens, as RULER sends them "
+                        "(RULER's template is already in the data)")
     p.add_argument("--seed", type=int, default=0, help="seed of every generated prompt (default 0)")
     p.add_argument("--out", default="xoffload_eval",
                    help="output folder: ruler.partial.jsonl while running (each record as it finishes), "
@@ -195,6 +208,7 @@ def _count_records(path) -> int:
 
 
 def _cmd_eval(a) -> int:
+    t_start = time.perf_counter()
     tasks, lengths, modes, data = _check_args(a)
 
     from xoffload import models
@@ -207,14 +221,19 @@ def _cmd_eval(a) -> int:
     if lengths and max(lengths) > max_len:
         raise _ArgError(f"length {max(lengths)} is above max_model_len {max_len} of {os.path.basename(str(model.source))}"
                         f"{'' if a.max_model_len else ' (its context length)'}")
+    skipped = []
     if data:
-        from .ruler_data import tokenize_samples
+        from .ruler_data import split_fitting, tokenize_samples
 
-        tokenize_samples(data, model.tokenizer)
-        for s in data:
-            if len(s.token_ids) + s.max_new_tokens > max_len:
-                raise _ArgError(f"{s.meta['source']}:{s.meta['line']}: prompt of {len(s.token_ids)} tokens + "
-                                f"{s.max_new_tokens} new tokens is above max_model_len {max_len}")
+        tokenize_samples(data, model.tokenizer, chat=a.chat_template)
+        data, skipped = split_fitting(data, max_len, a.max_new_tokens)
+        for k in skipped:
+            print(f"note: skipped {k['source']}:{k['line']}: prompt of {k['prompt_tokens']} tokens + "
+                  f"{k['max_new_tokens']} new tokens is above max_model_len {max_len}", file=sys.stderr)
+        if not data and not tasks:
+            raise _ArgError(f"none of the {len(skipped)} --data samples fits max_model_len {max_len} "
+                            f"(e.g. {skipped[0]['source']}:{skipped[0]['line']}: {skipped[0]['prompt_tokens']} "
+                            f"prompt tokens + {skipped[0]['max_new_tokens']} new tokens)")
     t_load = time.perf_counter() - t_load
     # build every prompt now, so that a length too short for a template fails before any generation
     from .tasks import build_samples
@@ -252,6 +271,12 @@ def _cmd_eval(a) -> int:
             "device": str(model.device), "load_s": t_load, "sparse": sparse,
             "sparse_threshold": a.sparse_threshold if sparse else None, "num_kv_buffers": a.num_kv_buffers,
             "kv_block_size": a.kv_block_size, "max_model_len": max_len, "command": " ".join(sys.argv)}
+    if a.data:
+        from .ruler_data import added_special_tokens
+
+        meta.update(data_prompt="chat" if a.chat_template else "raw",
+                    data_special_tokens=added_special_tokens(model.tokenizer), skipped=skipped,
+                    num_skipped=len(skipped))
     if os.environ.get("GIT_COMMIT"):
         meta["commit"] = os.environ["GIT_COMMIT"]
     if with_hf:
@@ -281,7 +306,17 @@ def _cmd_eval(a) -> int:
         print(f"resumed: {res.meta['records_reused']} records reused from {res.meta['resumed_from']}")
     if res.meta.get("records_stale"):
         print(f"resumed: {res.meta['records_stale']} records made under another meaning of their mode ran again")
+    if skipped:
+        print(f"skipped {len(skipped)} --data sample(s) that do not fit max_model_len {max_len}: "
+              + ", ".join(f"{os.path.basename(k['source'])}:{k['line']}" for k in skipped[:8])
+              + (f", +{len(skipped) - 8}" if len(skipped) > 8 else "") + f" (listed in {JSON_NAME} meta.skipped)")
     print(f"wrote {os.path.join(a.out, JSON_NAME)} and ruler.png")
+    total = time.perf_counter() - t_start
+    wall = res.meta.get("wall_s_by_mode") or {}
+    print(f"eval: {len(res.records)} records ({res.meta.get('num_prompts', 0)} prompts, {len(res.modes)} mode(s)"
+          + (f", {len(skipped)} skipped" if skipped else "") + f") on {model.device}: {total:.1f} s in all "
+          f"(model load {t_load:.1f} s, " + "".join(f"{m} {w:.1f} s, " for m, w in wall.items())
+          + f"rest {max(0.0, total - t_load - sum(wall.values())):.1f} s)")
     ok = True
     if a.min_score is not None:
         ok = all(res.average[m] >= a.min_score for m in res.modes)

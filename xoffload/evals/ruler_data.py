@@ -15,9 +15,26 @@ ValueError naming the file and line.
   ``.../<max_seq_length>/data/<task>/validation.jsonl``), else the line's ``length``.
 * without an ``answer_prefix`` field, an old-style ``input`` that ends with the answer prefix of its
   task family has it split off (as RULER does: the last occurrence of the prefix's first 10
-  characters), so that the prefix opens the assistant turn.
+  characters), so that ``input + answer_prefix`` is the text as written and the prefix can open
+  the assistant turn when a chat template is asked for.
 
-The prompt is then ``chat_ids(tokenizer, input, answer_prefix)`` — the same wrapping as the local tasks.
+The prompt (:func:`prompt_ids`), by default, is what RULER's own prediction script sends:
+``input + answer_prefix`` as they are, tokenized as one string with the tokenizer's default special
+tokens (``tokenizer(text)``, as RULER's HF wrapper calls it) and no chat template, because RULER
+bakes its template into the data (``--model_template_type``). RULER counts ``length`` as
+``len(tokenizer.tokenize(input + answer_prefix)) + tokens_to_generate``, i.e. without special
+tokens; so the prompt has exactly ``length - tokens_to_generate`` tokens whenever the tokenizer adds
+none. SmolLM2's tokenizer adds none (no BOS: its post-processor is empty, and that is what the
+tokenizer xoffload builds from the GGUF does with the installed transformers), so its prompts match
+RULER's count token for token. A tokenizer that does add a BOS (e.g. Llama's) gets it here too, as
+under RULER, and such a prompt is one token longer than RULER's count: a sample that RULER sized to
+the budget exactly then no longer fits (:func:`split_fitting` skips it).
+:func:`added_special_tokens` says which ids a tokenizer adds.
+
+``chat=True`` (``xoffload eval --chat-template``) wraps the prompt in the model's chat template
+instead (:func:`~.tasks.chat_ids`: ``input`` as the user turn, the stripped ``answer_prefix``
+opening the assistant turn), as the locally generated tasks are; SmolLM2's template adds ~30
+tokens (its default system turn included).
 """
 from __future__ import annotations
 
@@ -116,12 +133,35 @@ def read_jsonl(path: str) -> list:
     return out
 
 
-def load_ruler_jsonl(path: str, tokenizer=None) -> list:
+def prompt_ids(tokenizer, text: str, answer_prefix: str = "", chat: bool = False) -> list:
+    """Token ids of one RULER prompt (see the module doc): ``text + answer_prefix`` as one string with
+    the tokenizer's default special tokens (``chat=False``, what RULER sends), or
+    :func:`~.tasks.chat_ids` (``chat=True``: the model's chat template around it)."""
+    if chat:
+        return chat_ids(tokenizer, text, answer_prefix)
+    ids = tokenizer(text + answer_prefix)["input_ids"]
+    return [int(x) for x in ids]
+
+
+def added_special_tokens(tokenizer) -> list:
+    """The token ids ``tokenizer`` adds around a text by default (e.g. ``[bos_id]``; ``[]`` for
+    SmolLM2), found by tokenizing one word with and without special tokens."""
+    with_sp = [int(x) for x in tokenizer("a")["input_ids"]]
+    without = [int(x) for x in tokenizer("a", add_special_tokens=False)["input_ids"]]
+    if without and len(with_sp) >= len(without):
+        for j in range(len(with_sp) - len(without) + 1):
+            if with_sp[j:j + len(without)] == without:
+                return with_sp[:j] + with_sp[j + len(without):]
+    return with_sp
+
+
+def load_ruler_jsonl(path: str, tokenizer=None, chat: bool = False) -> list:
     """Samples of one RULER ``.jsonl`` file (see the module doc for the fields and rules).
 
-    With ``tokenizer`` the samples carry ``token_ids`` (chat template + answer prefix); without,
-    ``token_ids`` is empty and :func:`tokenize_samples` fills it later (so files can be checked
-    before a model is loaded). Raises FileNotFoundError, or ValueError naming file and line."""
+    With ``tokenizer`` the samples carry ``token_ids`` (:func:`prompt_ids`: ``input + answer_prefix``
+    as RULER sends it, or in the chat template with ``chat=True``); without, ``token_ids`` is empty
+    and :func:`tokenize_samples` fills it later (so files can be checked before a model is loaded).
+    Raises FileNotFoundError, or ValueError naming file and line."""
     recs = read_jsonl(path)
     task_default = task_name_for(path)
     tlen = _target_length_from_path(path)
@@ -141,22 +181,49 @@ def load_ruler_jsonl(path: str, tokenizer=None) -> list:
                    meta={"source": os.path.abspath(path), "line": rec["_line"], "ruler_length": rec["length"]})
         samples.append(s)
     if tokenizer is not None:
-        tokenize_samples(samples, tokenizer)
+        tokenize_samples(samples, tokenizer, chat=chat)
     return samples
 
 
-def tokenize_samples(samples, tokenizer) -> list:
-    """Fill ``token_ids`` of loaded samples (in place; also returned) with :func:`~.tasks.chat_ids`."""
+def tokenize_samples(samples, tokenizer, chat: bool = False) -> list:
+    """Fill ``token_ids`` of loaded samples (in place; also returned) with :func:`prompt_ids`:
+    RULER's raw prompt by default, the model's chat template with ``chat=True``."""
     for s in samples:
-        s.token_ids = chat_ids(tokenizer, s.input, s.answer_prefix)
+        s.token_ids = prompt_ids(tokenizer, s.input, s.answer_prefix, chat=chat)
     return samples
 
 
-def load_ruler_data(paths, tokenizer=None) -> list:
-    """Samples of several files (a list, or one comma-separated string), in order."""
+def effective_max_new_tokens(sample, cap=None) -> int:
+    """The answer length a sample runs with: its own ``max_new_tokens`` (RULER's per task), or
+    ``cap`` (``--max-new-tokens``) when that is smaller."""
+    return int(sample.max_new_tokens) if cap is None else min(int(sample.max_new_tokens), int(cap))
+
+
+def split_fitting(samples, max_model_len: int, max_new_tokens=None) -> tuple:
+    """``(kept, skipped)``: the tokenized samples whose prompt plus effective answer length
+    (:func:`effective_max_new_tokens` with the cap ``max_new_tokens``) fits in ``max_model_len``,
+    and one dict per sample that does not (``source, line, task, index, length, prompt_tokens,
+    max_new_tokens, max_model_len``), in order. Raises ValueError for a sample not yet tokenized."""
+    kept, skipped = [], []
+    for s in samples:
+        if not s.token_ids:
+            raise ValueError(f"sample {s.task}#{s.index} has no token ids (tokenize_samples first)")
+        mt = effective_max_new_tokens(s, max_new_tokens)
+        if len(s.token_ids) + mt <= max_model_len:
+            kept.append(s)
+        else:
+            skipped.append({"source": s.meta.get("source"), "line": s.meta.get("line"), "task": s.task,
+                            "index": s.index, "length": s.length, "prompt_tokens": len(s.token_ids),
+                            "max_new_tokens": mt, "max_model_len": int(max_model_len)})
+    return kept, skipped
+
+
+def load_ruler_data(paths, tokenizer=None, chat: bool = False) -> list:
+    """Samples of several files (a list, or one comma-separated string), in order; ``tokenizer`` and
+    ``chat`` as in :func:`load_ruler_jsonl`."""
     if isinstance(paths, str):
         paths = [p for p in (x.strip() for x in paths.split(",")) if p]
     out = []
     for p in paths:
-        out.extend(load_ruler_jsonl(p, tokenizer))
+        out.extend(load_ruler_jsonl(p, tokenizer, chat=chat))
     return out

@@ -36,6 +36,27 @@ PNG_NAME = "ruler.png"
 __all__ = ["EvalResult", "JSON_NAME", "PARTIAL_NAME", "PNG_NAME", "run_eval", "summarize"]
 
 
+def _umask() -> int:
+    """The process's umask (read without changing it where Linux reports it, else set and restored)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    m = os.umask(0o022)
+    os.umask(m)
+    return m
+
+
+def _as_open_would(path: str) -> None:
+    """Give ``path`` (a temporary file from ``mkstemp``, which makes it 0600) the permissions that
+    ``open(path, "w")`` gives a new file, as ``xoffload needle``'s outputs have: 0o666 less the
+    umask (0644 under the usual 022)."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
 def _len_label(L) -> str:
     L = int(L)
     return f"{L // 1024}K" if L % 1024 == 0 else str(L)
@@ -91,11 +112,13 @@ class EvalResult:
 
     def write_json(self, path: str) -> str:
         """Write :meth:`to_dict` to ``path`` atomically (a temporary file in the same folder, then
-        ``os.replace``): no partial file is ever visible under ``path``. Returns ``path``."""
+        ``os.replace``): no partial file is ever visible under ``path``. The file gets the permissions
+        of a plain ``open(path, "w")`` (0644 under umask 022). Returns ``path``."""
         d = os.path.dirname(os.path.abspath(path))
         os.makedirs(d, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=".ruler-", suffix=".json.tmp", dir=d)
         try:
+            _as_open_would(tmp)
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 json.dump(self.to_dict(), f, indent=1)
                 f.flush()
@@ -116,7 +139,8 @@ class EvalResult:
 
     def write_png(self, path: str, title: str | None = None) -> str:
         """Heatmap of the task x length table, one row-panel per mode, each cell annotated with its
-        score (0-100) and an ``average`` row; written atomically. Needs matplotlib (ImportError)."""
+        score (0-100) and an ``average`` row; written atomically, with the permissions of a plain
+        ``open(path, "w")``. Needs matplotlib (ImportError)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -149,6 +173,7 @@ class EvalResult:
         fd, tmp = tempfile.mkstemp(prefix=".ruler-", suffix=".png", dir=d)
         os.close(fd)
         try:
+            _as_open_would(tmp)
             fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
             os.replace(tmp, path)
         finally:
@@ -416,7 +441,9 @@ def run_eval(llm_factory, tokenizer, tasks="all", lengths=(4096,), samples: int 
             mapping's keys, else ``["gpu"]``. The first is the agreement reference.
         seed: int; seeds every prompt.
         data: extra :class:`~.tasks.Sample` s, e.g. from :func:`~.ruler_data.load_ruler_data`
-            (their ``token_ids`` are filled with ``tokenizer`` when empty).
+            (their ``token_ids`` are filled with ``tokenizer`` when empty: RULER's raw prompt,
+            :func:`~.ruler_data.prompt_ids`). They must fit the LLMs' ``max_model_len``
+            (:func:`~.ruler_data.split_fitting` sorts out those that do not).
         max_new_tokens: optional cap on every sample's generation length (default: RULER's per task).
         out_dir: when given, each finished record is appended to ``ruler.partial.jsonl`` there at
             once (:mod:`.partial`), and ``ruler.json`` and ``ruler.png`` are written after all runs
