@@ -294,7 +294,9 @@ class LLMEngine:
                 self._outputs.append(self._output(s, final=False))
         left = []
         for s in self._finishing:
-            if s.finish_reason in ("abort", "error") or s.stopped or len(s.tokens) >= s.req.max_new:
+            read = s.finish_reason in ("abort", "error") or s.stopped or len(s.tokens) >= s.req.max_new
+            end = s.marks.get("end")  # its timings read this event: wait until the GPU has passed it
+            if read and (end is None or isinstance(end, float) or end.query()):
                 self._finish_output(s)
             else:
                 left.append(s)
