@@ -47,6 +47,7 @@ CODE = {
               "xoffload/sparse/xattention.py"],
     "transfer": ["xoffload/runtime", "xoffload/kernels/gather.py"],
     "needle": _ENGINE + ["xoffload/evals"],
+    "conversations": _ENGINE,
 }
 
 # the latest run of the benchmarks the tables above do not show: kept, indexed with their status
@@ -90,6 +91,17 @@ SOURCES = {
     "topk.json": ("topk", "python benchmarks/bench_topk.py"),
     "quest_score.json": ("quest_score", "python benchmarks/bench_quest_score.py"),
     "layer_ops.json": ("layer_ops", "python benchmarks/bench_layer_ops.py --quick"),
+    "e2e_engine_before.json": ("e2e", "python benchmarks/bench_e2e.py --part 8b --lengths 32768,131072 "
+                               "--configs resident,offload+quest --no-peers --new 64 (the code before the step loop)"),
+    "e2e_engine_after.json": ("e2e", "python benchmarks/bench_e2e.py --part 8b --lengths 32768,131072 "
+                              "--configs resident,offload+quest --no-peers --new 64"),
+    "batch_cap_engine_before.json": ("batch", "python benchmarks/bench_batch.py --part cap --cap-batches 16 "
+                                     "--cap-resident 4 --new 16 --no-peers (the code before the step loop)"),
+    "batch_cap_engine_after.json": ("batch", "python benchmarks/bench_batch.py --part cap --cap-batches 16 "
+                                    "--cap-resident 4 --new 16 --no-peers"),
+    "conversations.json": ("conversations", "python benchmarks/bench_conversations.py --convs 8"),
+    "ruler_real_4k.json": ("ruler", None),
+    "ruler_real_8k.json": ("ruler", None),
 }
 
 GB = 1e9
@@ -393,9 +405,88 @@ def sec_other() -> str:
     return "\n\n".join(out)
 
 
+
+def sec_engine() -> str:
+    """The step loop against the code before it, in one device session."""
+    before, after = load("e2e_engine_before.json"), load("e2e_engine_after.json")
+    rows = []
+    for cfg in ("resident", "offload+quest"):
+        for L in (32768, 131072):
+            b, a = before["results"][f"8b/{cfg}"][str(L)], after["results"][f"8b/{cfg}"][str(L)]
+            bm, am = b["decode_steady_ms_per_token"], a["decode_steady_ms_per_token"]
+            rows.append([f"`{cfg}`", f"{L // 1024}K", f"{bm:.3f}", f"{am:.3f}", f"{am / bm:.3f}×",
+                         f"{b['prefill_tok_per_s']:.0f}", f"{a['prefill_tok_per_s']:.0f}",
+                         f"{a['prefill_tok_per_s'] / b['prefill_tok_per_s']:.3f}×"])
+    cb, ca = load("batch_cap_engine_before.json"), load("batch_cap_engine_after.json")
+    cap = []
+    for what, key in (("offload+quest, 16 sequences", "offload_quest_best_tok_per_s"),
+                      ("resident, as many as fit", "resident_under_cap_tok_per_s")):
+        x, y = cb["results"]["cap_part"]["targets"][key], ca["results"]["cap_part"]["targets"][key]
+        cap.append([what, f"{x:.0f}", f"{y:.0f}", f"{y / x:.3f}×"])
+    return "\n\n".join([
+        "## The step loop: speed before and after",
+        "Llama-3.1-8B shape, one request at a time through `LLMEngine` against the one-request loop it "
+        "replaced, same machine, same session; steady-state decode (first two steps left out).",
+        provenance("e2e_engine_before.json"), provenance("e2e_engine_after.json"),
+        anchor("engine-speed") + "\n\n" + table(["config", "context", "decode ms/token before", "after", "after ÷ before",
+                                        "prefill tok/s before", "after", "after ÷ before"], rows),
+        "Batched decode under a 24 GiB GPU memory cap (32K tokens per sequence, 16 new), tok/s:",
+        provenance("batch_cap_engine_before.json"), provenance("batch_cap_engine_after.json"),
+        table(["load", "before", "after", "after ÷ before"], cap)])
+
+
+def sec_conversations() -> str:
+    name = "conversations.json"
+    d = load(name)
+    rows = []
+    for key, r in d["results"].items():
+        if "tok_per_s" not in r:
+            rows.append([f"`{key}`", r.get("status", "")] + [""] * 7)
+            continue
+        rows.append([f"`{key}`", f"{r['tok_per_s']:.1f}", f"{r['followup_ttft_ms_p50']:.0f}",
+                     f"{r['followup_ttft_ms_p99']:.0f}", f"{r['itl_ms_p50']:.1f}", f"{r['itl_ms_p99']:.1f}",
+                     f"{(r['h2d_bytes_per_token'] or 0) / 1e6:.1f}", f"{r['peak_gpu_memory_bytes'] / GB:.1f}",
+                     f"{r['host_rss_peak_bytes'] / GB:.1f}"])
+    t = []
+    for n, x in d.get("targets", {}).items():
+        ttft, sp = x.get("followup_ttft_p99_s"), x.get("speedup_vs_resident")
+        t.append(f"N={n}: follow-up TTFT p99 {ttft:.2f} s (target ≤ {x['followup_ttft_p99_target_s']} s: "
+                 f"{'met' if ttft is not None and ttft <= x['followup_ttft_p99_target_s'] else 'missed'}); "
+                 f"tok/s {sp:.2f}× resident under the cap (target ≥ {x['speedup_target']}×: "
+                 f"{'met' if sp is not None and sp >= x['speedup_target'] else 'missed'}).")
+    return "\n\n".join([
+        "## Many conversations at once",
+        f"{d['shape']} shape, N conversations over their own {d['doc_tokens']}-token documents, {d['questions']} "
+        f"questions of {d['q_tokens']} tokens each, {d['answer_tokens']} tokens per answer, arriving "
+        f"{d['gap_ms']:.0f} ms apart, {d['cap_gib']:.0f} GiB GPU cap. TTFT: queue + prefill + first token (CUDA "
+        "events); ITL: decode step times.", provenance(name),
+        anchor("conversations") + "\n\n" + table(["mode / N", "tok/s", "follow-up TTFT p50 ms", "p99 ms", "ITL p50 ms",
+                                         "p99 ms", "H2D MB/token", "peak GPU GB", "host RSS GB"], rows),
+        " ".join(t)])
+
+
+def sec_ruler_real() -> str:
+    a, b = load("ruler_real_4k.json"), load("ruler_real_8k.json")
+    base = "offload"
+    rows = []
+    for m in a["average"]:
+        x, y = a["average"][m], b["average"][m]
+        worst = min(a["table"][m][t]["4096"] - a["table"][base][t]["4096"] for t in a["table"][m]) \
+            if m != base else 0.0
+        rows.append([f"`{m}`", f"{x:.1f}", f"{x - a['average'][base]:+.1f}", f"{y:.1f}",
+                     f"{y - b['average'][base]:+.1f}", f"{worst:+.1f}"])
+    return "\n\n".join([
+        "### Real RULER data (NVIDIA's generator, SmolLM2 tokenizer)",
+        "`../shared/ruler_data`: 11 tasks × 20 samples at 4K and 8K, prompts as RULER sends them "
+        "(`input + answer_prefix`, no chat template), 48 new tokens.",
+        provenance("ruler_real_4k.json"), provenance("ruler_real_8k.json"),
+        anchor("ruler-real") + "\n\n" + table(["mode", "4K average", "vs dense", "8K average", "vs dense",
+                                      "worst task vs dense (4K)"], rows)])
+
 def render() -> str:
     HEADLINES.clear()
-    secs = [sec_e2e_defaults(), sec_e2e_all(), sec_ruler(), sec_session(), sec_batch(), sec_prefill(),
+    secs = [sec_e2e_defaults(), sec_engine(), sec_conversations(), sec_e2e_all(), sec_ruler(), sec_ruler_real(),
+            sec_session(), sec_batch(), sec_prefill(),
             sec_rows("decode.json", "split-KV decode (`decode_attn_with_lse`)", "frac_of_hbm_copy",
                      "÷ HBM copy",
                      (lambda r: r["Sk"] == 131072 and r["B"] == 1 and r["Hq"] == 32, "decode-128k",
