@@ -68,7 +68,7 @@ def run_load(llm, n: int, doc_tokens: int, questions: int, q_tokens: int, answer
     while any(t < questions for t in turn) or e.has_unfinished_requests():
         now = time.perf_counter() - t0
         for i in range(n):
-            if turn[i] < questions and not sessions[i].busy and due[i] is not None and due[i] <= now:
+            if turn[i] < questions and not sessions[i].queued and due[i] is not None and due[i] <= now:
                 msg = (docs[i] + qs[i][0]) if turn[i] == 0 else qs[i][turn[i]]
                 owner[sessions[i].submit(msg, sp)] = (i, turn[i])
                 turn[i] += 1

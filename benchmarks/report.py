@@ -52,9 +52,9 @@ CODE = {
 
 # the latest run of the benchmarks the tables above do not show: kept, indexed with their status
 OTHER = {
-    "attention_options_s13.json": ("attention", "python benchmarks/bench_flash_attn.py --suite options "
+    "attention_options.json": ("attention", "python benchmarks/bench_flash_attn.py --suite options "
                                    "--cases window,paged,softcap,alibi --seqs 32768,131072"),
-    "attention_options_s13_scores.json": ("attention", "python benchmarks/bench_flash_attn.py --suite options "
+    "attention_options_scores.json": ("attention", "python benchmarks/bench_flash_attn.py --suite options "
                                           "--cases softcap,alibi --no-flex"),
     "xattn.json": ("xattn", "python benchmarks/bench_xattn.py --quick"),
     "xattn_real.json": ("xattn", "python benchmarks/bench_xattention_real.py"),
@@ -73,9 +73,9 @@ SOURCES = {
                                 "--configs resident,offload+quest,offload+quest-ch --no-peers --new 64"),
     "e2e.json": ("e2e", "python benchmarks/bench_e2e.py --time-budget 560"),
     "ruler_smollm2_questch.json": ("ruler", None),  # the eval records its own command
-    "ruler_smollm2_session_s11.json": ("ruler", None),
+    "ruler_smollm2_session.json": ("ruler", None),
     "ruler_smollm2_fp32_hf.json": ("ruler", None),
-    "ruler_smollm2_reuse_s10.json": ("ruler", None),
+    "ruler_smollm2_reuse.json": ("ruler", None),
     "session_turns.json": ("session", "python benchmarks/bench_session.py --part profile,turns"),
     "session_prefix_batch.json": ("session", "python benchmarks/bench_session.py --part prefix_batch"),
     "batch_cap_b16_allsparse.json": ("batch", "python benchmarks/bench_batch.py --part cap --no-peers "
@@ -84,7 +84,7 @@ SOURCES = {
                                    "--cap-batches 16 --cap-resident 1 --new 32"),
     "batch_long_128k.json": ("batch", "python benchmarks/bench_batch.py --part long --no-peers "
                              "--long-batches max --new 32"),
-    "attention_s13.json": ("attention", "python benchmarks/bench_flash_attn.py --quick"),
+    "attention.json": ("attention", "python benchmarks/bench_flash_attn.py --quick"),
     "decode.json": ("decode", "python benchmarks/bench_decode.py"),
     "paged_decode.json": ("paged_decode", "python benchmarks/bench_paged_decode.py --quick"),
     "merge.json": ("merge", "python benchmarks/bench_merge.py"),
@@ -268,7 +268,7 @@ def sec_ruler() -> str:
     out = ["## Accuracy: RULER-style, SmolLM2-135M",
            "11 tasks (8 needle variants, variable tracking, common / frequent words) × 4K and 8K tokens, "
            "score 0-100 averaged over the 22 cells; agreement with the first mode of the run, sample by sample."]
-    name = "ruler_smollm2_reuse_s10.json"
+    name = "ruler_smollm2_reuse.json"
     d = load(name)
     rows = []
     for m, avg in d["average"].items():
@@ -282,7 +282,7 @@ def sec_ruler() -> str:
             "133 prompts every mode answered.",
             table(["mode", "prompts", "average", "average on the common 133"], rows)]
     for name, title, png in [("ruler_smollm2_questch.json", "`quest-ch` at every budget", "ruler_smollm2_questch.png"),
-                             ("ruler_smollm2_session_s11.json", "Asked as the second turn of a session", None),
+                             ("ruler_smollm2_session.json", "Asked as the second turn of a session", None),
                              ("ruler_smollm2_fp32_hf.json", "fp32: our resident mode against transformers (`hf`)", None)]:
         rows = [[f"`{r[0]}`", f"{r[1]:.2f}", f"{r[2]:.2f}", f"{r[3]:.2f}", r[4], r[5]] for r in ruler_rows(name)]
         out += [f"### {title}", provenance(name),
@@ -356,7 +356,7 @@ def sec_batch() -> str:
 
 
 def sec_prefill() -> str:
-    name = "attention_s13.json"
+    name = "attention.json"
     d = load(name)
     rows = []
     for r in d["records"]:

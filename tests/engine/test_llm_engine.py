@@ -257,7 +257,7 @@ def test_200_mixed_requests_aborts_and_turns_leak_nothing():
             e.abort_request([r for r in aborted if r not in finals])
         if i % 20 == 10:
             c = convs[(i // 20) % 3]
-            if not c.busy:
+            if not c.queued:
                 turns.add(c.submit(_prompts([rnd.randint(1, 20)], seed=i)[0], SP))
     _run(e, finals)
     assert len(finals) == 200 + len(turns) and turns <= set(finals)
@@ -287,3 +287,74 @@ def test_resident_engine_keeps_serving_after_close_and_offload_refuses():
         else:
             with pytest.raises(ValueError, match="closed"):
                 e.add_request("b", p, SP)
+
+
+def test_close_ends_queued_requests_and_wait_returns():
+    """close() ends every request, queued ones too: their final outputs say so (offload refuses
+    new requests afterwards, resident keeps serving)."""
+    for mode, kw in MODES:
+        e = LLMEngine(tiny_random(), mode=mode, max_model_len=512, max_num_seqs=4, **SDPA, **kw)
+        e.add_request("a", [1, 2, 3], SP)
+        e.close()
+        out = e.wait("a")
+        assert out.finished and out.finish_reason == "error" and "closed" in str(out.error)
+        assert not e.has_unfinished_requests()
+
+
+def test_wait_keeps_only_other_requests_latest_outputs():
+    """A session's turns (wait) leave no progress outputs behind; a request another client added
+    keeps its final output for whoever steps next, also across LLM.generate."""
+    llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, max_num_seqs=4, **SDPA)
+    e = llm.engine
+    e.add_request("mine", _prompts([30], seed=13)[0], SP)
+    s = llm.session()
+    for t in range(2):
+        s.generate(_prompts([10], seed=14 + t)[0], SamplingParams(max_tokens=12, ignore_eos=True))
+    llm.generate(_prompts([20], seed=16)[0], SP)
+    kept = e.step()
+    assert [o.request_id for o in kept if o.finished] == ["mine"]
+    assert all(o.request_id == "mine" for o in kept) and len(kept) == 1
+
+
+def test_a_queued_turn_does_not_pin_its_session_and_aborted_turns_stay():
+    """A session whose turn only waits in the queue can still be evicted for the turn ahead of
+    it (its own turn then prefills the conversation again); an aborted turn after its prefill
+    keeps its prompt and partial answer in both kinds of session."""
+    llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, max_num_seqs=1,
+              kv_cache_tokens=128, **SDPA)
+    e, a, b = llm.engine, llm.session(), llm.session()
+    a.generate(list(range(1, 80)), SP)
+    b.generate(list(range(2, 81)), SP)
+    ra, rb = a.submit([5, 6, 7], SP), b.submit([8, 9], SP)
+    assert e.wait(ra).error is None and e.wait(rb).error is None
+    for n in (1, 4):
+        llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, max_num_seqs=n,
+                  prefix_caching=n > 1, **SDPA)
+        e, s = llm.engine, llm.session()
+        s.generate(list(range(1, 40)), SP)
+        rid = s.submit(list(range(50, 70)), SamplingParams(max_tokens=50, ignore_eos=True))
+        for _ in range(4):
+            e.step()
+        e.abort_request(rid)
+        out = _run(e)[rid]
+        assert out.finish_reason == "abort" and out.timings["decode_steps"] >= 1
+        assert len(s.tokens) == 39 + 6 + 20 + len(out.token_ids), n
+
+
+def test_bad_arguments_are_one_line_errors():
+    e = LLMEngine(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, max_num_seqs=1,
+                  prefix_caching=True, **SDPA)
+    for bad in (5, None, b"ab"):
+        with pytest.raises(TypeError, match="abort_request takes"):
+            e.abort_request(bad)
+    with pytest.raises(TypeError, match="1-D tensor"):
+        e.add_request("t", torch.tensor(5), SP)
+    for kw in (dict(stop_token_ids="12"), dict(stop_token_ids=None), dict(seed="a"), dict(top_p="0.5")):
+        with pytest.raises(TypeError):
+            SamplingParams(**kw)
+    e.add_request("d", [1, 2, 3], SP)
+    for _ in range(3):
+        with pytest.raises(ValueError, match="already in use"):
+            e.add_request("d", [1, 2, 3], SP)
+    _run(e)
+    assert e.sessions == {}

@@ -54,6 +54,8 @@ def prompt_ids(model, max_model_len: int, name, p) -> list:
             raise ValueError(f"prompt {name} is empty")
         ids = encode(model, p)
     elif isinstance(p, (list, tuple, torch.Tensor)):
+        if isinstance(p, torch.Tensor) and p.dim() != 1:
+            raise TypeError(f"prompt {name} must be a 1-D tensor of token ids, got shape {tuple(p.shape)}")
         ids = p.tolist() if isinstance(p, torch.Tensor) else list(p)
         if not all(_is_id(x) for x in ids):
             raise TypeError(f"prompt {name}: token ids must be ints")

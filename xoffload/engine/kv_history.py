@@ -20,7 +20,7 @@ from .kv_store import PrefillStaging
 if TYPE_CHECKING:
     from .session import Session
 
-__all__ = ["ChunkSink", "history_page_ids"]
+__all__ = ["dense_layer_set", "ChunkSink", "history_page_ids"]
 
 _Q_CHUNK = 64  # query tokens per block of the page-bound computation (bounds its memory)
 
@@ -269,3 +269,25 @@ class ChunkSink:
             self.h2d_bytes += 2 * kr.numel() * kr.element_size()
         return paged_decode_attn_with_lse(q[None], kr, vr, table, lens, page_size=P, causal=False,
                                           softmax_scale=s.scale, check=False)
+
+
+def dense_layer_set(dense_layers, policy, L: int) -> tuple:
+    """A session's layers that always read the whole history: ``dense_layers`` None (the decode
+    policy's dense layers, else 0 and 1), an int N (the first N) or layer indices. Raises
+    ValueError for anything else or an index outside ``[0, L)``."""
+    if dense_layers is None:
+        sparse = set(policy.sparse_layers(L)) if policy is not None else set(range(2, L))
+        dense_layers = tuple(l for l in range(L) if l not in sparse)
+    elif isinstance(dense_layers, int) and not isinstance(dense_layers, bool):
+        if not 0 <= dense_layers <= L:
+            raise ValueError(f"dense_layers must be an int in [0, {L}] or layer indices, got {dense_layers!r}")
+        dense_layers = tuple(range(dense_layers))
+    else:
+        try:
+            ids = tuple(dense_layers)
+        except TypeError:
+            raise ValueError(f"dense_layers must be an int or layer indices, got {dense_layers!r}") from None
+        if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < L for x in ids):
+            raise ValueError(f"dense_layers must hold layer indices in [0, {L}), got {dense_layers!r}")
+        dense_layers = tuple(sorted(set(ids)))
+    return dense_layers

@@ -25,19 +25,16 @@ class LLM:
             ``sparse``, ``sparse_decode``, ``token_budget``, ``offload_decode``, ``max_num_seqs``,
             ``prefix_caching``, ``max_model_len``, ``kv_cache_tokens``, ...).
 
-    With ``tensor_parallel_size=N > 1`` this is one rank of a group started by ``torchrun
-    --nproc-per-node N``: rank 0 checks and tokenizes the prompts and broadcasts them, every rank
-    runs the same loop and returns the same outputs.
+    With ``tensor_parallel_size=N > 1`` (one rank of a ``torchrun`` group) rank 0 checks the
+    prompts and broadcasts them; every rank runs the same loop and returns the same outputs.
 
-    Attributes: ``engine`` (the :class:`LLMEngine`), ``config``, ``model``, ``tokenizer``,
-    ``mode``, ``policy`` (the prefill policy), ``offload`` (the runtime's offload runtime; None
-    in resident mode), ``prefix_cache``, ``batch_stats`` (after :meth:`generate`: per decode step
-    the sequences, padded rows and ms; per prefill its tokens and ms; decode tok/s; the most
-    sequences that ran at once; the captured CUDA-graph buckets; the store).
+    Attributes: ``engine`` (the :class:`LLMEngine`), ``config``, ``model``, ``tokenizer``, ``mode``,
+    ``policy`` (prefill), ``offload`` (the runtime's ``OffloadRuntime``; None in resident mode),
+    ``prefix_cache``, ``batch_stats`` (the last store epoch's figures: decode steps, prefills,
+    tok/s, most sequences at once, captured CUDA-graph buckets, the store).
 
-    On the CPU the attention kernels run their PyTorch references (exact fp32), whatever
-    ``TRITON_INTERPRET`` says. Raises ValueError / TypeError on bad options, FileNotFoundError
-    when the model is missing.
+    On the CPU the kernels run their fp32 references. Raises ValueError / TypeError on bad options,
+    FileNotFoundError when the model is missing.
     """
 
     def __init__(self, model=None, **options):
@@ -133,9 +130,12 @@ class LLM:
         bar = tqdm(total=len(rids), desc="Generating", dynamic_ncols=True) if use_tqdm else None
         stream, e.stream_outputs = e.stream_outputs, False
         try:
+            mine = set(rids)
             while len(finals) < len(rids):
-                for o in e.step():
-                    if o.finished and o.request_id in rids:
+                outs = e.step()
+                e.keep_outputs([o for o in outs if o.request_id not in mine])  # other clients' outputs
+                for o in outs:
+                    if o.finished and o.request_id in mine:
                         if o.error is not None:
                             raise o.error
                         finals[o.request_id] = o

@@ -1,7 +1,7 @@
 """``LLMEngine``: the one step loop. Requests join with :meth:`~LLMEngine.add_request`, each
 :meth:`~LLMEngine.step` admits, prefills and decodes one step for every running request and
 returns the outputs that progressed, :meth:`~LLMEngine.abort_request` frees a request's KV at
-once. ``LLM.generate``, sessions and the server are thin clients of this loop (vLLM's names).
+once. ``LLM.generate`` and sessions are thin clients of this loop (vLLM's names).
 
 Threads: :meth:`add_request` and :meth:`abort_request` may be called from any thread (they queue
 the work under a lock; an abort from the thread that drives the loop, between steps, is applied at
@@ -9,8 +9,8 @@ once); one thread at a time runs :meth:`step`, which holds the device.
 
 Store epochs: the KV store (the table in :func:`~.kv_batch.batch_store_class`) is opened when the
 engine goes busy, its GPU pools sized for ``max_num_seqs`` requests like the largest one waiting
-then with :data:`HEADROOM` more prompt (within the free GPU memory: a conversation's next turn is
-its last prompt plus the answer and a question), and
+then with :data:`~.runner.HEADROOM` more prompt (within the free GPU memory: a conversation's
+next turn is its last prompt plus the answer and a question), and
 closed when the engine is idle again (its pinned host pool and the prefix cache live as long as the
 engine). A request that arrives while the store is open and fits it joins the running batch at the
 next step; one the store cannot hold waits (and the requests behind it: first in, first out) until
@@ -31,30 +31,16 @@ from ..kernels import cpu_backend
 from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_dtype_device
 from .config import EngineConfig
+from .eviction import make_room
 from .inputs import decode, prompt_ids
 from .kv_batch import batch_store_class
 from .kv_store import store_class
 from .request import Clock, Request, RequestOutput, request_timings
-from .runner import StepRunner
+from .runner import StepRunner, headroom
 from .sampling import SamplingParams
 from .scheduler import FINISHED, Sequence
 
-__all__ = ["LLMEngine", "HEADROOM"]
-
-#: a store is sized for prompts this much longer than the longest one waiting when it opens
-HEADROOM = 1.25
-
-
-def _headroom(seqs, config):
-    """A stand-in request that sizes a store (only its lengths are read): the longest waiting
-    prompt times :data:`HEADROOM` (within ``max_model_len``), with the most new tokens asked."""
-    from types import SimpleNamespace
-
-    new = max(s.req.max_new for s in seqs)
-    p = min(int(max(s.prompt_len for s in seqs) * HEADROOM) + 1, config.max_model_len - new + 1)
-    p = max(p, max(s.prompt_len for s in seqs))
-    return SimpleNamespace(prompt_len=p, final_len=p + new - 1, req=SimpleNamespace(max_new=new))
-
+__all__ = ["LLMEngine"]
 
 class LLMEngine:
     """Continuous-batching engine over one model and one KV layer (see the module docstring).
@@ -142,6 +128,8 @@ class LLMEngine:
                            device=self.model.device)
         if prefill_hook is None:
             self._check_capacity(request_id, req)
+        if self._holds(request_id):
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
         if prefill_hook is None and self.prefix_cache is not None and cfg.max_num_seqs == 1:
             from .session import Session  # one store of one-request stores: reuse through a one-turn session
 
@@ -184,7 +172,12 @@ class LLMEngine:
         Its KV is freed at once when called between steps from the thread that drives the loop,
         else at the start of the next step; its final output (``finish_reason == "abort"``) comes
         from the next :meth:`step`."""
-        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        if isinstance(request_id, str):
+            ids = [request_id]
+        elif isinstance(request_id, (list, tuple, set, frozenset)) and all(isinstance(r, str) for r in request_id):
+            ids = list(request_id)
+        else:
+            raise TypeError(f"abort_request takes a request_id (str) or an iterable of them, got {request_id!r}")
         with self._lock:
             self._inbox.extend(("abort", r) for r in ids)
         if self._step_lock.acquire(blocking=False):
@@ -241,19 +234,31 @@ class LLMEngine:
         """Step until ``request_id`` has finished; returns its final output. Outputs of other
         requests are kept for the next :meth:`step` (whoever calls it). ValueError for an
         unknown id."""
-        with self._lock:
-            if request_id not in self._requests:
-                raise ValueError(f"unknown request_id {request_id!r}")
+        if not self._holds(request_id):
+            raise ValueError(f"unknown request_id {request_id!r}")
         while True:
             with self._step_lock:  # steps and hand-backs of concurrent waiters do not interleave
                 outs = self.step()
                 final = next((o for o in outs if o.request_id == request_id and o.finished), None)
-                with self._lock:
-                    self._outputs[:0] = [o for o in outs if o is not final]
+                self.keep_outputs([o for o in outs if o.request_id != request_id])
                 if final is not None:
                     return final
                 if not self._holds(request_id):
                     raise RuntimeError(f"request {request_id!r} finished in a step another caller consumed")
+
+    def keep_outputs(self, outs: list) -> None:
+        """Hand outputs a caller took from :meth:`step` but does not own back to the next step()
+        (e.g. :meth:`wait`, ``LLM.generate``). Only the newest progress output of a request is
+        kept (its ``token_ids`` hold all the earlier ones), none once its final output is there."""
+        with self._lock:
+            merged = outs + self._outputs
+            final = {o.request_id for o in merged if o.finished}
+            latest = {}
+            for i, o in enumerate(merged):
+                if not o.finished:
+                    latest[o.request_id] = i
+            self._outputs = [o for i, o in enumerate(merged)
+                             if o.finished or (o.request_id not in final and latest[o.request_id] == i)]
 
     def _holds(self, request_id: str) -> bool:
         with self._lock:
@@ -302,11 +307,14 @@ class LLMEngine:
                 left.append(s)
         self._finishing = left
 
-    def _take_outputs(self) -> list:
+    def _flush_finishing(self) -> None:
         if self._runner is None:  # idle: every token has been read
             for s in self._finishing:
                 self._finish_output(s)
             self._finishing = []
+
+    def _take_outputs(self) -> list:
+        self._flush_finishing()
         with self._lock:
             out, self._outputs = self._outputs, []
         return out
@@ -350,17 +358,29 @@ class LLMEngine:
         never hold. Returns whether any was refused."""
         seqs = list(self._waiting)
         self._waiting.clear()
+        try:
+            return self._open_store(seqs)
+        except BaseException as e:  # the store could not open: these requests end with the error
+            for s in seqs:
+                if s.status != FINISHED:
+                    s.error, s.status, s.finish_reason = e, FINISHED, "error"
+                    self._finishing.append(s)
+            if isinstance(e, (ValueError, TypeError, MemoryError, RuntimeError)):
+                return True
+            raise
+
+    def _open_store(self, seqs: list) -> bool:
         plain = [s for s in seqs if s.prefill_hook is None]  # a session's turn makes its own room
         if self.offload is not None and self.sessions and plain:  # idle sessions give way to requests
             B = self.offload.block_size
             n = max(s.req.final_len if self.config.offload_decode == "ring" else len(s.req.ids) for s in plain)
-            self.make_room(-(-n // B))
+            make_room(self, -(-n // B))
         if self.model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.model.device)
         kw = dict(self.store_kw)
         if self.prefix_cache is not None and self.store_cls.takes_prefix_cache:
             kw["prefix_cache"] = self.prefix_cache
-        sizing = seqs + [_headroom(seqs, self.config)] * max(1, self.config.max_num_seqs - len(seqs))
+        sizing = seqs + [headroom(seqs, self.config)] * max(1, self.config.max_num_seqs - len(seqs))
         store = self.store_cls.open(self.model, self.config, self.offload, sizing, **kw)
         r = self._runner = StepRunner(self.model, self.config, store, self.clock)
         self._epoch_start = self.clock.mark()
@@ -405,36 +425,6 @@ class LLMEngine:
                 s.error, s.finish_reason = exc, "error"
                 self._finishing.append(s)
 
-    # ------------------------------------------------------------------ sessions' pool room
-    def reclaimable_blocks(self, keep=None) -> int:
-        """Pool blocks that evicting every idle session (not ``keep``, none in a turn) and the
-        prefix cache could free: allocated blocks that no other live pool sequence holds."""
-        eng = self.offload
-        if eng is None:
-            return 0
-        idle = {s.seq for s in self.sessions.values() if s is not keep and not s.busy and s.seq is not None}
-        protected = set()
-        for sid in eng.sequences():
-            if sid not in idle:
-                protected.update(eng.block_table(sid))
-        return eng.allocator.num_blocks - eng.num_free_blocks - len(protected)
-
-    def make_room(self, blocks: int, keep=None) -> int:
-        """Evict idle sessions, least recently used first, until the pinned pool has ``blocks``
-        free blocks counting what the prefix cache can evict (or no idle session is left); never
-        ``keep`` or a session in a turn. Returns the sessions' blocks released."""
-        eng = self.offload
-        if eng is None:
-            return 0
-        freed = 0
-        for s in sorted(self.sessions.values(), key=lambda s: s.last_used):
-            cache = self.prefix_cache.evictable_blocks() if self.prefix_cache is not None else 0
-            if eng.num_free_blocks + cache >= blocks:
-                break
-            if s is not keep and not s.busy and s.seq is not None:
-                freed += s.evict()
-        return freed
-
     def close(self) -> None:
         """Abort every request, close every session, free the store and (offload) the pinned pool
         and ring: an offload runtime refuses requests afterwards, a resident one, which shares
@@ -442,8 +432,15 @@ class LLMEngine:
         if self.closed:
             return
         with self._step_lock:
+            self._drain_inbox()
+            why = RuntimeError("the engine was closed")
             if self._runner is not None:
-                self._fail_epoch(RuntimeError("the engine was closed"))
+                self._fail_epoch(why)
+            for s in list(self._waiting):
+                s.error, s.status, s.finish_reason = why, FINISHED, "error"
+                self._finishing.append(s)
+            self._waiting.clear()
+            self._flush_finishing()  # their final outputs come from the next step()
             for s in list(self.sessions.values()):
                 s.close()
             if self.offload is not None:  # what requests share is gone: no more requests

@@ -47,10 +47,25 @@ from .request import EOS_LAG, Clock
 from .sampling import sample
 from .scheduler import Scheduler, Sequence
 
-__all__ = ["StepRunner", "BatchTokenLog", "sample_rows", "GROUP_PREFILL_MAX_TOKENS"]
+__all__ = ["StepRunner", "BatchTokenLog", "sample_rows", "headroom", "HEADROOM", "GROUP_PREFILL_MAX_TOKENS"]
 
 #: a sequence's decode steps before its steady state (step 1 eager warm-up, step 2 graph capture)
 STEADY_FROM = 2
+
+
+#: a store is sized for prompts this much longer than the longest one waiting when it opens
+HEADROOM = 1.25
+
+
+def headroom(seqs, config):
+    """A stand-in request that sizes a store (only its lengths are read): the longest waiting
+    prompt times :data:`HEADROOM` (within ``max_model_len``), with the most new tokens asked."""
+    from types import SimpleNamespace
+
+    new = max(s.req.max_new for s in seqs)
+    p = min(int(max(s.prompt_len for s in seqs) * HEADROOM) + 1, config.max_model_len - new + 1)
+    p = max(p, max(s.prompt_len for s in seqs))
+    return SimpleNamespace(prompt_len=p, final_len=p + new - 1, req=SimpleNamespace(max_new=new))
 
 
 def _device_ids(ids: list, device) -> torch.Tensor:
@@ -202,6 +217,8 @@ class StepRunner:
         if s.graph is not None:
             s.graph.close()
             s.graph = None
+        if "first" in s.marks:  # an abort after its prefill: its timings end here
+            s.marks.setdefault("end", self.clock.mark())
         self.sched.finish(s, reason)
         if self._batch is not None and s in self._batch:
             self._batch = None

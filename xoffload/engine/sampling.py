@@ -1,6 +1,7 @@
 """How a request picks its tokens: :class:`SamplingParams` and :func:`sample` (on the device)."""
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +32,16 @@ class SamplingParams:
     stop_token_ids: tuple = ()
 
     def __post_init__(self):
+        for name in ("temperature", "top_p"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"{name} must be a number, got {v!r}")
+        if self.seed is not None and not is_int(self.seed):
+            raise TypeError(f"seed must be an int or None, got {self.seed!r}")
+        ids = self.stop_token_ids
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (list, tuple, set, frozenset)) \
+                or not all(is_int(x) for x in ids):
+            raise TypeError(f"stop_token_ids must be a list or tuple of ints, got {ids!r}")
         t = float(self.temperature)
         if not (t >= 0 and t < float("inf")):
             raise ValueError(f"temperature must be >= 0 and finite, got {self.temperature!r}")

@@ -25,25 +25,24 @@ tokens counting the first page (sink), the last ``recent_pages`` and the partial
 those pages are copied from the pool (offload) — one gather kernel per layer reading pinned memory
 over UVA — and attended. A budget at least the history reads every page (equal to dense history).
 
-Pool accounting (offload): a turn first makes room in the pool for the history it will hold; when
-the pool is short it evicts the least recently used *idle* sessions of the same LLM (their KV is
-dropped; their next turn prefills their whole token history again — exactly, so with sparse
-history its answer can differ from the approximate sparse read it would have had), never the
-session in use; if even evicting every idle session and cached prefix could not make the room, it
-raises ValueError naming the sizes before changing anything. A first turn that reuses a cached
-prefix (``prefix_caching``) reads that prefix whole, whatever ``history_budget`` says: reuse never
-changes the tokens.
+Pool accounting (offload): a turn makes room for the history it will hold, evicting idle sessions
+(:mod:`.eviction`, LRU; never one whose turn is running) when the pool is short; an evicted
+session's next turn prefills its whole history again (exactly). A turn that could not fit even
+then raises ValueError naming the sizes before changing anything. A first turn that reuses a
+cached prefix (``prefix_caching``) reads it whole: reuse never changes the tokens.
 """
 from __future__ import annotations
 
 import itertools
+import threading
 
 import torch
 
 from ..kernels.checks import check_int
 from ..sparse.quest import PageSummaries
+from .eviction import make_room, reclaimable_blocks
 from .inputs import apply_chat_template, prompt_ids, sampling_list
-from .kv_history import ChunkSink, history_page_ids
+from .kv_history import ChunkSink, dense_layer_set, history_page_ids
 from .kv_paged import PagedKV
 from .request import RequestOutput
 from .sampling import SamplingParams
@@ -53,6 +52,7 @@ __all__ = ["Session", "HISTORY_PAGE", "history_page_ids"]  # history_page_ids: f
 #: page size of a session's history summaries when no decode policy fixes one
 HISTORY_PAGE = 32
 _ids = itertools.count()
+_submit_lock = threading.Lock()
 
 
 class Session:
@@ -76,15 +76,16 @@ class Session:
         recent_pages: history pages before the chunk always read by a sparse layer (default 4).
 
     Attributes: ``tokens`` (every token of the conversation so far: stored history + the last
-    answer), ``history_len`` (tokens whose K/V are stored), ``turns``, ``closed``, ``busy`` (a
-    turn is queued or running), ``last_used`` (LRU order).
+    answer), ``history_len`` (tokens whose K/V are stored), ``turns``, ``closed``, ``queued`` (a
+    turn is queued or running), ``busy`` (its turn is running: its KV is never evicted then),
+    ``last_used`` (LRU order).
 
     Raises:
         ValueError: a ``ring`` offload store, ``max_num_seqs > 1``, ``tensor_parallel_size > 1``, a bad
             ``history_budget`` / ``dense_layers`` / ``recent_pages``, a closed engine.
     """
 
-    def __init__(self, engine, *, history_budget: int | None = None, dense_layers: int | None = None,
+    def __init__(self, engine, *, history_budget: int | None = None, dense_layers=None,
                  recent_pages: int = 4, batched: bool = False):
         from .kv_store import store_class
 
@@ -111,21 +112,7 @@ class Session:
         if isinstance(recent_pages, bool) or not isinstance(recent_pages, int) or recent_pages < 0:
             raise ValueError(f"recent_pages must be an int >= 0, got {recent_pages!r}")
         self.history_budget = history_budget
-        if dense_layers is None:
-            sparse = set(self.policy.sparse_layers(L)) if self.policy is not None else set(range(2, L))
-            dense_layers = tuple(l for l in range(L) if l not in sparse)
-        elif isinstance(dense_layers, int) and not isinstance(dense_layers, bool):
-            if not 0 <= dense_layers <= L:
-                raise ValueError(f"dense_layers must be an int in [0, {L}] or layer indices, got {dense_layers!r}")
-            dense_layers = tuple(range(dense_layers))
-        else:
-            try:
-                ids = tuple(dense_layers)
-            except TypeError:
-                raise ValueError(f"dense_layers must be an int or layer indices, got {dense_layers!r}") from None
-            if not all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < L for x in ids):
-                raise ValueError(f"dense_layers must hold layer indices in [0, {L}), got {dense_layers!r}")
-            dense_layers = tuple(sorted(set(ids)))
+        dense_layers = dense_layer_set(dense_layers, self.policy, L)
         self.dense_layers, self.recent_pages = dense_layers, recent_pages
         self.offload = engine.offload  # None in resident mode
         self.id = next(_ids)
@@ -137,7 +124,8 @@ class Session:
         self._pending: list = []  # the last answer's tokens (K/V not stored yet)
         self.turns = 0
         self.closed = False
-        self.busy = False
+        self.busy = False  # its turn is running (its KV in use)
+        self.queued = False  # a turn is queued or running
         self.last_used = 0
         self._messages: list = []
         engine.sessions[self.id] = self
@@ -194,7 +182,7 @@ class Session:
         self._check_open()
         if not isinstance(message, str) or not message:
             raise ValueError(f"message must be a non-empty string, got {message!r}")
-        if self.busy:
+        if self.queued:
             raise ValueError(f"session {self.id} is in a turn; one turn at a time")
         msgs = self._messages + [{"role": "user", "content": message}]
         full = apply_chat_template(self.m, msgs, add_generation_prompt=True)
@@ -217,8 +205,6 @@ class Session:
         its outputs; ``close_after``: the session closes when the turn ends). Raises as
         :meth:`generate`, and ValueError while a turn of this session is queued or running."""
         self._check_open()
-        if self.busy:
-            raise ValueError(f"session {self.id} is in a turn; one turn at a time")
         e = self.e
         ids = prompt_ids(self.m, e.config.max_model_len, 0, prompt)
         chunk = ids if _chunk else self._pending + ids
@@ -228,14 +214,17 @@ class Session:
             raise ValueError(f"the conversation would hold {n + T} tokens ({n} stored + {T} new), more than "
                              f"max_model_len={e.config.max_model_len}")
         state = {} if _state is None else _state
-        state.update(before=(list(self._stored), list(self._pending)), reused=0, answer=_answer, close=close_after)
+        state.update(known=n, reused=0, answer=_answer, close=close_after)
         rid = request_id or f"session-{self.id}-{next(_ids)}"
-        self.busy = True
+        with _submit_lock:
+            if self.queued:
+                raise ValueError(f"session {self.id} is in a turn; one turn at a time")
+            self.queued = True
         try:
-            e.add_request(rid, self._stored + chunk, sp, prefill_hook=lambda seq: self._prefill(seq, chunk, state),
+            e.add_request(rid, self._stored + chunk, sp, prefill_hook=lambda seq: self._prefill(seq, state),
                           on_finish=lambda out: self._finished(out, state))
         except BaseException:
-            self.busy = False
+            self.queued = False
             raise
         return rid
 
@@ -274,11 +263,15 @@ class Session:
             return frozenset()
         return frozenset(range(self.cfg.num_layers)) - frozenset(self.dense_layers)
 
-    def _prefill(self, seq, chunk: list, state: dict):
+    def _prefill(self, seq, state: dict):
         """The turn's prefill (the engine loop calls it): reuse a cached prefix on a first turn,
-        reserve the pool room, prefill the chunk against the history; sets the sequence's
-        decode store. Returns the chunk's last logits. On failure the session is as before."""
+        reserve the pool room, prefill the chunk against the history (the conversation past what
+        is stored: evicted while the turn waited, all of it); sets the sequence's decode store.
+        Returns the chunk's last logits. On failure the session is as before."""
+        self.busy = True  # from here on its KV is in use: never evicted
         n = self.history_len
+        chunk = seq.req.ids[n:]
+        state["before"] = (list(self._stored), list(self._pending))
         try:
             if self.seq is None and n == 0 and self.e.prefix_cache is not None:
                 r = state["reused"] = self._reuse_prefix(chunk)
@@ -314,6 +307,8 @@ class Session:
             sink = state.get("sink")
             if sink is None:  # never prefilled (refused, aborted while waiting)
                 return
+            if out.finish_reason == "abort" and not out.timings:
+                out.timings = {}
             self._pending = list(out.token_ids) if state["answer"] else []
             t = out.timings
             extra = dict(history_tokens=state["n"], chunk_tokens=state["T"], history_h2d_bytes=int(sink.h2d_bytes),
@@ -325,7 +320,7 @@ class Session:
                 t.update(extra)
                 if state["reused"]:
                     t["prefix_reused_tokens"] = state["reused"]
-            out.prompt_token_ids = list(out.prompt_token_ids[len(state["before"][0]):])
+            out.prompt_token_ids = list(out.prompt_token_ids[state["known"]:])
             if state["answer"]:
                 self.turns += 1
             else:
@@ -333,7 +328,7 @@ class Session:
                                        history_tokens=state["n"], history_h2d_bytes=int(sink.h2d_bytes),
                                        history_sparse_layers=len(sink.sparse_layers))
         finally:
-            self.busy = False
+            self.busy = self.queued = False
             self.last_used = next(_ids)
             if state["close"]:
                 self.close()
@@ -400,14 +395,14 @@ class Session:
         need = -(-total // B) - len(table)
         if table and self.history_len % B and eng.allocator.is_shared(table[-1]):
             need += 1  # the shared, partly filled last block is copied before it is written
-        idle = self.e.reclaimable_blocks(keep=self)
+        idle = reclaimable_blocks(self.e, keep=self)
         if need > eng.num_free_blocks + idle:
             raise ValueError(f"the session needs {need} more pool blocks of {B} tokens ({total} tokens in all) but "
                              f"the pool has {eng.num_free_blocks} free of {eng.allocator.num_blocks} "
                              f"(kv_cache_tokens) and idle sessions and cached prefixes hold {idle} more that could "
                              f"be freed; close sessions or raise kv_cache_tokens")
         if need > eng.num_free_blocks:
-            self.e.make_room(need, keep=self)
+            make_room(self.e, need, keep=self)
         if self.seq is None:
             self.seq = eng.add_sequence()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .request import RequestOutput
 from .sampling import SamplingParams
-from .session import Session, _ids
+from .session import Session, _ids, _submit_lock
 
 __all__ = ["PrefixSession"]
 
@@ -39,6 +39,18 @@ class PrefixSession(Session):
                              f"cache's); use max_num_seqs=1 for a sparse history")
         super().__init__(engine, dense_layers=dense_layers, recent_pages=recent_pages, batched=True)
 
+    @property
+    def history_budget(self) -> None:
+        """Always None: the history is read whole (setting a budget raises ValueError)."""
+        return None
+
+    @history_budget.setter
+    def history_budget(self, value) -> None:
+        if value is not None:
+            raise ValueError(f"history_budget={value}: sessions with max_num_seqs="
+                             f"{self.e.config.max_num_seqs} read their history whole (their KV is the prefix "
+                             f"cache's); use max_num_seqs=1 for a sparse history")
+
     def submit(self, prompt, sampling_params: SamplingParams | None = None, *, request_id: str | None = None,
                close_after: bool = False, _answer: bool = True, _chunk: bool = False, _state=None) -> str:
         """Queue one turn (see :meth:`Session.submit`): a request whose prompt is the conversation
@@ -46,8 +58,6 @@ class PrefixSession(Session):
         from .inputs import prompt_ids, sampling_list
 
         self._check_open()
-        if self.busy:
-            raise ValueError(f"session {self.id} is in a turn; one turn at a time")
         e = self.e
         ids = prompt_ids(self.m, e.config.max_model_len, 0, prompt)
         tokens = (self._stored + ids) if _chunk else (self._stored + self._pending + ids)
@@ -59,19 +69,22 @@ class PrefixSession(Session):
         state.update(tokens=tokens, answer=_answer, close=close_after, stored=len(self._stored),
                      known=len(self._stored) + len(self._pending))
         rid = request_id or f"session-{self.id}-{next(_ids)}"
-        self.busy = True
+        with _submit_lock:
+            if self.queued:
+                raise ValueError(f"session {self.id} is in a turn; one turn at a time")
+            self.queued = True
         try:
             e.add_request(rid, tokens, sp, on_finish=lambda out: self._finished(out, state))
         except BaseException:
-            self.busy = False
+            self.queued = False
             raise
         return rid
 
     def _finished(self, out: RequestOutput, state: dict) -> None:
         try:
-            if out.finish_reason in ("error", "abort") and not out.timings:
-                return
-            tokens = state["tokens"]
+            if out.finish_reason == "error" or (out.finish_reason == "abort" and not out.timings):
+                return  # never prefilled: the conversation is as before
+            tokens = state["tokens"]  # an abort after the prefill keeps the prompt and the partial answer
             self._stored, self._pending = list(tokens), (list(out.token_ids) if state["answer"] else [])
             t = out.timings
             reused = t.get("prefix_reused_tokens", 0)
@@ -85,7 +98,7 @@ class PrefixSession(Session):
                 state["result"] = dict(prefill_ms=t.get("prefill_ms"), chunk_tokens=chunk, history_tokens=reused,
                                        history_h2d_bytes=0, history_sparse_layers=0)
         finally:
-            self.busy = False
+            self.queued = False
             self.last_used = next(_ids)
             if state["close"]:
                 self.close()

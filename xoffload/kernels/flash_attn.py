@@ -308,16 +308,16 @@ def _gpu_config(block_d: int, dtype: torch.dtype, page_size: int = 0, *, window:
     if alibi and block_d <= 64:
         # through TMA where it can (32K, head to head: causal
         # 432 TFLOP/s against 412 with pointer loads, non-causal 405 against 400; the final
-        # benchmark, attention_options_s13_scores.json: causal 423, non-causal 385 against 398-402
+        # benchmark, attention_options_scores.json: causal 423, non-causal 385 against 398-402
         # with pointer loads in two earlier runs)
         return LaunchConfig(128, 64, 4, 3, tma=tma)
     if 64 < block_d <= 128 and tma and not alibi:
         # With Q / K / V through TMA a 128x64 tile fits one warpgroup (4 warps, 2
         # stages) without the address registers of pointer loads (with pointer loads these tiles
-        # spill: 150-180 TFLOP/s). 32K, D=128 (softcap_ws_run2.json, attention_options_s13*.json):
+        # spill: 150-180 TFLOP/s). 32K, D=128 (softcap_ws_run2.json, attention_options*.json):
         # plain 514-532 TFLOP/s against 503-511 in 128x128 / 8 warps, softcap 471-487 against
-        # 410-437; a causal 4096 window at 128K 1.05x the area-scaled causal time against 1.12x
-        # (option_forms_s13.json). ALiBi keeps its pointer tiles (TMA 128x64: 0.79-0.81x plain
+        # 410-437; a causal 4096 window at 128K 1.05x the area-scaled causal time against 1.12x.
+        # ALiBi keeps its pointer tiles (TMA 128x64: 0.79-0.81x plain
         # against 0.92-0.95x).
         return LaunchConfig(128, 64, 4, 2, tma=True)
     if window and block_d <= 128:
