@@ -156,8 +156,7 @@ class LLM:
             o.request_id = str(i)
         return outs
 
-    def _add(self, rid: str, index: int, ids: list, sp) -> str:
-        """Queue one checked prompt, named ``index`` in messages (its place in the call)."""
+    def _add(self, rid: str, index: int, ids: list, sp) -> str:  # named ``index`` in messages
         e = self.engine
         if e.prefix_cache is not None and self.config.max_num_seqs == 1:
             return e.add_request(rid, ids, sp)
