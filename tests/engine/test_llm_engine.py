@@ -358,3 +358,16 @@ def test_bad_arguments_are_one_line_errors():
             e.add_request("d", [1, 2, 3], SP)
     _run(e)
     assert e.sessions == {}
+
+
+def test_generate_warns_once_when_max_tokens_passes_max_model_len():
+    llm = LLM(tiny_random(), mode="gpu", max_model_len=64, **SDPA)
+    prompts = _prompts([40, 50], seed=17)
+    with pytest.warns(UserWarning, match=r"2 prompt\(s\) cannot get max_tokens") as rec:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=30, ignore_eos=True))
+    assert len(rec) == 1 and [o.finish_reason for o in outs] == ["length", "length"]
+    assert [len(o.token_ids) for o in outs] == [64 - 40 + 1, 64 - 50 + 1]
+    with pytest.raises(ValueError, match="max_model_len=64"):
+        llm.generate(prompts, SamplingParams(max_tokens=30), length_warning="raise")
+    with pytest.raises(ValueError, match="length_warning"):
+        llm.generate(prompts, length_warning="loud")
