@@ -215,14 +215,18 @@ class Session:
                              f"max_model_len={e.config.max_model_len}")
         state = {} if _state is None else _state
         state.update(known=n, reused=0, answer=_answer, close=close_after)
+        return self._queue_turn(request_id, self._stored + chunk, sp, state,
+                                prefill_hook=lambda seq: self._prefill(seq, state))
+
+    def _queue_turn(self, request_id, tokens: list, sp, state: dict, **hooks) -> str:
+        """Add the turn's request (one turn at a time: ValueError while one is queued)."""
         rid = request_id or f"session-{self.id}-{next(_ids)}"
         with _submit_lock:
             if self.queued:
                 raise ValueError(f"session {self.id} is in a turn; one turn at a time")
             self.queued = True
         try:
-            e.add_request(rid, self._stored + chunk, sp, prefill_hook=lambda seq: self._prefill(seq, state),
-                          on_finish=lambda out: self._finished(out, state))
+            self.e.add_request(rid, tokens, sp, on_finish=lambda out: self._finished(out, state), **hooks)
         except BaseException:
             self.queued = False
             raise
@@ -242,15 +246,13 @@ class Session:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc):  # closes the session
         self.close()
 
     # ------------------------------------------------------------------ a turn
     def _check_open(self):
-        if self.closed:
-            raise ValueError("this session was closed")
-        if self.e.closed:
-            raise ValueError("this session's LLM was closed")
+        if self.closed or self.e.closed:
+            raise ValueError("this session was closed" if self.closed else "this session's LLM was closed")
 
     def _wait(self, rid: str) -> RequestOutput:
         out = self.e.wait(rid)
@@ -307,8 +309,6 @@ class Session:
             sink = state.get("sink")
             if sink is None:  # never prefilled (refused, aborted while waiting)
                 return
-            if out.finish_reason == "abort" and not out.timings:
-                out.timings = {}
             self._pending = list(out.token_ids) if state["answer"] else []
             t = out.timings
             extra = dict(history_tokens=state["n"], chunk_tokens=state["T"], history_h2d_bytes=int(sink.h2d_bytes),

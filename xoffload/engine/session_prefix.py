@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .request import RequestOutput
 from .sampling import SamplingParams
-from .session import Session, _ids, _submit_lock
+from .session import Session, _ids
 
 __all__ = ["PrefixSession"]
 
@@ -68,17 +68,7 @@ class PrefixSession(Session):
         state = {} if _state is None else _state
         state.update(tokens=tokens, answer=_answer, close=close_after, stored=len(self._stored),
                      known=len(self._stored) + len(self._pending))
-        rid = request_id or f"session-{self.id}-{next(_ids)}"
-        with _submit_lock:
-            if self.queued:
-                raise ValueError(f"session {self.id} is in a turn; one turn at a time")
-            self.queued = True
-        try:
-            e.add_request(rid, tokens, sp, on_finish=lambda out: self._finished(out, state))
-        except BaseException:
-            self.queued = False
-            raise
-        return rid
+        return self._queue_turn(request_id, tokens, sp, state)
 
     def _finished(self, out: RequestOutput, state: dict) -> None:
         try:
