@@ -100,6 +100,8 @@ SOURCES = {
     "batch_cap_engine_after.json": ("batch", "python benchmarks/bench_batch.py --part cap --cap-batches 16 "
                                     "--cap-resident 4 --new 16 --no-peers"),
     "conversations.json": ("conversations", "python benchmarks/bench_conversations.py --convs 8"),
+    "conversations_n4_16.json": ("conversations", "python benchmarks/bench_conversations.py --convs 4,16 "
+                                 "--modes offload+quest,resident"),
     "ruler_real_4k.json": ("ruler", None),
     "ruler_real_8k.json": ("ruler", None),
 }
@@ -446,10 +448,11 @@ def sec_engine() -> str:
 
 
 def sec_conversations() -> str:
-    name = "conversations.json"
+    name, more = "conversations.json", "conversations_n4_16.json"
     d = load(name)
     rows = []
-    for key, r in d["results"].items():
+    results = dict(d["results"], **load(more)["results"])
+    for key, r in sorted(results.items(), key=lambda kv: (int(kv[0].split("/")[1]), kv[0])):
         if "tok_per_s" not in r:
             rows.append([f"`{key}`", r.get("status", "")] + [""] * 7)
             continue
@@ -471,7 +474,7 @@ def sec_conversations() -> str:
         f"{d['gap_ms']:.0f} ms apart, {d['cap_gib']:.0f} GiB GPU cap. TTFT: queue + prefill + first token (CUDA "
         "events); ITL: decode step times; host RSS: the process's peak so far. The project's targets for this "
         "load: a follow-up question's TTFT p99 at most 0.3 s, and 3× the tok/s of resident mode under the "
-        "same cap.", provenance(name),
+        "same cap.", provenance(name), provenance(more),
         anchor("conversations") + "\n\n" + table(["mode / N", "tok/s", "follow-up TTFT p50 ms", "p99 ms", "ITL p50 ms",
                                          "p99 ms", "H2D MB/token", "peak GPU GB", "host RSS GB"], rows),
         " ".join(t)])
