@@ -8,10 +8,13 @@ flash-attn-style API, torch custom ops).
 """
 __version__ = "0.1.0"
 
+from ._lazy import lazy_exports
+
 # Names resolved on first use (PEP 562), so that ``import xoffload`` and the command line's
 # ``--help`` load no torch, Triton or model code.
 _LAZY = {
-    "LLM": ".engine", "LLMEngine": ".engine", "EngineConfig": ".engine", "RequestOutput": ".engine", "SamplingParams": ".engine",
+    "LLM": ".engine", "LLMEngine": ".engine", "EngineConfig": ".engine", "RequestOutput": ".engine",
+    "SamplingParams": ".engine",
     "PrefillPolicy": ".sparse", "DensePrefill": ".sparse", "XAttentionPrefill": ".sparse",
     "xattention_prefill": ".sparse",
     "flash_attn_func": ".integrations.flash_api", "flash_attn_varlen_func": ".integrations.flash_api",
@@ -23,15 +26,4 @@ __all__ = ["LLM", "LLMEngine", "EngineConfig", "RequestOutput", "SamplingParams"
            "xattention_prefill"]
 
 
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())

@@ -15,6 +15,8 @@
 """
 from __future__ import annotations
 
+from .._lazy import lazy_exports
+
 _LAZY = {
     "add_eval_parser": ".cli", "cmd_eval": ".cli", "NOISE": ".haystack", "Essay": ".haystack",
     "load_ruler_data": ".ruler_data", "load_ruler_jsonl": ".ruler_data", "EvalResult": ".runner",
@@ -28,16 +30,4 @@ __all__ = ["EvalResult", "Essay", "NOISE", "Sample", "TASKS", "add_eval_parser",
            "string_match_all", "string_match_part", "task_score"]
 
 
-def __getattr__(name):
-    # resolved on first use (PEP 562): ``xoffload eval --help`` then loads no torch
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name], __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY, globals())
