@@ -127,6 +127,8 @@ def test_token_budget_counts_the_tokens_to_prefill(mode):
     prompts = [doc + q for q in _prompts([10] * 4, seed=74)]
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     kw = dict(mode=mode, kv_block_size=32, max_model_len=256, max_num_seqs=4, **SDPA)  # budget: 256 tokens
+    if mode == "offload":  # the admission budget (chunked prefill bounds each step's prefill instead)
+        kw["enable_chunked_prefill"] = False
     want = [o.token_ids for o in LLM(m, **kw).generate(prompts, sp)]
     llm = LLM(m, prefix_caching=True, **kw)
     outs = llm.generate(prompts, sp)
@@ -135,6 +137,12 @@ def test_token_budget_counts_the_tokens_to_prefill(mode):
     assert [x["seqs"] for x in llm.batch_stats["decode_steps"]] == [1, 4, 4, 3]
     assert [o.token_ids for o in llm.generate(prompts, sp)] == want
     assert [x["seqs"] for x in llm.batch_stats["decode_steps"]] == ([4, 4, 4] if mode == "offload" else [1, 4, 4, 3])
+    if mode == "offload":  # chunked prefill: the questions are prefilled whole, in one step
+        llm = LLM(m, prefix_caching=True, **dict(kw, enable_chunked_prefill=True))
+        outs = llm.generate(prompts, sp)
+        assert [o.token_ids for o in outs] == want
+        assert [o.timings.get("prefix_reused_tokens", 0) for o in outs] == [0, 190, 190, 190]
+        assert [x["seqs"] for x in llm.batch_stats["decode_steps"]] == [4, 4, 4]
 
 
 def test_refused_configurations():

@@ -76,7 +76,14 @@ class EngineConfig:
             for the whole batch and a CUDA graph per batch-size bucket (1, 2, 4, ...) in
             ``resident`` mode and ``offload`` (dense or Quest decode).
         max_num_batched_tokens: most prompt tokens prefilled between two decode steps (default
-            ``max_model_len``; a longer prompt still runs, alone in its step).
+            ``max_model_len``; a longer prompt still runs, alone in its step); with chunked
+            prefill, the most tokens of one long prompt prefilled per step (default
+            :data:`~xoffload.engine.kv_batch_chunk.DEFAULT_CHUNK_TOKENS`).
+        enable_chunked_prefill: prefill a prompt longer than ``max_num_batched_tokens`` in chunks
+            over several engine steps, the running sequences decoding between them and short
+            prompts prefilled first (vLLM's chunked prefill). None (default): on where the store
+            supports it (``offload`` with ``max_num_seqs > 1``, dense prefill, one device);
+            True there; True elsewhere is refused (ValueError); False: off.
         kv_cache_tokens: tokens of KV the running sequences may hold together:
             ``offload``: the pinned CPU pool (its size; default ``max_num_seqs * max_model_len``,
             allocated when the LLM is made); ``resident``: a cap on the GPU pool, which is
@@ -122,6 +129,7 @@ class EngineConfig:
     kv_cache_tokens: int | None = None
     tensor_parallel_size: int = 1
     prefix_caching: bool = False
+    enable_chunked_prefill: bool | None = None
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -164,6 +172,8 @@ class EngineConfig:
         self.max_num_seqs = _positive("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:
             self.max_num_batched_tokens = _positive("max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.enable_chunked_prefill is not None:
+            check_bool("enable_chunked_prefill", self.enable_chunked_prefill)
         if self.kv_cache_tokens is not None:
             self.kv_cache_tokens = _positive("kv_cache_tokens", self.kv_cache_tokens)
             if is_int(self.kv_block_size) and self.kv_cache_tokens < self.kv_block_size:
@@ -246,7 +256,26 @@ class EngineConfig:
         return dataclasses.replace(
             self, dtype=model.dtype, device=dev, max_model_len=max_len, sparse_decode=dec,
             prefill_chunk=self.prefill_chunk or (8192 if dev.type == "cuda" else 512),
-            max_num_batched_tokens=self.max_num_batched_tokens or max_len)
+            max_num_batched_tokens=self.max_num_batched_tokens)
+
+    def resolve_chunked_prefill(self, store_cls, tp) -> "EngineConfig":
+        """This bound config with ``enable_chunked_prefill`` decided for ``store_cls`` (the store
+        table's choice; ``tp``: the model's tensor-parallel group or None) and
+        ``max_num_batched_tokens`` filled in (see the class docstring).
+
+        Raises:
+            ValueError: ``enable_chunked_prefill=True`` where the store cannot chunk a prefill.
+        """
+        from .kv_batch_chunk import DEFAULT_CHUNK_TOKENS
+
+        can = bool(getattr(store_cls, "chunked_prefill", False)) and self.policy.dense and tp is None
+        if self.enable_chunked_prefill and not can:
+            raise ValueError(f"enable_chunked_prefill=True needs a store that prefills in chunks (offload mode with "
+                             f"max_num_seqs > 1, direct or uva decode, dense prefill, one device); this configuration "
+                             f"uses {store_cls.__name__}")
+        on = can and self.enable_chunked_prefill is not False
+        n = self.max_num_batched_tokens or (DEFAULT_CHUNK_TOKENS if on else self.max_model_len)
+        return dataclasses.replace(self, enable_chunked_prefill=on, max_num_batched_tokens=n)
 
 
 def _positive(name: str, x) -> int:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import torch
 
 from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
+from .kv_batch_chunk import ChunkedPrefill
 from .kv_store import PrefillStaging
 from .kv_batch import (TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _StagedSink, _blocks, _join,
                        _to_device, _top_sum)
 
 
-class OffloadBatchKV(_CachedPrompts, BatchKV):
+class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
     """``offload`` (direct decode, no decode policy): every prompt's KV in the offload runtime's
     pinned CPU pool, the generated tokens in a paged GPU tail pool (blocks of :data:`TAIL_BLOCK`).
 

@@ -9,12 +9,13 @@ from ..kernels.topk import topk_ids
 from ..runtime.allocator import BlockAllocator
 from .kv_batch_cache import BatchPageCache
 from .kv_store import PrefillStaging
+from .kv_batch_chunk import ChunkedPrefill
 from .kv_batch_quest_prefix import QuestPrefill
 from .kv_batch import (SUMMARY_BLOCK, TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _blocks,
                        _join, _pool_memory_limit, _to_device, _top_sum)
 
 
-class OffloadQuestBatchKV(QuestPrefill, _CachedPrompts, BatchKV):
+class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV):
     """``offload`` + :class:`~xoffload.sparse.QuestDecode` (direct decode): the batched Quest store
     (docs/DESIGN.md, "The batched Quest store", says why each choice was made).
 

@@ -138,8 +138,8 @@ class QuestPrefill:
                 di = self._dl[layer]
                 self.dpool.k[di].index_copy_(0, drows, k)
                 self.dpool.v[di].index_copy_(0, drows, v)
-                if self.cache is None:  # on the GPU only (a cached prompt's blocks hold every layer)
-                    return
+                if self.cache is None and not start:  # on the GPU only (a cached prompt's blocks,
+                    return  # and those of a prompt prefilled in chunks, hold every layer)
             ev = self.eng.offload_layer(sid, layer, k_new, v_new)
             self._stage.copied(layer, ev)
             events.append(ev)

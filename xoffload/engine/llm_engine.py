@@ -71,8 +71,9 @@ class LLMEngine:
             dt, dev = resolve_dtype_device(cfg.dtype, cfg.device)
             m = load_model(model, dtype=dt, device=dev, seed=cfg.seed)
         self.model, self.tp = m, m.tp
-        self.config = cfg = cfg.bind(m)
+        cfg = cfg.bind(m)
         self.store_cls, self.store_kw = batch_store_class(cfg)
+        self.config = cfg = cfg.resolve_chunked_prefill(self.store_cls, m.tp)
         self.offload = store_class(cfg.mode).variant(cfg).open_shared(m, cfg)
         self.prefix_cache = None
         if cfg.prefix_caching and self.offload is not None:

@@ -140,7 +140,12 @@ class StepRunner:
     def __init__(self, model, config, store, clock: Clock):
         self.m, self.config, self.store, self.clock = model, config, store, clock
         self.cuda = model.device.type == "cuda"
-        self.sched = Scheduler(config.max_num_seqs, config.max_num_batched_tokens, store)
+        # chunked prefill (kv_batch_chunk): admission is not held to a token count, each step's
+        # prefill work is (_prefill_chunked)
+        self.chunked = bool(config.enable_chunked_prefill) and getattr(store, "chunked_prefill", False)
+        self.sched = Scheduler(config.max_num_seqs, config.max_num_batched_tokens if not self.chunked else 1 << 62,
+                               store)
+        self.filling: list = []  # admitted, prefill not finished (chunked prefill)
         self.graphs = BatchGraphs(model, store, config.cuda_graph)
         # a store of one sequence at a time decodes through that sequence's own graph
         self.per_seq_graphs = self.cuda and config.cuda_graph and store.max_num_seqs == 1 and not store.capturable
@@ -155,10 +160,14 @@ class StepRunner:
         """Admit, prefill, decode one step; returns the sequences that finished in it (their KV
         released). A sequence whose prefill raised is finished with ``error`` set."""
         sched = self.sched
-        self._prefill_admitted(sched.admit())
+        if self.chunked:
+            self.filling += sched.admit()
+            self._prefill_chunked()
+        else:
+            self._prefill_admitted(sched.admit())
         self.log.poll(self.lag)
         done, self._failed = self._failed + self._retire(), []
-        running = list(sched.running)
+        running = [s for s in sched.running if s.n_out]  # those whose prefill is done
         if running:
             self._decode(running)
         self.log.poll(self.lag if sched.running else 0)
@@ -220,6 +229,8 @@ class StepRunner:
         if "first" in s.marks:  # an abort after its prefill: its timings end here
             s.marks.setdefault("end", self.clock.mark())
         self.sched.finish(s, reason)
+        if s in self.filling:
+            self.filling.remove(s)
         if self._batch is not None and s in self._batch:
             self._batch = None
 
@@ -275,24 +286,33 @@ class StepRunner:
         try:
             self._prefill(s, started)
         except (ValueError, TypeError, MemoryError) as e:
-            s.error = e
-            s.marks.setdefault("prefill", self.clock.mark())
-            s.marks.setdefault("first", s.marks["prefill"])
-            s.marks["end"] = s.marks["first"]
-            self.finish(s, "error")
-            self._failed.append(s)
+            self._fail(s, e)
+
+    def _fail(self, s: Sequence, e: BaseException) -> None:
+        """Finish ``s``, whose prefill raised ``e``, with ``error`` set."""
+        s.error = e
+        s.marks.setdefault("t0", self.clock.mark())
+        s.marks.setdefault("prefill", self.clock.mark())
+        s.marks.setdefault("first", s.marks["prefill"])
+        s.marks["end"] = s.marks["first"]
+        self.finish(s, "error")
+        self._failed.append(s)
 
     def _prefill(self, s: Sequence, started: bool = False) -> None:
         """Prefill ``s`` alone into its KV and sample its first token (``started``: its
         :meth:`prefill_start` was taken already, ``s.reused``)."""
         m, cfg, clock = self.m, self.config, self.clock
-        s.marks["t0"] = a = clock.mark()
+        a = clock.mark()
+        s.marks.setdefault("t0", a)  # a prompt prefilled in chunks started at its first chunk
         s.densities = None if cfg.policy.dense else []
         if s.prefill_hook is not None:
             logits, start = s.prefill_hook(s), 0
         else:
-            start = s.reused if started else self.store.prefill_start(s)  # a reused prefix
-            s.reused = start
+            if not started:
+                s.reused = self.store.prefill_start(s)  # a reused prefix
+            start = s.reused if s.filled is None else s.filled
+            if start != s.reused:  # the last chunk: the pool holds the chunks before it
+                s.kv["start"] = start
             ids_t = _device_ids(s.req.ids[start:], m.device)
             logits = m.prefill(ids_t, self.store.sink(s), chunk=cfg.prefill_chunk, policy=cfg.policy,
                                densities=s.densities, attn_backend=cfg.prefill_attn, start=start)
@@ -303,6 +323,52 @@ class StepRunner:
         self.prefills.append((s.prompt_len - start, a, b, 1, self.calls))
         self.calls += 1
         self.log.publish(tok, [s])
+
+    def _prefill_chunked(self) -> None:
+        """One step's prefill work with chunked prefill (:mod:`.kv_batch_chunk`): every admitted
+        sequence with at most :data:`GROUP_PREFILL_MAX_TOKENS` (and ``max_num_batched_tokens``)
+        tokens left to prefill (a question, a follow-up turn) is prefilled whole, then the longer ones, oldest first, get at most
+        ``max_num_batched_tokens`` tokens between them: a chunk, or the last part of a prompt
+        (which samples its first token). A sequence whose prefill raised is finished with
+        ``error`` set."""
+        budget = self.config.max_num_batched_tokens
+        short = min(GROUP_PREFILL_MAX_TOKENS, budget)
+        for s in [s for s in self.filling if self._left(s) <= short]:
+            self.filling.remove(s)
+            self._prefill_guarded(s, started=s.filled is not None)
+        for s in list(self.filling):
+            if budget <= 0:
+                break
+            left = self._left(s)
+            if left <= budget:
+                self.filling.remove(s)
+                self._prefill_guarded(s, started=s.filled is not None)
+            else:
+                try:
+                    self._prefill_chunk(s, budget)
+                except (ValueError, TypeError, MemoryError) as e:
+                    self._fail(s, e)
+            budget -= left
+
+    def _left(self, s: Sequence) -> int:
+        """Prompt tokens ``s`` has still to prefill (before its first chunk: less a cached prefix)."""
+        return self.store.prefill_tokens(s) if s.filled is None else s.prompt_len - s.filled
+
+    def _prefill_chunk(self, s: Sequence, n: int) -> None:
+        """Prefill the next ``n`` prompt tokens of ``s`` into its KV (not its last part: no token
+        is sampled)."""
+        m, cfg, clock = self.m, self.config, self.clock
+        a = clock.mark()
+        s.marks.setdefault("t0", a)
+        if s.filled is None:
+            s.reused = s.filled = self.store.prefill_start(s)
+        start, end = s.filled, s.filled + n
+        sink = self.store.chunk_sink(s, start, end)
+        m.prefill(_device_ids(s.req.ids[start:end], m.device), sink, chunk=cfg.prefill_chunk, policy=cfg.policy,
+                  attn_backend=cfg.prefill_attn, start=start)
+        s.filled = end
+        self.prefills.append((n, a, clock.mark(), 1, self.calls))
+        self.calls += 1
 
     def _prefill_group(self, group: list) -> None:
         """Prefill ``group`` (>= 2 sequences) by one ``LlamaModel.prefill_batch`` into their KV

@@ -55,6 +55,8 @@ class Sequence:
         request_id: the engine's name of the request.
         prefill_hook: None, or ``hook(seq) -> logits [1, V]`` that prefills the sequence itself
             (a session's turn) and sets ``kv`` to its decode store.
+        reused, filled: prompt tokens taken from a cached prefix; the prompt tokens in its KV so
+            far while it is prefilled in chunks (None before its first chunk).
         graph: its own CUDA graph (a store of one sequence at a time), else None.
         error: the exception that ended it (``finish_reason == "error"``), else None.
         sent: tokens already returned by the engine's step outputs.
@@ -73,6 +75,7 @@ class Sequence:
         self.status = WAITING
         self.checked = False
         self.reused = 0
+        self.filled = None
         self.graph = None
         self.error = None
         self.sent = 0
