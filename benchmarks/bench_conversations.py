@@ -132,6 +132,8 @@ def main(argv=None):
     ap.add_argument("--docs", choices=("own", "shared"), default="own")
     ap.add_argument("--modes", default="offload+quest,reprefill,resident")
     ap.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory cap (0: none)")
+    ap.add_argument("--chunk-tokens", type=int, default=None,
+                    help="offload modes: chunked prefill's tokens per step (0: chunked prefill off; default: the engine's)")
     a = ap.parse_args(argv)
     from xoffload import LLM
     from xoffload.models import random_model
@@ -150,12 +152,17 @@ def main(argv=None):
     model = random_model(a.shape, dtype=torch.bfloat16 if cuda else torch.float32, device=dev, seed=0)
     max_len = a.doc_tokens + questions * (a.q_tokens + a.answer_tokens) + 64
     res = {"shape": a.shape, "doc_tokens": a.doc_tokens, "questions": questions, "q_tokens": a.q_tokens,
-           "answer_tokens": a.answer_tokens, "gap_ms": a.gap_ms, "docs": a.docs, "cap_gib": a.cap_gib, "results": {}}
+           "answer_tokens": a.answer_tokens, "gap_ms": a.gap_ms, "docs": a.docs, "cap_gib": a.cap_gib,
+           "chunk_tokens": a.chunk_tokens, "results": {}}
     for n in convs:
         for mode in modes:
             kw = dict(MODES[mode], max_num_seqs=n, max_model_len=max_len)
             if kw["mode"] == "offload":
                 kw["kv_cache_tokens"] = n * (max_len + 1024)
+                if a.chunk_tokens == 0:
+                    kw["enable_chunked_prefill"] = False
+                elif a.chunk_tokens:
+                    kw["max_num_batched_tokens"] = a.chunk_tokens
             if not cuda:
                 kw.update(prefill_attn="sdpa", kv_block_size=64)
             llm = LLM(model, **kw)

@@ -17,7 +17,7 @@ import bench_conversations  # noqa: E402
 def test_tiny_load_all_modes(tmp_path):
     out = tmp_path / "conv.json"
     argv = ["--shape", "tiny-llama", "--doc-tokens", "160", "--convs", "2", "--questions", "2", "--q-tokens", "8",
-            "--answer-tokens", "3", "--gap-ms", "5", "--out", str(out)]
+            "--answer-tokens", "3", "--gap-ms", "5", "--chunk-tokens", "48", "--out", str(out)]
     assert bench_conversations.main(argv) == 0
     res = json.loads(out.read_text())
     for mode in bench_conversations.MODES:
