@@ -110,6 +110,29 @@ def test_running_sequences_decode_between_chunks_and_short_prompts_go_first():
     assert [finals[r].token_ids for r in "abc"] == _alone([pa, pb, pc], sp)[:1] + _alone([pb, pc])
 
 
+def test_one_long_prompt_fills_at_a_time_and_short_ones_pass_it():
+    """A and B (200 tokens each, chunks of 32) and C (12 tokens) arrive together: C is admitted and
+    prefilled in the first step, past B, which waits (not admitted, holding no KV) until A's
+    prefill is done; every one gives its one-request tokens."""
+    pa, pb, pc = _prompts([200, 200, 12], seed=7)
+    e = _engine(chunk=32)
+    for rid, p in (("a", pa), ("b", pb), ("c", pc)):
+        e.add_request(rid, p, SP)
+    first, finals, b_admitted = {}, {}, None
+    for step in range(80):
+        for o in e.step():
+            first.setdefault(o.request_id, step)
+            if o.finished:
+                finals[o.request_id] = o
+        running = {s.request_id for s in e._runner.sched.running} if e._runner is not None else set()
+        if "b" in running and b_admitted is None:
+            b_admitted = step
+        if not e.has_unfinished_requests():
+            break
+    assert first["c"] == 0 < first["a"] <= b_admitted < first["b"], (first, b_admitted)
+    assert [finals[r].token_ids for r in "abc"] == _alone([pa, pb, pc])
+
+
 def test_abort_mid_prefill_frees_its_blocks():
     """Aborting B between its chunks frees its pool blocks at once; A still gives its tokens."""
     pa, pb = _prompts([30, 220], seed=5)

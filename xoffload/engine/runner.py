@@ -161,7 +161,8 @@ class StepRunner:
         released). A sequence whose prefill raised is finished with ``error`` set."""
         sched = self.sched
         if self.chunked:
-            self.filling += sched.admit()
+            short = min(GROUP_PREFILL_MAX_TOKENS, self.config.max_num_batched_tokens)
+            self.filling += sched.admit(short, any(self._left(s) > short for s in self.filling))
             self._prefill_chunked()
         else:
             self._prefill_admitted(sched.admit())

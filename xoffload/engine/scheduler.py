@@ -161,9 +161,17 @@ class Scheduler:
                 return self.waiting[0]
         return None
 
-    def admit(self) -> list:
+    def admit(self, short: int | None = None, long_busy: bool = False) -> list:
         """Move waiting sequences to running, in submission order, while they fit (see the module
-        docstring); returns the admitted ones (to be prefilled before the next decode step)."""
+        docstring); returns the admitted ones (to be prefilled before the next decode step).
+
+        With chunked prefill (``short``: the most tokens a prompt prefilled whole may have) the
+        token count does not apply; instead at most one *long* sequence (more than ``short``
+        tokens to prefill) is admitted, and none while ``long_busy`` (one is still being
+        prefilled in chunks): a long one held back keeps its place and the short ones behind it
+        are admitted past it, so a follow-up question does not wait for a document's prefill."""
+        if short is not None:
+            return self._admit_chunked(short, long_busy)
         new, tokens = [], 0
         while self.waiting and len(self.running) < self.max_num_seqs and self.blocked is None:
             seq = self.waiting[0]
@@ -178,6 +186,26 @@ class Scheduler:
             self.running.append(seq)
             new.append(seq)
             tokens += n
+        self.max_running = max(self.max_running, len(self.running))
+        return new
+
+    def _admit_chunked(self, short: int, long_busy: bool) -> list:
+        new, held = [], []
+        while self.waiting and len(self.running) < self.max_num_seqs and self.blocked is None:
+            seq = self.waiting[0]
+            n = self.capacity.prefill_tokens(seq) if hasattr(self.capacity, "prefill_tokens") else seq.prompt_len
+            if n > short and long_busy:
+                held.append(self.waiting.popleft())  # its place is kept (put back below)
+                continue
+            if not self.capacity.can_admit(seq):
+                break
+            self.waiting.popleft()
+            self.capacity.admit(seq)
+            seq.status = RUNNING
+            self.running.append(seq)
+            new.append(seq)
+            long_busy = long_busy or n > short
+        self.waiting.extendleft(reversed(held))
         self.max_running = max(self.max_running, len(self.running))
         return new
 
