@@ -43,22 +43,28 @@ def test_serve_builds_the_app_and_runs_uvicorn(monkeypatch):
     uvicorn = pytest.importorskip("uvicorn")
     seen = {}
 
-    def fake_run(app, **kw):
-        seen.update(kw, app=app)
+    def fake_run(self, sockets=None):
+        seen.update(config=self.config, server=self)
 
-    monkeypatch.setattr(uvicorn, "run", fake_run)
+    monkeypatch.setattr(uvicorn.Server, "run", fake_run)
     monkeypatch.setenv("XOFFLOAD_API_KEY", "from-env")
     rc = cli.main(["serve", "tiny-llama", "--device", "cpu", "--max-model-len", "256", "--kv-block-size", "64",
                    "--port", "0", "--shutdown-timeout", "3", "--max-queue", "5"])
-    assert rc == 0 and seen["timeout_graceful_shutdown"] == 3 and seen["port"] == 0
-    loop = seen["app"].state.loop
+    cfg = seen["config"]
+    assert rc == 0 and cfg.timeout_graceful_shutdown > 3 and cfg.port == 0
+    app = cfg.app
+    loop = app.state.loop
     e = loop.engine
     assert e.config.mode == "offload" and e.config.prefix_caching and e.config.max_num_seqs == 8
     assert loop.max_queue == 5
     from fastapi.testclient import TestClient
 
-    with TestClient(seen["app"]) as c:
+    with TestClient(app) as c:
         assert c.get("/v1/models").status_code == 401  # the key came from the environment
         r = c.get("/v1/models", headers={"Authorization": "Bearer from-env"})
         assert r.json()["data"][0]["id"] == "tiny-llama"
+        seen["server"].handle_exit(15, None)  # SIGTERM: the app drains, new requests get 503
+        r = c.post("/v1/completions", json={"model": "tiny-llama", "prompt": [1, 2]},
+                   headers={"Authorization": "Bearer from-env"})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     assert e.closed  # the lifespan's shutdown closed the engine

@@ -262,3 +262,20 @@ def test_queue_limit_429_and_api_key_401(model):
         while time.monotonic() < deadline and app.state.loop.active:
             time.sleep(0.05)
         assert c.completions.create(model=NAME, prompt="free again", max_tokens=2).usage.completion_tokens == 2
+
+
+def test_shutdown_lets_requests_run_then_ends_them(model):
+    app = create_app(LLMEngine(model, **OPTS), NAME, shutdown_timeout=1.0)
+    srv = BackgroundServer(app, graceful_s=10.0).start()
+    c = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    stream = c.completions.create(model=NAME, prompt="long", max_tokens=480, temperature=0, stream=True)
+    it = iter(stream)
+    next(it)
+    t = time.monotonic()
+    stopper = threading.Thread(target=srv.stop)
+    stopper.start()
+    rest = list(it)  # the stream runs on while draining, then ends with its last chunk
+    assert rest[-1].choices[0].finish_reason == "abort" and len(rest) > 1
+    stopper.join()
+    assert time.monotonic() - t < 8
+    assert app.state.loop.active == 0 and not app.state.loop._thread.is_alive() and app.state.loop.engine.closed

@@ -68,7 +68,10 @@ def create_app(engine, served_model_name: str, *, api_key: str | None = None,
             limit); past it a 429 with ``Retry-After``.
         shutdown_timeout: seconds the lifespan shutdown lets requests still in flight finish
             before aborting them and closing the engine.
-    Returns: the app; ``app.state.loop`` is its :class:`~xoffload.serve.loop.EngineLoop`.
+    Returns: the app; ``app.state.loop`` is its :class:`~xoffload.serve.loop.EngineLoop`;
+        ``app.state.drain()`` starts a graceful shutdown (the server calls it on SIGTERM): new
+        requests get 503, requests in flight run on for ``shutdown_timeout`` seconds and then end
+        with ``finish_reason`` ``"abort"`` (a stream gets its last chunk and ``[DONE]``).
     Raises: ValueError for a negative ``max_queue`` or an empty ``served_model_name``.
     """
     if max_queue is not None and (not isinstance(max_queue, int) or max_queue < 0):
@@ -91,7 +94,8 @@ def create_app(engine, served_model_name: str, *, api_key: str | None = None,
 
     app = FastAPI(title="xoffload", lifespan=lifespan)
     app.state.loop = loop
-    server = _Server(engine, loop, served_model_name, ensure_started)
+    server = _Server(engine, loop, served_model_name, ensure_started, shutdown_timeout)
+    app.state.drain = server.drain
     created = int(time.time())
 
     @app.middleware("http")
@@ -154,16 +158,25 @@ def create_app(engine, served_model_name: str, *, api_key: str | None = None,
 class _Server:
     """The generation routes' work: body -> prompt ids and sampling -> engine -> response."""
 
-    def __init__(self, engine, loop: EngineLoop, name: str, ensure_started):
+    def __init__(self, engine, loop: EngineLoop, name: str, ensure_started, shutdown_timeout: float):
         self.engine, self.loop, self.name, self.ensure_started = engine, loop, name, ensure_started
         self.model = engine.model
         self.decode = make_decoder(self.model.tokenizer)
         self.max_len = int(engine.config.max_model_len)
+        self.shutdown_timeout = float(shutdown_timeout)
+        self.drain_deadline = None  # monotonic time at which requests in flight are aborted
+
+    def drain(self) -> None:
+        """Begin a graceful shutdown (see :func:`create_app`); a second call changes nothing."""
+        if self.drain_deadline is None:
+            self.drain_deadline = time.monotonic() + self.shutdown_timeout
 
     async def handle(self, request: Request, parse):
         """Answer one generation request (JSON or SSE). Raises :class:`ApiError` for bad input."""
         from xoffload.engine import SamplingParams
 
+        if self.drain_deadline is not None:
+            raise ApiError("the server is shutting down", status=503, type="server_error", code="shutting_down")
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -239,7 +252,7 @@ class _Run:
 
     def close(self) -> None:
         """Abort the engine request unless it finished (a client gone, a stop string, shutdown)."""
-        if self.finish_reason is None or self.text.stopped:
+        if self.finish_reason in (None, "abort") or self.text.stopped:
             self.s.loop.abort(self.rid)
 
     async def deltas(self):
@@ -251,6 +264,10 @@ class _Run:
                 o = await asyncio.wait_for(self.q.get(), timeout=POLL_S)
             except asyncio.TimeoutError:
                 o = None
+            end = self.s.drain_deadline
+            if end is not None and time.monotonic() >= end:  # shutting down: time is up
+                self.finish_reason = "abort"
+                return
             if o is None or time.monotonic() - checked >= POLL_S:
                 checked = time.monotonic()
                 if await self.request.is_disconnected():

@@ -60,6 +60,9 @@ class BackgroundServer:
         """Shut the server down (graceful, then the lifespan shutdown) and join its thread."""
         if self._server is None:
             return
+        drain = getattr(getattr(self.app, "state", None), "drain", None)
+        if drain is not None:  # create_app's graceful shutdown: requests in flight end at its timeout
+            drain()
         self._server.should_exit = True
         self._thread.join(timeout=self.graceful_s + 60)
         self._server = None

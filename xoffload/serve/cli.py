@@ -85,7 +85,8 @@ def engine_options(a, device_type: str) -> dict:
 
 def cmd_serve(a) -> int:
     """Load the model, build the engine and the app, run uvicorn until SIGINT / SIGTERM (in-flight
-    requests get ``--shutdown-timeout`` seconds, then are aborted and the engine closed)."""
+    requests get ``--shutdown-timeout`` seconds, then end with ``finish_reason`` ``"abort"``; the
+    engine is closed last)."""
     try:
         import uvicorn
 
@@ -109,5 +110,25 @@ def cmd_serve(a) -> int:
           f"{c.max_num_seqs}, prefix caching {'on' if c.prefix_caching else 'off'}, max_model_len {c.max_model_len}"
           f"{'' if model.tokenizer is not None else '; no tokenizer: token-id prompts only'}", file=sys.stderr,
           flush=True)
-    uvicorn.run(app, host=a.host, port=a.port, log_level=a.log_level, timeout_graceful_shutdown=a.shutdown_timeout)
+    cfg = uvicorn.Config(app, host=a.host, port=a.port, log_level=a.log_level,
+                         timeout_graceful_shutdown=a.shutdown_timeout + DRAIN_SLACK_S)
+    _draining_server(cfg, app.state.drain).run()
     return 0
+
+
+#: seconds uvicorn waits past ``--shutdown-timeout`` before it cancels what is still open (the app
+#: ends its requests at the timeout itself, each with its last chunk)
+DRAIN_SLACK_S = 5.0
+
+
+def _draining_server(config, drain):
+    """A uvicorn server that calls ``drain()`` (the app's graceful shutdown) when SIGINT / SIGTERM
+    starts its shutdown."""
+    import uvicorn
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig, frame):
+            drain()
+            super().handle_exit(sig, frame)
+
+    return DrainingServer(config)
