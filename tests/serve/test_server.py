@@ -279,3 +279,9 @@ def test_shutdown_lets_requests_run_then_ends_them(model):
     stopper.join()
     assert time.monotonic() - t < 8
     assert app.state.loop.active == 0 and not app.state.loop._thread.is_alive() and app.state.loop.engine.closed
+
+
+def test_sampling_without_a_seed_varies(client):
+    outs = {client.completions.create(model=NAME, prompt="vary", max_tokens=8, temperature=1.0).choices[0].text
+            for _ in range(4)}
+    assert len(outs) > 1  # a fresh seed per request, not the engine's one default seed

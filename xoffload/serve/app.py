@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import random
 import time
 import uuid
 
@@ -189,8 +190,11 @@ class _Server:
                            "messages" if p.kind == "chat" else "prompt", code="context_length_exceeded")
         max_tokens = p.max_tokens if p.max_tokens is not None else self.max_len - len(ids) + 1
         try:
+            # no seed: a fresh one per request (the engine's default seed would give every sampled
+            # request with the same prompt the same answer)
+            seed = p.seed if p.seed is not None else random.getrandbits(63)
             sp = SamplingParams(temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, max_tokens=max_tokens,
-                                seed=p.seed, stop_token_ids=tuple(p.stop_ids))
+                                seed=seed, stop_token_ids=tuple(p.stop_ids))
         except (ValueError, TypeError) as e:
             raise ApiError(str(e)) from None
         rid = ("chatcmpl-" if p.kind == "chat" else "cmpl-") + uuid.uuid4().hex

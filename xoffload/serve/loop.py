@@ -27,6 +27,8 @@ log = logging.getLogger("xoffload.serve")
 
 #: seconds of generated-token history behind the tokens/s gauge
 RATE_WINDOW_S = 10.0
+#: most engine steps the loop thread takes at shutdown to collect the aborted requests' outputs
+SHUTDOWN_STEPS = 1000
 #: shortest gap between two KV block counts taken after steps (seconds; always taken when idle)
 BLOCKS_EVERY_S = 0.25
 
@@ -163,7 +165,9 @@ class EngineLoop:
             if aborts:
                 e.abort_request(aborts)
             if stop:
-                while e.has_unfinished_requests():  # the aborted ones' final outputs
+                for _ in range(SHUTDOWN_STEPS):  # the aborted ones' final outputs
+                    if not e.has_unfinished_requests():
+                        break
                     self._step()
                 self._take_blocks()
                 return
