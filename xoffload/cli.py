@@ -9,6 +9,7 @@ error convention and the model/LLM option plumbing below; ``xoffload eval`` live
                       table, JSON and PNG heatmap.
 ``xoffload generate`` generate from a prompt (``--prompt`` or ``--prompt-file``).
 ``xoffload eval``     RULER-style tasks (:mod:`xoffload.evals`), every prompt under every mode.
+``xoffload serve``    the OpenAI-compatible HTTP server (:mod:`xoffload.serve`).
 
 User errors follow argparse's convention for every subcommand: one line ``xoffload <cmd>: error: ...``
 on stderr and exit status 2. Bad arguments are caught while parsing, before any model is loaded
@@ -190,9 +191,11 @@ def _check_model_arg(a) -> None:
                          f"needs smollm2, a .gguf file or a HF model directory")
 
 
-def _add_model_args(p):
-    """The model, device and engine options that needle and generate share."""
-    p.add_argument("--model", default=None, help=MODEL_HELP)
+def _add_model_args(p, model_option: bool = True):
+    """The model, device and engine options that needle, generate and serve share (serve names its
+    model as a positional argument: ``model_option=False``)."""
+    if model_option:
+        p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--dtype", type=_dtype, default=None, help="bf16 | fp16 | fp32 (default bf16 on GPU, fp32 on CPU)")
     p.add_argument("--device", type=_device, default=None, help="cuda | cuda:N | cpu (default: cuda when available)")
     p.add_argument("--max-model-len", type=_int_at_least(1), default=None,
@@ -615,15 +618,18 @@ def _add_generate_parser(sub):
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .evals.cli import add_eval_parser
+    from .serve.cli import add_serve_parser
 
     p = _Parser(prog="xoffload", description="Long-context LLM inference with the KV cache offloaded to CPU memory.",
                 epilog="models (--model) of every command: smollm2 (default), a .gguf file or a HF model directory, "
-                       "with a tokenizer; the random-weight presets are for the Python API (xoffload.LLM) only")
+                       "with a tokenizer; the random-weight presets are for the Python API (xoffload.LLM) and serve "
+                       "(token-id prompts) only")
     p.add_argument("--version", action="version", version=f"xoffload {__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
     _add_needle_parser(sub)
     _add_generate_parser(sub)
     add_eval_parser(sub)
+    add_serve_parser(sub)
     return p
 
 

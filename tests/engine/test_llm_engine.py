@@ -202,6 +202,7 @@ def test_conversations_share_decode_steps_and_keep_their_kv():
             t = finals[rid].timings
             if turn == 1:
                 assert t["history_tokens"] == len(convs[i][0]) and t["chunk_tokens"] == len(SP_ANSWER) + len(convs[i][1])
+                assert finals[rid].num_cached_tokens == t["history_tokens"]  # what a server reports as cached
     assert got == want
     for s in sessions:
         s.close()

@@ -25,3 +25,13 @@ def test_sample_greedy_tiny_temperature_and_top_p():
     assert picks == {1}
     picks = {int(sample(logits, SamplingParams(temperature=1.0), g)) for _ in range(200)}
     assert {1, 3} <= picks
+
+
+def test_top_k_keeps_the_k_most_likely():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.9]])
+    g = torch.Generator().manual_seed(0)
+    picks = {int(sample(logits, SamplingParams(temperature=5.0, top_k=2), g)) for _ in range(200)}
+    assert picks == {1, 3}
+    assert int(sample(logits, SamplingParams(top_k=1), g)) == 1
+    with pytest.raises(ValueError, match="top_k"):
+        SamplingParams(top_k=-1)

@@ -333,7 +333,8 @@ class LLMEngine:
         s.sent = len(toks)
         if not final:
             return RequestOutput(request_id=s.request_id, prompt_token_ids=s.req.ids, token_ids=list(toks),
-                                 text=decode(self.model, toks), finish_reason=None, finished=False)
+                                 text=decode(self.model, toks), finish_reason=None, finished=False,
+                                 num_cached_tokens=int(s.reused))
         reason = s.finish_reason
         if reason in ("stop", "length"):
             toks, reason = s.req.finish(toks)
@@ -351,7 +352,8 @@ class LLMEngine:
         peak = int(torch.cuda.max_memory_allocated(self.model.device)) if cuda else None
         return RequestOutput(request_id=s.request_id, prompt_token_ids=list(s.req.ids), token_ids=list(toks),
                              text=decode(self.model, toks), finish_reason=reason, finished=True, timings=timings,
-                             peak_gpu_memory_bytes=peak, error=s.error)
+                             peak_gpu_memory_bytes=peak, error=s.error,
+                             num_cached_tokens=int(timings.get("prefix_reused_tokens", s.reused)))
 
     # ------------------------------------------------------------------ store epochs
     def _open_epoch(self) -> bool:

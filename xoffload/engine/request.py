@@ -30,7 +30,8 @@ class RequestOutput:
     ``decode_steps``, ``total_ms``, ``prompt_tokens``, and with sparse prefill ``density`` (per layer,
     None for dense layers) and ``mean_density``, with an offloading store ``h2d_bytes_per_token``
     (bytes each decode step reads from host memory); ``peak_gpu_memory_bytes``: peak allocated during the
-    request (None on the CPU).
+    request (None on the CPU); ``num_cached_tokens``: prompt tokens whose KV came from the prefix cache
+    (0 before the prefill and without reuse; on progress outputs too).
     """
 
     prompt_token_ids: list
@@ -42,6 +43,7 @@ class RequestOutput:
     request_id: str = ""
     finished: bool = True
     error: BaseException | None = None
+    num_cached_tokens: int = 0
 
 
 class Clock:

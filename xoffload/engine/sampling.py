@@ -18,6 +18,7 @@ class SamplingParams:
     Args:
         temperature: 0 (default) = greedy argmax; > 0 samples from softmax(logits / temperature).
         top_p: nucleus sampling mass in (0, 1]; 1 = no truncation.
+        top_k: sample among the ``top_k`` most likely tokens only (an int >= 0; 0 = all of them).
         max_tokens: most new tokens to generate (>= 1); also capped by ``max_model_len``.
         seed: seed of the request's own random generator (None: the LLM's ``seed``).
         ignore_eos: keep generating past EOS (benchmarks).
@@ -30,6 +31,7 @@ class SamplingParams:
     seed: int | None = None
     ignore_eos: bool = False
     stop_token_ids: tuple = ()
+    top_k: int = 0
 
     def __post_init__(self):
         for name in ("temperature", "top_p"):
@@ -48,16 +50,22 @@ class SamplingParams:
         p = float(self.top_p)
         if not (0 < p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0: off), got {self.top_k!r}")
         if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         self.temperature, self.top_p = t, p
         self.stop_token_ids = tuple(int(x) for x in self.stop_token_ids)
+        self.top_k = int(self.top_k)
 
 
 def sample(logits: torch.Tensor, sp: SamplingParams, gen: torch.Generator) -> torch.Tensor:
     """int64 ``[1]`` token from fp32 logits ``[1, V]`` (stays on the device, no host sync)."""
     if sp.temperature <= 0:
         return logits.argmax(-1)
+    if 0 < sp.top_k < logits.shape[-1]:  # keep the k largest logits (ties at the k-th included)
+        kth = logits.topk(sp.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
     # subtract the max first: a tiny temperature then gives a one-hot, not inf - inf = NaN
     p = torch.softmax((logits - logits.amax(-1, keepdim=True)) / sp.temperature, dim=-1)
     if sp.top_p < 1.0:
