@@ -269,7 +269,7 @@ def _key_range(seqlen, kstart, mb, GROUP, SQ, WIN_LEFT, WIN_RIGHT, NUM_SPLITS,
 @triton.jit
 def _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale, qpos, slope,
                  WIN_LEFT, WIN_RIGHT, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ROW_LEFT: tl.constexpr,
-                 ROW_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr):
+                 ROW_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr, ks=1.0, vs=1.0, KV_SCALE: tl.constexpr = 0):
     """One online-softmax step over a tile of BLOCK_N keys: load K at ``k_ptrs`` and V at
     ``v_ptrs`` (``[BLOCK_N, BLOCK_D]`` pointer tiles; keys ``tok`` with ``kmask`` False are masked,
     columns with ``dmask`` False are head-dim padding), update the running row max ``m_i`` (log2
@@ -280,9 +280,23 @@ def _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, 
     ``scale / softcap``; else ``qk_scale = scale * log2e``), ALIBI (``slope`` per row, log2 units,
     ``qpos`` each row's position), ROW_LEFT / ROW_RIGHT (per-row window bounds ``qpos - WIN_LEFT``
     / ``qpos + WIN_RIGHT``; a row may then see no key of a tile, handled without NaN). Without the
-    row bounds the tile must hold at least one valid key."""
+    row bounds the tile must hold at least one valid key.
+
+    KV_SCALE (fp8 e4m3 K/V, :mod:`xoffload.kernels.fp8`): 0 = none (16-bit K/V, the code above
+    unchanged); 1 = one scale per tile (``ks``, ``vs`` fp32 scalars: the tile lies in one page);
+    2 = a scale per key (``ks``, ``vs`` fp32 ``[BLOCK_N]``). The e4m3 tiles are converted to q's
+    dtype (exact: every e4m3 value is an fp16 and a bf16 value), so ``tl.dot`` keeps 16-bit
+    operands; the K scale multiplies the fp32 scores (``q.k * ks``), the V scale is folded into p
+    (per key: ``p * vs / max(vs)`` before the cast, ``* max(vs)`` after the dot, so p keeps its
+    range in fp16) or into the dot's fp32 result (per tile)."""
     k = tl.load(k_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0)
+    if KV_SCALE != 0:
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if KV_SCALE == 1:
+        s = s * ks
+    elif KV_SCALE == 2:
+        s = s * ks[None, :]
     if SOFTCAP:
         s = _tanh(s * cap_scale) * qk_scale  # log2 units
     else:
@@ -304,7 +318,15 @@ def _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, 
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    if KV_SCALE == 0:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    elif KV_SCALE == 1:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC) * vs
+    else:
+        vmax = tl.max(vs, 0)
+        vmax = tl.where(vmax > 0.0, vmax, 1.0)
+        pv = p * (vs / vmax)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC) * vmax
     return m_new, l_i, acc
 
 
