@@ -285,7 +285,7 @@ def _paged_split_kernel(
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ROW_LEFT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
-    KV_FP8: tl.constexpr = 0, SCALE_DIV: tl.constexpr = 1,
+    KV_FP8: tl.constexpr = 0, SCALE_TOKEN: tl.constexpr = False, SCALE_DIV: tl.constexpr = 1,
 ):
     """One program: KV head ``hk`` of sequence ``b`` (the (token, group head) pairs as the M rows,
     in blocks of BLOCK_M), split ``program_id(1)`` of the tokens of its page list that its rows can
@@ -295,10 +295,11 @@ def _paged_split_kernel(
     PAGE % BLOCK_N == 0: a tile lies inside one page, so one table entry per tile; otherwise one
     entry per key row.
 
-    KV_FP8 (e4m3 K/V): 0 = 16-bit K/V; 1 = scales per (page, KV head) at ``KS + (entry //
-    SCALE_DIV) * s_kse + hk * s_ksh`` (SCALE_DIV = PAGE for a row store, 1 for a block store); 2 =
-    per (token, KV head) at ``KS + entry * s_kse + in_page * s_ksr + hk * s_ksh`` (the store's
-    addressing without D). Same for VS."""
+    KV_FP8 (e4m3 K/V): 0 = 16-bit K/V; 1 = one scale per tile (page scales, PAGE % BLOCK_N == 0);
+    2 = a scale per key row. Page scales (SCALE_TOKEN False) are at ``KS + (entry // SCALE_DIV) *
+    s_kse + hk * s_ksh`` (SCALE_DIV = PAGE for a row store, 1 for a block store), token scales at
+    ``KS + entry * s_kse + in_page * s_ksr + hk * s_ksh`` (the store's addressing without D).
+    Same for VS."""
     b, hk, mb, mmask, s_row, hq = _program_rows(M_BLOCKS, Hkv, GROUP, SQ, BLOCK_M)
     split = tl.program_id(1)
 
@@ -347,24 +348,24 @@ def _paged_split_kernel(
             m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
                                          qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
                                          DOT_PREC)
-        elif KV_FP8 == 1 and PAGE % BLOCK_N == 0:  # one page per tile: one scale per tile
+        elif KV_FP8 == 1:  # page scales, one page per tile: one scale per tile
             ks = tl.load(KS + (entry // SCALE_DIV) * s_kse + hk * s_ksh)
             vs = tl.load(VS + (entry // SCALE_DIV) * s_vse + hk * s_vsh)
             m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
                                          qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
                                          DOT_PREC, ks, vs, 1)
         else:  # a scale per key row
-            if KV_FP8 == 1:
-                ks_off = (entry // SCALE_DIV) * s_kse + hk * s_ksh + 0 * in_page
-                vs_off = (entry // SCALE_DIV) * s_vse + hk * s_vsh + 0 * in_page
-            else:
+            if SCALE_TOKEN:
                 ks_off = entry * s_kse + in_page * s_ksr + hk * s_ksh
                 vs_off = entry * s_vse + in_page * s_vsr + hk * s_vsh
-            ks = tl.load(KS + ks_off, mask=kmask, other=0.0)
-            vs = tl.load(VS + vs_off, mask=kmask, other=0.0)
+            else:  # page scales, one table entry per key row
+                ks_off = (entry // SCALE_DIV) * s_kse + hk * s_ksh + 0 * in_page
+                vs_off = (entry // SCALE_DIV) * s_vse + hk * s_vsh + 0 * in_page
+            ksv = tl.load(KS + ks_off, mask=kmask, other=0.0)
+            vsv = tl.load(VS + vs_off, mask=kmask, other=0.0)
             m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
                                          qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
-                                         DOT_PREC, ks, vs, 2)
+                                         DOT_PREC, ksv, vsv, 2)
 
     _store_split_state(O, L, acc, m_i, l_i, split, b, s_row, hq, offs_d, mmask, dmask,
                        s_os, s_ob, s_osq, s_oh, s_ls, s_lb, s_lsq, s_lh)
@@ -378,11 +379,11 @@ def _kernel_arg(t: torch.Tensor, q: torch.Tensor):
     return t
 
 
-def _scale_args(k_pages, k_scale, v_scale, page_size, blocked):
-    """``(KV_FP8, SCALE_DIV, k strides, v strides)`` of the kernel for fp8 scales (see
-    :func:`_paged_split_kernel`); 16-bit stores: ``(0, 1, zeros, zeros)``."""
+def _scale_args(k_pages, k_scale, v_scale, page_size, blocked, block_n):
+    """``(KV_FP8, SCALE_TOKEN, SCALE_DIV, k strides, v strides)`` of the kernel for fp8 scales (see
+    :func:`_paged_split_kernel`); 16-bit stores: ``(0, False, 1, zeros, zeros)``."""
     if k_scale is None:
-        return 0, 1, (0, 0, 0), (0, 0, 0)
+        return 0, False, 1, (0, 0, 0), (0, 0, 0)
     token = tuple(k_scale.shape) == tuple(k_pages.shape[:-1])
     out = []
     for s in (k_scale, v_scale):
@@ -390,7 +391,8 @@ def _scale_args(k_pages, k_scale, v_scale, page_size, blocked):
             out.append((s.stride(0), s.stride(1), s.stride(2)) if blocked else (s.stride(0), s.stride(0), s.stride(1)))
         else:
             out.append((s.stride(0), 0, s.stride(1)))
-    return (2 if token else 1), (1 if blocked or token else page_size), out[0], out[1]
+    per_tile = not token and page_size % block_n == 0
+    return (1 if per_tile else 2), token, (1 if blocked or token else page_size), out[0], out[1]
 
 
 def _paged_triton(q, k_pages, v_pages, page_table, seqlens, page_size, scale, num_splits, config=None, *,
@@ -411,9 +413,10 @@ def _paged_triton(q, k_pages, v_pages, page_table, seqlens, page_size, scale, nu
     m_blocks = -(-(group * sq) // block_m)
     block_d = max(16, next_pow2(d))
     cfg = dict(_default_config(d, q.dtype))
-    kv_fp8, scale_div, kss, vss = _scale_args(k_pages, k_scale, v_scale, page_size, blocked)
     if config:
         cfg.update(config)
+    kv_fp8, scale_token, scale_div, kss, vss = _scale_args(k_pages, k_scale, v_scale, page_size, blocked,
+                                                           cfg["block_n"])
     if num_splits is None:
         num_splits = default_num_splits(b, hkv, group, opts.span(n_pages * page_size, sq), _sm_count(q.device), sq)
     out, lse, o_dst, l_dst, o_strides, l_strides = split_buffers(q, num_splits, v_pages.shape[-1])
@@ -442,7 +445,7 @@ def _paged_triton(q, k_pages, v_pages, page_table, seqlens, page_size, scale, nu
         *o_strides, *l_strides,
         *kss, *vss,
         PAGE=page_size, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, DOT_PREC=prec,
-        LEFTPAD=cache_leftpad is not None, KV_FP8=kv_fp8, SCALE_DIV=scale_div, **flags,
+        LEFTPAD=cache_leftpad is not None, KV_FP8=kv_fp8, SCALE_TOKEN=scale_token, SCALE_DIV=scale_div, **flags,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     reduce_splits(o_dst, l_dst, out, lse, num_splits)
