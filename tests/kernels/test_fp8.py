@@ -1,6 +1,6 @@
 """Tests of the fp8 (e4m3) KV format: quantize_kv_fp8 / dequantize_kv_fp8 against the torch
 reference and the format's error bound, and paged_decode_attn_with_lse over fp8 stores against the
-fp32 reference run on the dequantized store.
+fp32 reference run on the dequantized store, and decode_attn_with_lse over fp8 contiguous caches.
 
 Error bound of one element (derived from the format, not fitted): with ``y = x / scale``, e4m3
 keeps 3 mantissa bits, so rounding to the nearest value moves a normal ``|y|`` (>= 2^-6) by at
@@ -16,13 +16,13 @@ over UVA.
 import pytest
 import torch
 
-from helpers import assert_lse_match, attention_in_dtype, max_err, out_tol
-from xoffload.kernels import cpu_backend, paged_decode_attn_with_lse
+from helpers import assert_lse_match, attention_in_dtype, max_err, out_tol, sdpa_in_dtype
+from xoffload.kernels import cpu_backend, decode_attn_with_lse, paged_decode_attn_with_lse
 from xoffload.kernels.fp8 import (
     FP8_DTYPE, check_fp8_supported, dequantize_kv_fp8, fp8_scale_shape, quantize_kv_fp8,
 )
 from xoffload.kernels.reference import (
-    FP8_SCALE_MIN, dequantize_kv_fp8_ref, kvcache_visible_ref, paged_decode_attn_ref, paged_gather_ref,
+    FP8_SCALE_MIN, decode_attention_ref, dequantize_cache_fp8_ref, dequantize_kv_fp8_ref, kvcache_visible_ref, paged_decode_attn_ref, paged_gather_ref,
     quantize_kv_fp8_ref,
 )
 
@@ -328,6 +328,74 @@ def test_fp8_paged_decode_errors(device):
     call(tab=torch.tensor([[[0, 3]]], dtype=torch.int32, device=device), k_scale=kst, v_scale=kst)  # token: any row
 
 
+# ----------------------------------------------------------------------- contiguous decode
+def _fp8_cache(b, s, hkv, d, spage, device, seed):
+    """An e4m3 cache ``[B, S, Hkv, D]`` with token scales (spage None) or page scales of spage
+    positions: each sequence row quantized as a row store (pages of spage, the last partial)."""
+    x = _x((b, s, hkv, d), torch.float32, device, seed=seed, spread=True)
+    qs, ss = zip(*[quantize_kv_fp8(x[i], page_size=spage or 1, granularity="page" if spage else "token")
+                   for i in range(b)])
+    return torch.stack(qs), torch.stack(ss)
+
+
+@pytest.mark.parametrize("spage", [None, 16, 64, 100])
+def test_fp8_contiguous_decode_matches_reference(device, spage):
+    b, s, hq, hkv, d = 3, 300, 8, 2, 32
+    kq, ks = _fp8_cache(b, s, hkv, d, spage, device, seed=41)
+    vq, vs = _fp8_cache(b, s, hkv, d, spage, device, seed=42)
+    q = _x((b, 2, hq, d), torch.float16, device, seed=43, spread=False)
+    lens = torch.tensor([300, 0, 77], dtype=torch.int32, device=device)
+    kw = dict(k_scale=ks, v_scale=vs, scale_page_size=spage, causal=True, num_splits=3)
+    out, lse = decode_attn_with_lse(q, kq, vq, lens, **kw)
+    kd, vd = dequantize_cache_fp8_ref(kq, ks, spage or 1), dequantize_cache_fp8_ref(vq, vs, spage or 1)
+    ref_o, ref_l = decode_attention_ref(q, kd, vd, lens, causal=True)
+    base = [attention_in_dtype(q[i], kd[i, :n].to(q.dtype), vd[i, :n].to(q.dtype),
+                               kvcache_visible_ref(2, n, causal=True, device=device)[None], d ** -0.5)[None]
+            for i, n in enumerate(lens.tolist())]
+    tol = out_tol(ref_o, torch.cat(base), q.dtype)
+    assert max_err(out, ref_o) <= tol
+    assert_lse_match(lse, ref_l)
+    assert torch.isneginf(lse[1]).all() and not out.isnan().any()
+    o2, l2 = decode_attn_with_lse(q, kq, vq, lens, check=False, **kw)
+    assert torch.equal(o2, out) and torch.equal(l2, lse)
+    # cache_batch_idx reads other rows (and their scales)
+    bi = torch.tensor([2, 0, 0], dtype=torch.int32, device=device)
+    o3, l3 = decode_attn_with_lse(q, kq, vq, lens, cache_batch_idx=bi, **kw)
+    r3, rl3 = decode_attention_ref(q, kd, vd, lens, causal=True, cache_batch_idx=bi)
+    assert max_err(o3, r3) <= out_tol(r3, r3.to(q.dtype), q.dtype, ulps=4)
+    assert_lse_match(l3, rl3)
+    if device == "cpu":
+        with cpu_backend("reference"):
+            o4, l4 = decode_attn_with_lse(q, kq, vq, lens, **kw)
+        assert max_err(out, o4) <= 4 * torch.finfo(q.dtype).eps * max(1.0, float(o4.abs().max()))
+        assert_lse_match(lse, l4)
+
+
+def test_fp8_contiguous_decode_errors(device):
+    kq, ks = _fp8_cache(2, 64, 2, 32, None, device, seed=44)
+    _, kp = _fp8_cache(2, 64, 2, 32, 16, device, seed=44)
+    q = torch.randn(2, 1, 4, 32, device=device).half()
+    lens = torch.tensor([64, 3], dtype=torch.int32, device=device)
+    with pytest.raises(ValueError, match="k_cache/v_cache are float8_e4m3fn: k_scale .* is required"):
+        decode_attn_with_lse(q, kq, kq, lens)
+    with pytest.raises(ValueError, match="k_scale is given but k_cache/v_cache are torch.float16"):
+        decode_attn_with_lse(q, kq.half(), kq.half(), lens, k_scale=ks, v_scale=ks)
+    with pytest.raises(ValueError, match="scale_page_size=16 is given but k_cache/v_cache are torch.float16"):
+        decode_attn_with_lse(q, kq.half(), kq.half(), lens, scale_page_size=16)
+    with pytest.raises(ValueError, match=r"k_scale has shape \(2, 64, 2\), expected \(2, 4, 2\)"):
+        decode_attn_with_lse(q, kq, kq, lens, k_scale=ks, v_scale=kp, scale_page_size=16)
+    with pytest.raises(ValueError, match=r"v_scale has shape \(2, 4, 2\), expected \(2, 64, 2\)"):
+        decode_attn_with_lse(q, kq, kq, lens, k_scale=ks, v_scale=kp)
+    with pytest.raises(ValueError, match="scale_page_size must be a positive int"):
+        decode_attn_with_lse(q, kq, kq, lens, k_scale=kp, v_scale=kp, scale_page_size=0)
+    with pytest.raises(TypeError, match="q has dtype torch.float32"):
+        decode_attn_with_lse(q.float(), kq, kq, lens, k_scale=ks, v_scale=ks)
+    with pytest.raises(TypeError, match="v_cache has dtype torch.float16; supported: torch.float8_e4m3fn"):
+        decode_attn_with_lse(q, kq, kq.half(), lens, k_scale=ks, v_scale=ks)
+    with pytest.raises(ValueError, match="q and k_cache must have the same head_dim"):
+        decode_attn_with_lse(q[..., :16], kq, kq, lens, k_scale=ks, v_scale=ks)
+
+
 # ----------------------------------------------------------------------------------------- GPU
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -360,6 +428,25 @@ def test_gpu_fp8_decode_8b_shape(granularity, page, blocked):
         table = (perm if blocked else perm * page).view(3, ht, -1).to(torch.int32).cuda()
         q = _x((3, 1, hq, d), torch.bfloat16, "cuda", seed=24, spread=False)
         _check_decode(q, kq, ks, vq, vs, table, [n, 5000, 0], page, granularity)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("spage", [None, 32, 256])
+def test_gpu_fp8_contiguous_decode_8b_shape(spage):
+    """bf16 q, Hq 32 / Hkv 8 / D 128, caches of 8K positions; the paged kernel over the same cache
+    seen as a block store agrees (token scales: same scales, so within the output tolerance)."""
+    b, s, hq, hkv, d = 3, 8192, 32, 8, 128
+    kq, ks = _fp8_cache(b, s, hkv, d, spage, "cuda", seed=51)
+    vq, vs = _fp8_cache(b, s, hkv, d, spage, "cuda", seed=52)
+    q = _x((b, 1, hq, d), torch.bfloat16, "cuda", seed=53, spread=False)
+    lens = torch.tensor([8192, 5000, 0], dtype=torch.int32, device="cuda")
+    out, lse = decode_attn_with_lse(q, kq, vq, lens, k_scale=ks, v_scale=vs, scale_page_size=spage)
+    kd, vd = dequantize_cache_fp8_ref(kq, ks, spage or 1), dequantize_cache_fp8_ref(vq, vs, spage or 1)
+    ref_o, ref_l = decode_attention_ref(q, kd, vd, lens)
+    base = torch.cat([sdpa_in_dtype(q[i:i + 1], kd[i:i + 1, :n].to(q.dtype), vd[i:i + 1, :n].to(q.dtype))
+                      for i, n in enumerate(lens.tolist())])
+    assert max_err(out, ref_o) <= out_tol(ref_o, base, q.dtype)
+    assert_lse_match(lse, ref_l)
 
 
 @pytest.mark.cuda

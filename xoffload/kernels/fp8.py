@@ -18,7 +18,9 @@ mantissa bits' ulp, relative; 2^-10: half the subnormal spacing 2^-9). The Trito
 rounding itself in fp32 integer/float arithmetic and casts only exact e4m3 values (Triton's
 interpreter rounds its own fp32 -> fp8 casts differently: ties away from zero, wrong subnormals,
 NaN past 448), so the kernel equals the torch reference bit for bit on the GPU and under the
-interpreter.
+interpreter. (One exception, on the GPU only: Triton's libdevice division flushes fp32 subnormals
+to zero, so in a group whose absolute maximum is below ~5e-33, inputs below 2^-126 may become 0
+where the reference keeps a small code.)
 
 Layouts (those of :func:`~xoffload.kernels.paged_decode.paged_decode_attn_with_lse`'s stores):
 a row store ``[T, Hkv, D]`` whose pages are ``page_size`` consecutive rows (the last may be
@@ -26,10 +28,10 @@ partial; page scales ``[ceil(T / page_size), Hkv]``, token scales ``[T, Hkv]``) 
 ``[num_pages, page_size, Hkv, D]`` (page scales ``[num_pages, Hkv]``, token scales
 ``[num_pages, page_size, Hkv]``).
 
-Dequantization happens where the values are used: the paged decode kernel loads e4m3 tiles,
-converts them to q's dtype (exact: every e4m3 value is an fp16 and a bf16 value) and applies the
-scales in fp32 around its two ``tl.dot`` s; :func:`dequantize_kv_fp8` (torch) serves the CPU and
-the tests.
+Dequantization happens where the values are used: the decode kernels (paged and contiguous,
+``k_scale`` / ``v_scale``) load e4m3 tiles, convert them to q's dtype (exact: every e4m3 value is
+an fp16 and a bf16 value) and apply the scales in fp32 around their two ``tl.dot`` s;
+:func:`dequantize_kv_fp8` (torch) serves the CPU and the tests.
 """
 from __future__ import annotations
 
@@ -197,6 +199,48 @@ def dequantize_kv_fp8(q, scale, dtype=torch.bfloat16, *, page_size=None, granula
     return reference.dequantize_kv_fp8_ref(q, scale, page_size=page_size, granularity=granularity, dtype=dtype)
 
 
+def _scales_present(k, k_scale, v_scale, what: str) -> bool:
+    """True for float8_e4m3fn ``k`` with both scales given as tensors; False for 16-bit ``k`` with
+    none. Raises ValueError (a scale missing or unexpected) or TypeError (not a tensor)."""
+    if k.dtype != FP8_DTYPE:
+        for n, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if s is not None:
+                raise ValueError(f"{n} is given but {what} are {k.dtype}: scales belong to float8_e4m3fn "
+                                 f"caches only")
+        return False
+    for n, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if s is None:
+            raise ValueError(f"{what} are float8_e4m3fn: {n} (fp32, per (page, KV head) or (token, KV head)) "
+                             f"is required")
+        if not isinstance(s, torch.Tensor):
+            raise TypeError(f"{n} must be a torch.Tensor, got {type(s).__name__}")
+    return True
+
+
+def check_cache_scales(k_cache, v_cache, k_scale, v_scale, scale_page_size, device):
+    """The scales of a contiguous cache ``[B_cache, S_max, Hkv, D]`` (dense decode): None for
+    16-bit caches (scales and ``scale_page_size`` must then be None), else the tokens per scale:
+    1 for token scales ``[B_cache, S_max, Hkv]`` (``scale_page_size`` None), P for page scales
+    ``[B_cache, ceil(S_max / P), Hkv]`` (``scale_page_size=P``: cache positions ``[j*P, (j+1)*P)``
+    share scale j). fp32 on ``device``. Raises TypeError / ValueError naming the argument."""
+    if not _scales_present(k_cache, k_scale, v_scale, "k_cache/v_cache"):
+        if scale_page_size is not None:
+            raise ValueError(f"scale_page_size={scale_page_size!r} is given but k_cache/v_cache are "
+                             f"{k_cache.dtype}: it sizes the scales of float8_e4m3fn caches only")
+        return None
+    bc, s_max, hkv = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    if scale_page_size is None:
+        page, shape = 1, (bc, s_max, hkv)
+    else:
+        if not is_int(scale_page_size) or scale_page_size < 1:
+            raise ValueError(f"scale_page_size must be a positive int (tokens per scale) or None (a scale per "
+                             f"token), got {scale_page_size!r}")
+        page, shape = int(scale_page_size), (bc, -(-s_max // int(scale_page_size)), hkv)
+    for n, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        _check_scale(n, s, shape, device, allow_host=False)
+    return page
+
+
 def check_kv_scales(k_pages, v_pages, k_scale, v_scale, page_size: int, device):
     """The scales of a paged attention call's store: None for 16-bit k/v (then both scales must
     be None), else ``"page"`` or ``"token"``, read from the shapes (both the same): for a row store
@@ -205,18 +249,8 @@ def check_kv_scales(k_pages, v_pages, k_scale, v_scale, page_size: int, device):
     ``[num_blocks, page_size, Hkv]``. fp32, on ``device`` or (a GPU call) pinned host memory.
     Raises TypeError (not tensors, not fp32) or ValueError (missing, unexpected, wrong shape or
     device), naming the argument."""
-    if k_pages.dtype != FP8_DTYPE:
-        for n, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-            if s is not None:
-                raise ValueError(f"{n} is given but k_pages/v_pages are {k_pages.dtype}: scales belong to "
-                                 f"float8_e4m3fn pages only")
+    if not _scales_present(k_pages, k_scale, v_scale, "k_pages/v_pages"):
         return None
-    for n, s in (("k_scale", k_scale), ("v_scale", v_scale)):
-        if s is None:
-            raise ValueError(f"k_pages/v_pages are float8_e4m3fn: {n} (fp32, per (page, KV head) or (token, KV head)) "
-                             f"is required")
-        if not isinstance(s, torch.Tensor):
-            raise TypeError(f"{n} must be a torch.Tensor, got {type(s).__name__}")
     gran = "token" if tuple(k_scale.shape) == tuple(k_pages.shape[:-1]) else "page"
     for n, s in (("k_scale", k_scale), ("v_scale", v_scale)):
         _check_scale(n, s, fp8_scale_shape(k_pages.shape, page_size, gran), device, allow_host=True)

@@ -714,3 +714,10 @@ def dequantize_kv_fp8_ref(q, scale, *, page_size: int, granularity: str = "page"
     unless it leaves fp32's normal range)."""
     s = _fp8_scale_per_token(scale.float(), q.shape, page_size, granularity == "token")
     return (q.float() * s).to(dtype)
+
+
+def dequantize_cache_fp8_ref(cache, scale, scale_page_size: int = 1):
+    """fp32 ``[B_cache, S_max, Hkv, D]`` of an e4m3 cache: position j of row b times
+    ``scale[b, j // scale_page_size]`` (token scales ``[B_cache, S_max, Hkv]``: page size 1)."""
+    s = scale.float().repeat_interleave(scale_page_size, dim=1)[:, :cache.shape[1]]
+    return cache.float() * s[..., None]
