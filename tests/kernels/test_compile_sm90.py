@@ -5,7 +5,8 @@ on the device. Each variant a wrapper launches is compiled: the page-cache looku
 (with / without block table and hit counters) and batched, the fill, the channel score kernel at
 the tiles ``bench_quest_score.py --sweep`` times, the top-k with and without per-row counts, the prefill
 kernel's option path with softcap (the ``tanh.approx.f32`` inline PTX must pass ptxas) and every ALiBi
-tile class, on the H200's tiles. Runtime behaviour is tested elsewhere (the
+tile class, on the H200's tiles, the decode kernels' fp8 variants (paged and contiguous; page and token
+scales, a scale per tile or per key row) and the fp8 quantization kernel. Runtime behaviour is tested elsewhere (the
 interpreter, and the GPU suite).
 
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (with it, Triton's own library
@@ -103,6 +104,59 @@ _ATTN_VARIANTS = {
 }
 
 
+def _paged_types(kv="*fp8e4nv", q="*bf16"):
+    """Types of the paged decode kernel's runtime arguments: q / out of ``q``, the store of ``kv``,
+    the fp8 scales fp32, tables int32, scales fp32, every other argument an int32."""
+    from xoffload.kernels.paged_decode import _paged_split_kernel
+
+    t = {p: "i32" for p in inspect.signature(_paged_split_kernel.fn).parameters}
+    t.update(Q=q, K=kv, V=kv, T="*i32", Lens="*i32", Lpad="*i32", Slopes="*fp32", O=q, L="*fp32", KS="*fp32",
+             VS="*fp32", qk_scale="fp32", cap_scale="fp32")
+    return t
+
+
+def _dense_types(q="*bf16"):
+    """Types of the contiguous decode kernel's runtime arguments with an fp8 cache."""
+    from xoffload.kernels.decode import _decode_split_kernel
+
+    t = {p: "i32" for p in inspect.signature(_decode_split_kernel.fn).parameters}
+    t.update(Q=q, K="*fp8e4nv", V="*fp8e4nv", Lens="*i32", Lpad="*i32", Bidx="*i32", Slopes="*fp32", O=q, L="*fp32",
+             KS="*fp32", VS="*fp32", qk_scale="fp32", cap_scale="fp32")
+    return t
+
+
+def _dense(kv_fp8, spage):
+    return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32", HAS_LEFT=False, HAS_RIGHT=False,
+                ROW_LEFT=False, SOFTCAP=False, ALIBI=False, LEFTPAD=False, BATCH_IDX=True, KV_FP8=kv_fp8, SPAGE=spage)
+
+
+def _quant_types():
+    from xoffload.kernels.fp8 import _quantize_kernel
+
+    t = {p: "i32" for p in inspect.signature(_quantize_kernel.fn).parameters}
+    t.update(X="*bf16", Q="*fp8e4nv", S="*fp32")
+    return t
+
+
+def _paged(page, kv_fp8, token, div, **flags):
+    """The paged decode kernel's constexprs on the 8B shape (D 128, group 4) for an fp8 store."""
+    c = dict(PAGE=page, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32", HAS_LEFT=False, HAS_RIGHT=False,
+             ROW_LEFT=False, SOFTCAP=False, ALIBI=False, LEFTPAD=False, KV_FP8=kv_fp8, SCALE_TOKEN=token,
+             SCALE_DIV=div)
+    c.update(flags)
+    return c
+
+
+#: the fp8 store's variants of the paged decode kernel (what _scale_args launches): name -> constexprs
+_PAGED_FP8 = {
+    "page scales, a tile per page, row store": _paged(64, 1, False, 64),
+    "page scales, a tile per page, block store": _paged(256, 1, False, 1),
+    "page scales, an entry per key row": _paged(16, 2, False, 16),
+    "token scales, a tile per page": _paged(64, 2, True, 1),
+    "token scales, an entry per key row, softcap window": _paged(32, 2, True, 1, SOFTCAP=True, HAS_LEFT=True),
+}
+
+
 def _topk_types():
     return {"S": "*fp32", "Out": "*i32", "Prefer": "*i32", "KR": "*i32", "N": "i32", "K": "i32", "s_sr": "i32",
             "s_or": "i32", "s_pr": "i32", "bonus": "fp32"}
@@ -123,6 +177,16 @@ VARIANTS = {
        for p, kr in ((False, False), (True, False), (True, True), (False, True))},
     **{name: ("flash_attn", "_attn_fwd", "attn_fp32" if c["IS_FP32"] else "attn", c, o)
        for name, (c, o) in _ATTN_VARIANTS.items()},
+    **{f"paged decode fp8 {name} q={q}": ("paged_decode", "_paged_split_kernel", f"paged_{q}", c,
+                                          {"num_warps": 4, "num_stages": 3})
+       for name, c in _PAGED_FP8.items() for q in ("bf16", "fp16")},
+    **{f"decode fp8 {name} q={q}": ("decode", "_decode_split_kernel", f"dense_{q}", c,
+                                    {"num_warps": 4, "num_stages": 3})
+       for name, c in (("token scales", _dense(2, 1)), ("page scales, a tile per page", _dense(1, 256)),
+                       ("page scales per key", _dense(2, 16))) for q in ("bf16", "fp16")},
+    **{f"quantize fp8 {g}": ("fp8", "_quantize_kernel", "quant", dict(PAGE=32, TOKEN=g == "token", BLOCK_T=32,
+                                                                       BLOCK_D=128), {"num_warps": 4})
+       for g in ("page", "token")},
 }
 
 
@@ -131,7 +195,9 @@ def _compile_all() -> dict:
     import importlib
 
     types = {"lookup": _lookup_types(), "fill": _fill_types(), "channel": _channel_types(), "topk": _topk_types(),
-             "attn": _attn_types(), "attn_fp32": _attn_types("*fp32")}
+             "attn": _attn_types(), "attn_fp32": _attn_types("*fp32"), "paged_bf16": _paged_types(q="*bf16"),
+             "paged_fp16": _paged_types(q="*fp16"), "dense_bf16": _dense_types("*bf16"),
+             "dense_fp16": _dense_types("*fp16"), "quant": _quant_types()}
     out = {}
     for name, (mod, kern, tkey, consts, *opts) in VARIANTS.items():
         module = f"xoffload.kernels.{mod}"

@@ -10,9 +10,10 @@ One op per module: ``flash_attn`` (dense prefill, padded and varlen), ``decode``
 index lists), ``xattn`` (XAttention's strided estimate), ``norm`` / ``swiglu`` / ``rope`` (fused
 per-token layer ops; ``rope`` also has flash-attn's ``apply_rotary``), ``paged_decode`` (decode
 over a page list per KV head, pages on the GPU or in pinned host memory, row stores or flash-attn's
-block stores; ``decode`` and ``paged_decode`` take flash-attn's inference options: several query
-tokens, causal, window, softcap, ALiBi, left padding), ``gather`` (block copy out of pinned host
-memory), ``attention_dispatch`` (picks cuDNN or ours for whole-prompt causal attention), ``topk`` (exact
+block stores, 16-bit or fp8 e4m3 pages; ``decode`` and ``paged_decode`` take flash-attn's inference
+options: several query tokens, causal, window, softcap, ALiBi, left padding), ``fp8`` (e4m3 KV
+pages: quantization with per-page or per-token fp32 scales, dequantization, the GPU check),
+``gather`` (block copy out of pinned host memory), ``attention_dispatch`` (picks cuDNN or ours for whole-prompt causal attention), ``topk`` (exact
 top-k indices per row: sparse decode's page choice); ``checks``
 holds the shared input checks and dispatch rules, ``launch`` the launch-config type and the one
 override hook (:func:`launch_override`).
@@ -25,6 +26,7 @@ from .block_sparse import block_sparse_attn_with_lse
 from .checks import cpu_backend, interpreter_on
 from .decode import decode_attn_with_lse
 from .flash_attn import flash_attn_varlen_with_lse, flash_attn_with_lse
+from .fp8 import check_fp8_supported, dequantize_kv_fp8, quantize_kv_fp8
 from .gather import gather_blocks
 from .launch import LaunchConfig, launch_override
 from .merge import merge_attention_states, merge_attention_states_, merge_attention_states_n
@@ -37,9 +39,10 @@ from .xattn import XAttnChunkStats, xattn_block_scores, xattn_chunk_stats, xattn
 
 __all__ = [
     "BlockIndex", "LaunchConfig", "XAttnChunkStats", "apply_rotary", "block_mask_to_indices", "block_sparse_attn_with_lse",
-    "causal_attention", "causal_attention_backend", "cpu_backend", "decode_attn_with_lse",
+    "causal_attention", "causal_attention_backend", "check_fp8_supported", "cpu_backend", "decode_attn_with_lse",
+    "dequantize_kv_fp8",
     "flash_attn_varlen_with_lse", "flash_attn_with_lse", "gather_blocks", "interpreter_on", "launch_override",
     "merge_attention_states", "merge_attention_states_", "merge_attention_states_n", "paged_decode_attn_with_lse",
-    "qkv_rope", "rms_norm", "silu_mul", "topk_ids", "xattn_block_scores", "xattn_chunk_stats", "xattn_estimate",
-    "xattn_merge_stats",
+    "qkv_rope", "quantize_kv_fp8", "rms_norm", "silu_mul", "topk_ids", "xattn_block_scores", "xattn_chunk_stats",
+    "xattn_estimate", "xattn_merge_stats",
 ]

@@ -26,6 +26,9 @@ plain path compiles to the same code as before:
 * ``cache_leftpad`` int32 ``[B]``: keys before ``cache_leftpad[b]`` are not attended (left padded
   caches); positions are still cache indices.
 * ``cache_batch_idx`` int32 ``[B]``: item b reads cache row ``cache_batch_idx[b]``.
+* fp8 caches (:mod:`xoffload.kernels.fp8`): ``float8_e4m3fn`` k/v with fp32 ``k_scale`` /
+  ``v_scale`` per (token, KV head) or per (``scale_page_size`` positions, KV head); the tiles are
+  converted to q's dtype in registers and the scales applied in fp32 (:func:`_attend_tile`).
 """
 from __future__ import annotations
 
@@ -37,9 +40,10 @@ import triton.language as tl
 
 from . import reference
 from .checks import (
-    check_alibi_slopes, check_bool, check_lengths, check_qkv, check_softcap, check_window, default_scale, next_pow2,
-    use_triton,
+    check_alibi_slopes, check_bool, check_heads, check_lengths, check_qkv, check_same, check_softcap, check_tensor,
+    check_window, default_scale, next_pow2, use_triton,
 )
+from .fp8 import FP8_DTYPE, check_cache_scales, check_fp8_supported
 
 __all__ = ["decode_attn_with_lse"]
 
@@ -82,8 +86,27 @@ def _check_aux(name, t, b, device):
         check_lengths(name, t, b, device)
 
 
+def _check_fp8_qkv(q, k_cache, v_cache):
+    """q fp16/bf16 and float8_e4m3fn caches of one shape on q's device, head_dim and GQA ratio
+    as :func:`~xoffload.kernels.checks.check_qkv`."""
+    check_tensor("q", q, 4, dtypes=(torch.float16, torch.bfloat16))
+    for n, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        check_tensor(n, t, 4, dtypes=(FP8_DTYPE,))
+    check_same([("k_cache", k_cache), ("v_cache", v_cache)])
+    if k_cache.device != q.device:
+        raise ValueError(f"k_cache is on {k_cache.device} but q is on {q.device}; all must be on one device")
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must have the same shape")
+    if k_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"q and k_cache must have the same head_dim: q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}")
+    check_heads(q.shape[2], k_cache.shape[2], q.shape[3], "q", "k_cache")
+
+
 def _check_inputs(q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx, check: bool):
-    check_qkv(q, k_cache, v_cache, 4, names=("q", "k_cache", "v_cache"))
+    if isinstance(k_cache, torch.Tensor) and k_cache.dtype == FP8_DTYPE:
+        _check_fp8_qkv(q, k_cache, v_cache)
+    else:
+        check_qkv(q, k_cache, v_cache, 4, names=("q", "k_cache", "v_cache"))
     b = q.shape[0]
     bk, s_max = k_cache.shape[0], k_cache.shape[1]
     if cache_batch_idx is None and bk != b:
@@ -134,7 +157,7 @@ def empty_outputs(q, dv):
 
 def decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, *, softmax_scale=None, num_splits=None,
                          check=True, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                         cache_leftpad=None, cache_batch_idx=None):
+                         cache_leftpad=None, cache_batch_idx=None, k_scale=None, v_scale=None, scale_page_size=None):
     """Attention of the last ``Sq`` (usually 1) query tokens of each sequence over its cached
     keys/values, with LSE.
 
@@ -145,8 +168,9 @@ def decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, *, softmax_scale=No
             flash-attn's layout ``[batch, seqlen, heads, head_dim]`` (also of the caches), not
             PyTorch SDPA's ``[B, H, S, D]``: a transposed tensor is named in the error when the
             shapes then disagree (:func:`~xoffload.kernels.checks.check_qkv`).
-        k_cache, v_cache: ``[B_cache, S_max, Hkv, D]``, same dtype/device as q, any strides but the
-            last dim (e.g. slices of a larger buffer). ``Hq % Hkv == 0``; query head h reads KV head
+        k_cache, v_cache: ``[B_cache, S_max, Hkv, D]``, same dtype/device as q (or
+            ``float8_e4m3fn`` with ``k_scale`` / ``v_scale``), any strides but the last dim (e.g.
+            slices of a larger buffer). ``Hq % Hkv == 0``; query head h reads KV head
             ``h // (Hq // Hkv)``. ``D <= 256``. ``B_cache == B`` unless ``cache_batch_idx`` is given.
         cache_seqlens: int32 ``[B]`` on q's device; sequence b attends to its first
             ``n = cache_seqlens[b]`` cached tokens, ``0 <= n <= S_max``. A row that sees no key
@@ -169,6 +193,11 @@ def decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, *, softmax_scale=No
             added to the (soft-capped) score of key j.
         cache_leftpad: None or int32 ``[B]``: keys ``< cache_leftpad[b]`` are not attended.
         cache_batch_idx: None or int32 ``[B]``: cache row read by item b.
+        k_scale, v_scale: for ``float8_e4m3fn`` caches only (both required; q then fp16/bf16):
+            fp32 scales on q's device, value = code * scale: per (token, KV head)
+            ``[B_cache, S_max, Hkv]``, or per (page of ``scale_page_size`` positions, KV head)
+            ``[B_cache, ceil(S_max / scale_page_size), Hkv]``.
+        scale_page_size: None (token scales) or the positions sharing a scale (page scales).
 
     Returns:
         ``(out, lse)``: out ``[B, Sq, Hq, D]`` in q.dtype; lse fp32 ``[B, Hq, Sq]`` (natural log of
@@ -180,9 +209,15 @@ def decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, *, softmax_scale=No
         ValueError: wrong ranks/shapes (named with their shapes), Hq % Hkv != 0, D > 256, a
             non-contiguous last dim, different devices, per-sequence tensors of the wrong length or
             (with check=True) values outside their ranges, a window value < -1, softcap < 0,
-            alibi_slopes of the wrong shape, an invalid softmax_scale or num_splits.
+            alibi_slopes of the wrong shape, an invalid softmax_scale or num_splits; fp8 caches
+            without both scales, scales (or scale_page_size) with 16-bit caches, scales of the wrong
+            shape or device (scales not fp32, or an fp8 cache with an fp32 q: TypeError).
+        RuntimeError: an fp8 cache on a GPU of compute capability < 8.9.
     """
     _check_inputs(q, k_cache, v_cache, cache_seqlens, cache_leftpad, cache_batch_idx, check)
+    spage = check_cache_scales(k_cache, v_cache, k_scale, v_scale, scale_page_size, q.device)
+    if spage is not None and q.is_cuda:
+        check_fp8_supported(q.device)
     opts = decode_options(q, causal, window_size, softcap, alibi_slopes)
     scale = default_scale(q.shape[-1], softmax_scale)
     check_num_splits(num_splits)
@@ -193,7 +228,11 @@ def decode_attn_with_lse(q, k_cache, v_cache, cache_seqlens, *, softmax_scale=No
         # the kernel indexes per-sequence tensors as T + b: strided views must be made contiguous
         return _decode_triton(q, k_cache, v_cache, cache_seqlens.contiguous(), scale, num_splits, opts=opts,
                               cache_leftpad=None if cache_leftpad is None else cache_leftpad.contiguous(),
-                              cache_batch_idx=None if cache_batch_idx is None else cache_batch_idx.contiguous())
+                              cache_batch_idx=None if cache_batch_idx is None else cache_batch_idx.contiguous(),
+                              k_scale=k_scale, v_scale=v_scale, scale_page_size=spage)
+    if spage is not None:  # the CPU reference reads the dequantized cache (exact in fp32)
+        k_cache = reference.dequantize_cache_fp8_ref(k_cache, k_scale, spage)
+        v_cache = reference.dequantize_cache_fp8_ref(v_cache, v_scale, spage)
     # CPU reference, with the kernel's clamping (so check=False gives the same answer)
     s_max = k_cache.shape[1]
     lens = cache_seqlens.clamp(0, s_max)
@@ -269,7 +308,7 @@ def _key_range(seqlen, kstart, mb, GROUP, SQ, WIN_LEFT, WIN_RIGHT, NUM_SPLITS,
 @triton.jit
 def _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale, qpos, slope,
                  WIN_LEFT, WIN_RIGHT, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ROW_LEFT: tl.constexpr,
-                 ROW_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr):
+                 ROW_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr, ks=1.0, vs=1.0, KV_SCALE: tl.constexpr = 0):
     """One online-softmax step over a tile of BLOCK_N keys: load K at ``k_ptrs`` and V at
     ``v_ptrs`` (``[BLOCK_N, BLOCK_D]`` pointer tiles; keys ``tok`` with ``kmask`` False are masked,
     columns with ``dmask`` False are head-dim padding), update the running row max ``m_i`` (log2
@@ -280,9 +319,23 @@ def _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, 
     ``scale / softcap``; else ``qk_scale = scale * log2e``), ALIBI (``slope`` per row, log2 units,
     ``qpos`` each row's position), ROW_LEFT / ROW_RIGHT (per-row window bounds ``qpos - WIN_LEFT``
     / ``qpos + WIN_RIGHT``; a row may then see no key of a tile, handled without NaN). Without the
-    row bounds the tile must hold at least one valid key."""
+    row bounds the tile must hold at least one valid key.
+
+    KV_SCALE (fp8 e4m3 K/V, :mod:`xoffload.kernels.fp8`): 0 = none (16-bit K/V, the code above
+    unchanged); 1 = one scale per tile (``ks``, ``vs`` fp32 scalars: the tile lies in one page);
+    2 = a scale per key (``ks``, ``vs`` fp32 ``[BLOCK_N]``). The e4m3 tiles are converted to q's
+    dtype (exact: every e4m3 value is an fp16 and a bf16 value), so ``tl.dot`` keeps 16-bit
+    operands; the K scale multiplies the fp32 scores (``q.k * ks``), the V scale is folded into p
+    (per key: ``p * vs / max(vs)`` before the cast, ``* max(vs)`` after the dot, so p keeps its
+    range in fp16) or into the dot's fp32 result (per tile)."""
     k = tl.load(k_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0)
+    if KV_SCALE != 0:
+        k = k.to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+    if KV_SCALE == 1:
+        s = s * ks
+    elif KV_SCALE == 2:
+        s = s * ks[None, :]
     if SOFTCAP:
         s = _tanh(s * cap_scale) * qk_scale  # log2 units
     else:
@@ -304,7 +357,15 @@ def _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, 
     p = tl.exp2(s - m_use[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    if KV_SCALE == 0:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    elif KV_SCALE == 1:
+        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC) * vs
+    else:
+        vmax = tl.max(vs, 0)
+        vmax = tl.where(vmax > 0.0, vmax, 1.0)
+        pv = p * (vs / vmax)[None, :]
+        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC) * vmax
     return m_new, l_i, acc
 
 
@@ -327,7 +388,7 @@ def _store_split_state(O, L, acc, m_i, l_i, split, b, s_row, hq, offs_d, mmask, 
 # length not seen before must not compile a new variant (a 0.6 s stall was seen).
 @triton.jit(do_not_specialize=["S_max", "B_cache", "NUM_SPLITS"])
 def _decode_split_kernel(
-    Q, K, V, Lens, Lpad, Bidx, Slopes, O, L,
+    Q, K, V, Lens, Lpad, Bidx, Slopes, O, L, KS, VS,
     qk_scale, cap_scale, S_max, B_cache, Hkv, GROUP, SQ, D, NUM_SPLITS, M_BLOCKS, WIN_LEFT, WIN_RIGHT,
     s_qb, s_qs, s_qh,
     s_kb, s_kn, s_kh,
@@ -335,14 +396,20 @@ def _decode_split_kernel(
     s_ab,
     s_os, s_ob, s_osq, s_oh,
     s_ls, s_lb, s_lsq, s_lh,
+    s_ksb, s_kss, s_ksh, s_vsb, s_vss, s_vsh,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ROW_LEFT: tl.constexpr, SOFTCAP: tl.constexpr,
     ALIBI: tl.constexpr, LEFTPAD: tl.constexpr, BATCH_IDX: tl.constexpr,
+    KV_FP8: tl.constexpr = 0, SPAGE: tl.constexpr = 1,
 ):
     """One program: KV head ``hk`` of sequence ``b`` (the (token, group head) pairs as the M rows,
     in blocks of BLOCK_M), split ``program_id(1)`` of the keys its rows can see (see
     :func:`_key_range`). Writes out = softmax(scores) v over that chunk and its natural-log LSE
-    (-inf, out 0 for a row that saw no key), cast to O's / L's element type."""
+    (-inf, out 0 for a row that saw no key), cast to O's / L's element type.
+
+    KV_FP8 (e4m3 caches): 0 = 16-bit; 1 = one scale per tile (SPAGE % BLOCK_N == 0); 2 = a scale
+    per key. Key j's scale is at ``KS + cb * s_ksb + (j // SPAGE) * s_kss + hk * s_ksh`` (SPAGE
+    = 1: token scales). Same for VS."""
     b, hk, mb, mmask, s_row, hq = _program_rows(M_BLOCKS, Hkv, GROUP, SQ, BLOCK_M)
     split = tl.program_id(1)
 
@@ -380,9 +447,23 @@ def _decode_split_kernel(
         kmask = tok < hi
         if HAS_LEFT or LEFTPAD:
             kmask = kmask & (tok >= lo_k)
-        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
-                                     qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
-                                     DOT_PREC)
+        if KV_FP8 == 0:
+            m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
+                                         qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
+                                         DOT_PREC)
+        elif KV_FP8 == 1:  # the tile lies in one scale's page
+            ks = tl.load(KS + cb * s_ksb + (start // SPAGE) * s_kss + hk * s_ksh)
+            vs = tl.load(VS + cb * s_vsb + (start // SPAGE) * s_vss + hk * s_vsh)
+            m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
+                                         qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
+                                         DOT_PREC, ks, vs, 1)
+        else:
+            sidx = (tok // SPAGE).to(tl.int64)
+            ksv = tl.load(KS + cb * s_ksb + sidx * s_kss + hk * s_ksh, mask=kmask, other=0.0)
+            vsv = tl.load(VS + cb * s_vsb + sidx * s_vss + hk * s_vsh, mask=kmask, other=0.0)
+            m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
+                                         qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
+                                         DOT_PREC, ksv, vsv, 2)
         k_ptrs += BLOCK_N * s_kn
         v_ptrs += BLOCK_N * s_vn
 
@@ -491,10 +572,11 @@ def option_args(q, opts: DecodeOptions, scale: float):
 
 
 def _decode_triton(q, k_cache, v_cache, cache_seqlens, scale, num_splits, config=None, *, opts=None,
-                   cache_leftpad=None, cache_batch_idx=None):
+                   cache_leftpad=None, cache_batch_idx=None, k_scale=None, v_scale=None, scale_page_size=None):
     """Launch the split kernel (and the reduce kernel when num_splits > 1). ``config`` (block_n,
     num_warps, num_stages) overrides the default tile choice (benchmarks sweep it); ``opts`` the
-    :class:`DecodeOptions` (default: none)."""
+    :class:`DecodeOptions` (default: none); ``k_scale`` / ``v_scale`` the fp32 scales of an fp8
+    cache with ``scale_page_size`` positions each (1: token scales; checked by the caller)."""
     b, sq, hq, d = q.shape
     bc, s_max, hkv, _ = k_cache.shape
     if opts is None:
@@ -511,12 +593,18 @@ def _decode_triton(q, k_cache, v_cache, cache_seqlens, scale, num_splits, config
     out, lse, o_dst, l_dst, o_strides, l_strides = split_buffers(q, num_splits, v_cache.shape[-1])
     prec = "ieee" if q.dtype == torch.float32 else "tf32"
     qk_scale, cap_scale, slopes, s_ab, flags = option_args(q, opts, scale)
+    if k_scale is None:
+        kv_fp8, spage, kss, vss = 0, 1, (0, 0, 0), (0, 0, 0)
+    else:
+        spage = int(scale_page_size or 1)
+        kv_fp8 = 1 if spage % cfg["block_n"] == 0 else 2
+        kss, vss = k_scale.stride(), v_scale.stride()
     grid = (b * hkv * m_blocks, num_splits)
     _decode_split_kernel[grid](
         q, k_cache, v_cache, cache_seqlens,
         cache_leftpad if cache_leftpad is not None else cache_seqlens,
         cache_batch_idx if cache_batch_idx is not None else cache_seqlens,
-        slopes, o_dst, l_dst,
+        slopes, o_dst, l_dst, q if k_scale is None else k_scale, q if v_scale is None else v_scale,
         qk_scale, cap_scale, s_max, bc, hkv, group, sq, d, num_splits, m_blocks,
         max(opts.left, 0), max(opts.right, 0),
         q.stride(0), q.stride(1), q.stride(2),
@@ -524,8 +612,9 @@ def _decode_triton(q, k_cache, v_cache, cache_seqlens, scale, num_splits, config
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         s_ab,
         *o_strides, *l_strides,
+        *kss, *vss,
         BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, DOT_PREC=prec,
-        LEFTPAD=cache_leftpad is not None, BATCH_IDX=cache_batch_idx is not None, **flags,
+        LEFTPAD=cache_leftpad is not None, BATCH_IDX=cache_batch_idx is not None, KV_FP8=kv_fp8, SPAGE=spage, **flags,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     reduce_splits(o_dst, l_dst, out, lse, num_splits)

@@ -23,6 +23,11 @@ page size is a multiple of the tile (BLOCK_N), else one per key row.
 
 The options of :mod:`xoffload.kernels.decode` (several query tokens, causal, local window,
 soft-capping, ALiBi, left padding) are the same constexpr-gated code in both kernels.
+
+fp8 stores (:mod:`xoffload.kernels.fp8`): k/v pages in ``float8_e4m3fn`` with fp32 scales per
+(page, KV head) or (token, KV head) beside them (``k_scale`` / ``v_scale``); the kernel reads one
+byte per element, converts the tiles to q's dtype in registers and applies the scales in fp32
+(``decode._attend_tile``'s KV_SCALE branch, a constexpr: the 16-bit path compiles as before).
 """
 from __future__ import annotations
 
@@ -31,9 +36,10 @@ import triton
 import triton.language as tl
 
 from . import reference
+from .fp8 import FP8_DTYPE, check_fp8_supported, check_kv_scales, dequantize_kv_fp8
 from .checks import (
     HostPtr, check_heads, check_lengths, check_same, check_tensor, default_scale, device_can_read_host, is_int,
-    next_pow2, use_triton,
+    next_pow2, use_triton, SUPPORTED_DTYPES,
 )
 from .decode import (
     _attend_tile, _block_m, _default_config, _key_range, _program_rows, _sm_count, _store_split_state,
@@ -54,8 +60,8 @@ def _check_page_size(page_size) -> int:
 def _store_layout(k_pages, v_pages, page_size):
     """``(page_size, blocked)``: a row store ``[R, Hkv, D]`` needs ``page_size``; a block store
     ``[num_blocks, page_size, Hkv, D]`` carries it (a given page_size must agree)."""
-    check_tensor("k_pages", k_pages)
-    check_tensor("v_pages", v_pages)
+    check_tensor("k_pages", k_pages, dtypes=SUPPORTED_DTYPES + (FP8_DTYPE,))
+    check_tensor("v_pages", v_pages, dtypes=SUPPORTED_DTYPES + (FP8_DTYPE,))
     if k_pages.dim() == 4:
         ps = k_pages.shape[1]
         if ps < 16 or ps % 16:
@@ -71,10 +77,14 @@ def _store_layout(k_pages, v_pages, page_size):
     return _check_page_size(page_size), False
 
 
-def _check_inputs(q, k_pages, v_pages, page_table, seqlens, page_size, blocked, cache_leftpad, check: bool):
+def _check_inputs(q, k_pages, v_pages, page_table, seqlens, page_size, blocked, cache_leftpad, check: bool,
+                  aligned: bool = False):
     check_tensor("q", q, ndim=4)
     check_same([("k_pages", k_pages), ("v_pages", v_pages)])
-    if k_pages.dtype != q.dtype:
+    if k_pages.dtype == FP8_DTYPE:
+        if q.dtype not in (torch.float16, torch.bfloat16):
+            raise TypeError(f"q has dtype {q.dtype}; float8_e4m3fn k_pages/v_pages need an fp16 or bf16 q")
+    elif k_pages.dtype != q.dtype:
         raise TypeError(f"k_pages has dtype {k_pages.dtype} but q has {q.dtype}; all must match")
     b, sq, hq, d = q.shape
     if k_pages.shape != v_pages.shape:
@@ -146,11 +156,15 @@ def _check_inputs(q, k_pages, v_pages, page_table, seqlens, page_size, blocked, 
             vmin, vmax = int(vals.min()), int(vals.max())
             if vmin < 0 or vmax > max_entry:
                 raise ValueError(f"page_table entries of visited pages must be in {what}, got min {vmin}, max {vmax}")
+            if aligned and bool((vals % page_size != 0).any()):
+                bad = int(vals[vals % page_size != 0][0])
+                raise ValueError(f"page_table entry {bad} of a visited page is not a multiple of page_size {page_size}: "
+                                 f"page scales [R / page_size, Hkv] of a row store need page-aligned entries")
 
 
 def paged_decode_attn_with_lse(q, k_pages, v_pages, page_table, seqlens, *, page_size=None, softmax_scale=None,
                                num_splits=None, check=True, causal=False, window_size=(-1, -1), softcap=0.0,
-                               alibi_slopes=None, cache_leftpad=None):
+                               alibi_slopes=None, cache_leftpad=None, k_scale=None, v_scale=None):
     """Attention of the last ``Sq`` (usually 1) query tokens of each sequence over keys/values
     scattered in pages, with LSE.
 
@@ -163,7 +177,8 @@ def paged_decode_attn_with_lse(q, k_pages, v_pages, page_table, seqlens, *, page
             last dim must be contiguous. ``Hq % Hkv == 0``; query head h reads KV head
             ``h // (Hq // Hkv)``. ``D <= 256``. Query row i sits at position ``n - Sq + i`` of the
             sequence's n tokens.
-        k_pages, v_pages: q's dtype, only the last dim contiguous, either
+        k_pages, v_pages: q's dtype (or ``float8_e4m3fn`` with ``k_scale`` / ``v_scale``), only the
+            last dim contiguous, either
             a row store ``[R, Hkv, D]`` (R token rows, e.g. one layer of the pool as
             ``[num_blocks * block_size, Hkv, D]``; table entries are row indices), or
             a block store ``[num_blocks, page_size, Hkv, D]`` (flash-attn's / vLLM's paged cache;
@@ -192,23 +207,39 @@ def paged_decode_attn_with_lse(q, k_pages, v_pages, page_table, seqlens, *, page
         causal, window_size, softcap, alibi_slopes, cache_leftpad: as
             :func:`xoffload.kernels.decode_attn_with_lse` (positions are token indices along the
             page list).
+        k_scale, v_scale: for ``float8_e4m3fn`` k/v only (both required; None for 16-bit k/v):
+            fp32 scales (:func:`xoffload.kernels.fp8.quantize_kv_fp8`'s), value = code * scale. Per
+            (page, KV head): ``[num_blocks, Hkv]`` (block store) or ``[ceil(R / page_size), Hkv]``
+            (row store; page j covers rows ``[j * page_size, (j + 1) * page_size)``, so visited
+            table entries must be multiples of page_size). Per (token, KV head): the store's shape
+            without D, ``[num_blocks, page_size, Hkv]`` or ``[R, Hkv]``. On q's device or, like
+            the store, in pinned host memory. q must then be fp16 or bf16; accumulation is fp32 as
+            for 16-bit stores.
 
     Returns:
         ``(out, lse)``: out ``[B, Sq, Hq, D]`` in q.dtype; lse fp32 ``[B, Hq, Sq]`` (natural log).
 
     Raises:
-        TypeError: non-tensors, unsupported or mismatched dtypes, page_table, seqlens or
-            cache_leftpad not int32, alibi slopes not fp32, a non-bool causal.
+        TypeError: non-tensors, unsupported or mismatched dtypes (an fp8 store with an fp32 q),
+            page_table, seqlens or cache_leftpad not int32, alibi slopes or fp8 scales not fp32, a
+            non-bool causal.
         ValueError: page_size not a positive multiple of 16 (or disagreeing with a block store),
             wrong ranks/shapes (named with their shapes), Hq % Hkv != 0, head_dim mismatch or > 256,
             a non-contiguous last dim, the table/lengths on another device than q, a store on
             another device that is not pinned host memory, (with check=True) seqlens outside
             ``[0, P*page_size]``, a left pad outside ``[0, n]`` or a visited entry outside the
             store, a window value < -1, softcap < 0, alibi_slopes of the wrong shape, an invalid
-            softmax_scale or num_splits.
+            softmax_scale or num_splits; fp8 pages without both scales, scales with 16-bit pages,
+            scales of the wrong shape or device, (with check=True) an unaligned row-store entry
+            with page scales.
+        RuntimeError: fp8 pages on a GPU of compute capability < 8.9.
     """
     page_size, blocked = _store_layout(k_pages, v_pages, page_size)
-    _check_inputs(q, k_pages, v_pages, page_table, seqlens, page_size, blocked, cache_leftpad, check)
+    gran = check_kv_scales(k_pages, v_pages, k_scale, v_scale, page_size, q.device)
+    _check_inputs(q, k_pages, v_pages, page_table, seqlens, page_size, blocked, cache_leftpad, check,
+                  aligned=gran == "page" and not blocked)
+    if gran is not None and q.is_cuda:
+        check_fp8_supported(q.device)
     opts = decode_options(q, causal, window_size, softcap, alibi_slopes)
     scale = default_scale(q.shape[-1], softmax_scale)
     check_num_splits(num_splits)
@@ -218,7 +249,12 @@ def paged_decode_attn_with_lse(q, k_pages, v_pages, page_table, seqlens, *, page
     if use_triton(q):
         # the kernel indexes per-sequence tensors as T + b: strided views must be made contiguous
         return _paged_triton(q, k_pages, v_pages, page_table, seqlens.contiguous(), page_size, scale, num_splits,
-                             opts=opts, cache_leftpad=None if cache_leftpad is None else cache_leftpad.contiguous())
+                             opts=opts, cache_leftpad=None if cache_leftpad is None else cache_leftpad.contiguous(),
+                             k_scale=k_scale, v_scale=v_scale)
+    if gran is not None:  # the CPU reference reads the dequantized store (exact in fp32)
+        k_pages = dequantize_kv_fp8(k_pages, k_scale, torch.float32,
+                                    page_size=page_size, granularity=gran)
+        v_pages = dequantize_kv_fp8(v_pages, v_scale, torch.float32, page_size=page_size, granularity=gran)
     # CPU reference, with the kernel's clamping (so check=False gives the same answer)
     r = k_pages.shape[0]
     lens = seqlens.clamp(0, page_table.shape[2] * page_size)
@@ -236,7 +272,7 @@ def paged_decode_attn_with_lse(q, k_pages, v_pages, page_table, seqlens, *, page
 # ----------------------------------------------------------------------------------------------
 @triton.jit(do_not_specialize=["N_PAGES", "MAX_ENTRY", "NUM_SPLITS"])  # see decode._decode_split_kernel
 def _paged_split_kernel(
-    Q, K, V, T, Lens, Lpad, Slopes, O, L,
+    Q, K, V, T, Lens, Lpad, Slopes, O, L, KS, VS,
     qk_scale, cap_scale, N_PAGES, MAX_ENTRY, Hkv, GROUP, SQ, D, NUM_SPLITS, M_BLOCKS, WIN_LEFT, WIN_RIGHT,
     s_qb, s_qs, s_qh,
     s_ke, s_kr, s_kh,
@@ -245,9 +281,11 @@ def _paged_split_kernel(
     s_ab,
     s_os, s_ob, s_osq, s_oh,
     s_ls, s_lb, s_lsq, s_lh,
+    s_kse, s_ksr, s_ksh, s_vse, s_vsr, s_vsh,
     PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PREC: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, ROW_LEFT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, LEFTPAD: tl.constexpr,
+    KV_FP8: tl.constexpr = 0, SCALE_TOKEN: tl.constexpr = False, SCALE_DIV: tl.constexpr = 1,
 ):
     """One program: KV head ``hk`` of sequence ``b`` (the (token, group head) pairs as the M rows,
     in blocks of BLOCK_M), split ``program_id(1)`` of the tokens of its page list that its rows can
@@ -255,7 +293,13 @@ def _paged_split_kernel(
     ``T[b, hk, t // PAGE] * s_ke + (t % PAGE) * s_kr`` in K (``s_ke == s_kr`` for a row store,
     the block stride for a block store; ``s_th`` = 0 for a table shared by the KV heads).
     PAGE % BLOCK_N == 0: a tile lies inside one page, so one table entry per tile; otherwise one
-    entry per key row."""
+    entry per key row.
+
+    KV_FP8 (e4m3 K/V): 0 = 16-bit K/V; 1 = one scale per tile (page scales, PAGE % BLOCK_N == 0);
+    2 = a scale per key row. Page scales (SCALE_TOKEN False) are at ``KS + (entry // SCALE_DIV) *
+    s_kse + hk * s_ksh`` (SCALE_DIV = PAGE for a row store, 1 for a block store), token scales at
+    ``KS + entry * s_kse + in_page * s_ksr + hk * s_ksh`` (the store's addressing without D).
+    Same for VS."""
     b, hk, mb, mmask, s_row, hq = _program_rows(M_BLOCKS, Hkv, GROUP, SQ, BLOCK_M)
     split = tl.program_id(1)
 
@@ -300,9 +344,28 @@ def _paged_split_kernel(
             in_page = tok % PAGE
         k_ptrs = k_base + (entry * s_ke + in_page * s_kr)[:, None]
         v_ptrs = v_base + (entry * s_ve + in_page * s_vr)[:, None]
-        m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
-                                     qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
-                                     DOT_PREC)
+        if KV_FP8 == 0:
+            m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
+                                         qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
+                                         DOT_PREC)
+        elif KV_FP8 == 1:  # page scales, one page per tile: one scale per tile
+            ks = tl.load(KS + (entry // SCALE_DIV) * s_kse + hk * s_ksh)
+            vs = tl.load(VS + (entry // SCALE_DIV) * s_vse + hk * s_vsh)
+            m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
+                                         qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
+                                         DOT_PREC, ks, vs, 1)
+        else:  # a scale per key row
+            if SCALE_TOKEN:
+                ks_off = entry * s_kse + in_page * s_ksr + hk * s_ksh
+                vs_off = entry * s_vse + in_page * s_vsr + hk * s_vsh
+            else:  # page scales, one table entry per key row
+                ks_off = (entry // SCALE_DIV) * s_kse + hk * s_ksh + 0 * in_page
+                vs_off = (entry // SCALE_DIV) * s_vse + hk * s_vsh + 0 * in_page
+            ksv = tl.load(KS + ks_off, mask=kmask, other=0.0)
+            vsv = tl.load(VS + vs_off, mask=kmask, other=0.0)
+            m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
+                                         qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
+                                         DOT_PREC, ksv, vsv, 2)
 
     _store_split_state(O, L, acc, m_i, l_i, split, b, s_row, hq, offs_d, mmask, dmask,
                        s_os, s_ob, s_osq, s_oh, s_ls, s_lb, s_lsq, s_lh)
@@ -316,12 +379,29 @@ def _kernel_arg(t: torch.Tensor, q: torch.Tensor):
     return t
 
 
+def _scale_args(k_pages, k_scale, v_scale, page_size, blocked, block_n):
+    """``(KV_FP8, SCALE_TOKEN, SCALE_DIV, k strides, v strides)`` of the kernel for fp8 scales (see
+    :func:`_paged_split_kernel`); 16-bit stores: ``(0, False, 1, zeros, zeros)``."""
+    if k_scale is None:
+        return 0, False, 1, (0, 0, 0), (0, 0, 0)
+    token = tuple(k_scale.shape) == tuple(k_pages.shape[:-1])
+    out = []
+    for s in (k_scale, v_scale):
+        if token:
+            out.append((s.stride(0), s.stride(1), s.stride(2)) if blocked else (s.stride(0), s.stride(0), s.stride(1)))
+        else:
+            out.append((s.stride(0), 0, s.stride(1)))
+    per_tile = not token and page_size % block_n == 0
+    return (1 if per_tile else 2), token, (1 if blocked or token else page_size), out[0], out[1]
+
+
 def _paged_triton(q, k_pages, v_pages, page_table, seqlens, page_size, scale, num_splits, config=None, *,
-                  opts=None, cache_leftpad=None):
+                  opts=None, cache_leftpad=None, k_scale=None, v_scale=None):
     """Launch the paged split kernel and the shared reduce kernel (when num_splits > 1).
     ``config`` (block_n, num_warps, num_stages) overrides the default tiles (benchmarks sweep it);
     ``opts`` the :class:`~xoffload.kernels.decode.DecodeOptions` (default: none). A 4-D
-    ``k_pages`` is a block store (entries are block indices)."""
+    ``k_pages`` is a block store (entries are block indices); ``k_scale`` / ``v_scale`` the fp32
+    scales of a ``float8_e4m3fn`` store (checked by the caller)."""
     b, sq, hq, d = q.shape
     blocked = k_pages.dim() == 4
     r, hkv = k_pages.shape[0], k_pages.shape[-2]
@@ -335,6 +415,8 @@ def _paged_triton(q, k_pages, v_pages, page_table, seqlens, page_size, scale, nu
     cfg = dict(_default_config(d, q.dtype))
     if config:
         cfg.update(config)
+    kv_fp8, scale_token, scale_div, kss, vss = _scale_args(k_pages, k_scale, v_scale, page_size, blocked,
+                                                           cfg["block_n"])
     if num_splits is None:
         num_splits = default_num_splits(b, hkv, group, opts.span(n_pages * page_size, sq), _sm_count(q.device), sq)
     out, lse, o_dst, l_dst, o_strides, l_strides = split_buffers(q, num_splits, v_pages.shape[-1])
@@ -353,6 +435,7 @@ def _paged_triton(q, k_pages, v_pages, page_table, seqlens, page_size, scale, nu
     _paged_split_kernel[grid](
         q, _kernel_arg(k_pages, q), _kernel_arg(v_pages, q), page_table, seqlens,
         cache_leftpad if cache_leftpad is not None else seqlens, slopes, o_dst, l_dst,
+        q if k_scale is None else _kernel_arg(k_scale, q), q if v_scale is None else _kernel_arg(v_scale, q),
         qk_scale, cap_scale, n_pages, max_entry, hkv, group, sq, d, num_splits, m_blocks,
         max(opts.left, 0), max(opts.right, 0),
         q.stride(0), q.stride(1), q.stride(2),
@@ -360,8 +443,9 @@ def _paged_triton(q, k_pages, v_pages, page_table, seqlens, page_size, scale, nu
         page_table.stride(0), s_th, page_table.stride(2),
         s_ab,
         *o_strides, *l_strides,
+        *kss, *vss,
         PAGE=page_size, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, DOT_PREC=prec,
-        LEFTPAD=cache_leftpad is not None, **flags,
+        LEFTPAD=cache_leftpad is not None, KV_FP8=kv_fp8, SCALE_TOKEN=scale_token, SCALE_DIV=scale_div, **flags,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     reduce_splits(o_dst, l_dst, out, lse, num_splits)

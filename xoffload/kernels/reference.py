@@ -656,3 +656,68 @@ def topk_ids_rows_ref(scores, k: int, k_rows):
     mask = torch.arange(k, device=scores.device)[None, :] < k_rows.long().clamp(0, k)[:, None]
     ids = torch.where(mask, order, scores.shape[1]).sort(dim=1).values  # the row's k_r ids first, ascending
     return ids.to(torch.int32), mask
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 (e4m3) KV pages: quantization with per-(page, KV head) or per-(token, KV head) scales
+# ----------------------------------------------------------------------------------------------
+FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn value
+FP8_SCALE_MIN = 2.0 ** -126  # the smallest normal fp32: the floor of a scale (amax below 448 * it)
+
+
+def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """fp32 scales of e4m3 groups from their fp32 absolute maxima: ``amax / 448`` (correctly
+    rounded), at least ``FP8_SCALE_MIN`` (a subnormal or zero quotient would make ``x / scale``
+    overflow), and 1 for an all-zero group (its codes are all 0)."""
+    s = (amax / FP8_E4M3_MAX).clamp_min(FP8_SCALE_MIN)
+    return torch.where(amax > 0, s, torch.ones_like(s))
+
+
+def _fp8_scale_per_token(scale, shape, page_size: int, token: bool):
+    """The scale of each token row of a K/V tensor ``shape`` (``[T, Hkv, D]`` row layout or
+    ``[num_pages, page_size, Hkv, D]`` page layout) as a tensor broadcastable to ``shape``."""
+    if token:
+        return scale[..., None]
+    if len(shape) == 4:
+        return scale[:, None, :, None]
+    rows = torch.arange(shape[0], device=scale.device) // page_size
+    return scale[rows][..., None]
+
+
+def quantize_kv_fp8_ref(x, *, page_size: int, granularity: str = "page"):
+    """Reference of :func:`xoffload.kernels.fp8.quantize_kv_fp8`: ``(q, scale)``.
+
+    x ``[T, Hkv, D]`` (pages of ``page_size`` consecutive rows, the last one possibly partial) or
+    ``[num_pages, page_size, Hkv, D]``. ``granularity="page"``: one scale per (page, KV head),
+    ``[ceil(T / page_size), Hkv]`` / ``[num_pages, Hkv]``; ``"token"``: one per (token, KV head),
+    ``x.shape[:-1]``. scale = :func:`fp8_scale_from_amax` of the group's ``max |x|`` (fp32);
+    q = ``x / scale`` in fp32, clamped to ``[-448, 448]`` (saturation, never inf/NaN for finite
+    x), rounded to the nearest e4m3 value (ties to even) as ``torch.float8_e4m3fn``."""
+    xf = x.float()
+    if granularity == "token":
+        amax = xf.abs().amax(-1)
+    elif x.dim() == 4:
+        amax = xf.abs().amax(dim=(1, 3))
+    else:
+        t, h = x.shape[0], x.shape[1]
+        n = -(-t // page_size)
+        pad = torch.zeros(n * page_size - t, *x.shape[1:], dtype=torch.float32, device=x.device)
+        amax = torch.cat([xf.abs(), pad]).view(n, page_size, h, -1).amax(dim=(1, 3))
+    scale = fp8_scale_from_amax(amax)
+    y = xf / _fp8_scale_per_token(scale, x.shape, page_size, granularity == "token")
+    return y.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
+def dequantize_kv_fp8_ref(q, scale, *, page_size: int, granularity: str = "page", dtype=torch.float32):
+    """``q.float() * scale`` (the scales of :func:`quantize_kv_fp8_ref`, each applied to its
+    group), cast to ``dtype``. The product is exact in fp32 (a 4-bit significand times a scale,
+    unless it leaves fp32's normal range)."""
+    s = _fp8_scale_per_token(scale.float(), q.shape, page_size, granularity == "token")
+    return (q.float() * s).to(dtype)
+
+
+def dequantize_cache_fp8_ref(cache, scale, scale_page_size: int = 1):
+    """fp32 ``[B_cache, S_max, Hkv, D]`` of an e4m3 cache: position j of row b times
+    ``scale[b, j // scale_page_size]`` (token scales ``[B_cache, S_max, Hkv]``: page size 1)."""
+    s = scale.float().repeat_interleave(scale_page_size, dim=1)[:, :cache.shape[1]]
+    return cache.float() * s[..., None]
