@@ -15,6 +15,7 @@ next turn is sent when its answer is complete. Modes (``--modes``):
 
 Every mode runs under a ``--cap-gib`` GPU memory cap (``torch.cuda.set_per_process_memory_fraction``),
 on one random-weight model (``--shape``, default the Llama-3.1-8B shape). Reported per mode and N:
+after a warm-up load over other tokens (kernel compilation, graph captures):
 time to first token (TTFT: the engine's queue + prefill + first sample, CUDA events) p50/p99 of all
 turns and of follow-ups, inter-token latency (ITL: the decode step times, each a token for every
 running conversation) p50/p99, total generated tok/s (over the whole load, CUDA events), H2D bytes
@@ -51,14 +52,15 @@ def _tokens(n, vocab, seed):
 
 
 def run_load(llm, n: int, doc_tokens: int, questions: int, q_tokens: int, answer_tokens: int, gap_s: float,
-             shared: bool) -> dict:
-    """One load through ``llm``'s engine (module docstring); returns the mode's row."""
+             shared: bool, salt: int = 0) -> dict:
+    """One load through ``llm``'s engine (module docstring); returns the mode's row. ``salt``
+    changes every token (a warm-up load shares no prefix with the measured one)."""
     from xoffload import SamplingParams
 
     e, V = llm.engine, llm.cfg.vocab_size
     sp = SamplingParams(max_tokens=answer_tokens, ignore_eos=True)
-    docs = [_tokens(doc_tokens, V, 0 if shared else 1 + i) for i in range(n)]
-    qs = [[_tokens(q_tokens, V, 1000 + 10 * i + k) for k in range(questions)] for i in range(n)]
+    docs = [_tokens(doc_tokens, V, salt + (0 if shared else 1 + i)) for i in range(n)]
+    qs = [[_tokens(q_tokens, V, salt + 1000 + 10 * i + k) for k in range(questions)] for i in range(n)]
     sessions = [llm.session() for _ in range(n)]
     turn, due, owner = [0] * n, [i * gap_s for i in range(n)], {}
     rows, steps, epochs = [], [], set()
@@ -167,6 +169,10 @@ def main(argv=None):
                 kw.update(prefill_attn="sdpa", kv_block_size=64)
             llm = LLM(model, **kw)
             try:
+                # warm-up (kernel compilation, first graph captures): two conversations over a
+                # document of a few chunks, sharing no token with the measured load
+                run_load(llm, min(n, 2), min(a.doc_tokens, 3 * (a.chunk_tokens or 4096) + 100), 2, a.q_tokens,
+                         a.answer_tokens, 0.0, a.docs == "shared", salt=10**6)
                 if cuda:
                     torch.cuda.reset_peak_memory_stats()
                 row = run_load(llm, n, a.doc_tokens, questions, a.q_tokens, a.answer_tokens, a.gap_ms / 1e3,
