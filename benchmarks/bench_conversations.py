@@ -135,7 +135,7 @@ def main(argv=None):
     ap.add_argument("--modes", default="offload+quest,reprefill,resident")
     ap.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory cap (0: none)")
     ap.add_argument("--chunk-tokens", type=int, default=None,
-                    help="offload modes: chunked prefill's tokens per step (0: chunked prefill off; default: the engine's)")
+                    help="offload modes: chunked prefill with this many tokens per step (default / 0: off)")
     a = ap.parse_args(argv)
     from xoffload import LLM
     from xoffload.models import random_model
@@ -164,7 +164,7 @@ def main(argv=None):
                 if a.chunk_tokens == 0:
                     kw["enable_chunked_prefill"] = False
                 elif a.chunk_tokens:
-                    kw["max_num_batched_tokens"] = a.chunk_tokens
+                    kw.update(enable_chunked_prefill=True, max_num_batched_tokens=a.chunk_tokens)
             if not cuda:
                 kw.update(prefill_attn="sdpa", kv_block_size=64)
             llm = LLM(model, **kw)

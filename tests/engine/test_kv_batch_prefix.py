@@ -127,8 +127,6 @@ def test_token_budget_counts_the_tokens_to_prefill(mode):
     prompts = [doc + q for q in _prompts([10] * 4, seed=74)]
     sp = SamplingParams(max_tokens=4, ignore_eos=True)
     kw = dict(mode=mode, kv_block_size=32, max_model_len=256, max_num_seqs=4, **SDPA)  # budget: 256 tokens
-    if mode == "offload":  # the admission budget (chunked prefill bounds each step's prefill instead)
-        kw["enable_chunked_prefill"] = False
     want = [o.token_ids for o in LLM(m, **kw).generate(prompts, sp)]
     llm = LLM(m, prefix_caching=True, **kw)
     outs = llm.generate(prompts, sp)

@@ -81,9 +81,11 @@ class EngineConfig:
             :data:`~xoffload.engine.kv_batch_chunk.DEFAULT_CHUNK_TOKENS`).
         enable_chunked_prefill: prefill a prompt longer than ``max_num_batched_tokens`` in chunks
             over several engine steps, the running sequences decoding between them and short
-            prompts prefilled first (vLLM's chunked prefill). None (default): on where the store
-            supports it (``offload`` with ``max_num_seqs > 1``, dense prefill, one device);
-            True there; True elsewhere is refused (ValueError); False: off.
+            prompts prefilled first (vLLM's chunked prefill). True needs a store that supports it
+            (``offload`` with ``max_num_seqs > 1``, dense prefill, one device; elsewhere
+            ValueError). None / False (default): off -- on the H200 conversation load (8B, eight
+            32K documents) it cost throughput and did not lower the follow-ups' TTFT
+            (docs/CHANGELOG.md, chunked prefill).
         kv_cache_tokens: tokens of KV the running sequences may hold together:
             ``offload``: the pinned CPU pool (its size; default ``max_num_seqs * max_model_len``,
             allocated when the LLM is made); ``resident``: a cap on the GPU pool, which is
@@ -273,7 +275,7 @@ class EngineConfig:
             raise ValueError(f"enable_chunked_prefill=True needs a store that prefills in chunks (offload mode with "
                              f"max_num_seqs > 1, direct or uva decode, dense prefill, one device); this configuration "
                              f"uses {store_cls.__name__}")
-        on = can and self.enable_chunked_prefill is not False
+        on = bool(self.enable_chunked_prefill)
         n = self.max_num_batched_tokens or (DEFAULT_CHUNK_TOKENS if on else self.max_model_len)
         return dataclasses.replace(self, enable_chunked_prefill=on, max_num_batched_tokens=n)
 
