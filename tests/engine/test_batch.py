@@ -197,7 +197,7 @@ def _batch_logits(m, prompts, toks, n_steps, mode, **kw):
     """Per sequence, the logits ``[n_steps, V]`` of decode steps fed ``toks[b][i]`` at step i, all
     sequences in one batch (the batched store of an LLM(mode, max_num_seqs=len(prompts), **kw));
     each prefill starts where the store's ``prefill_start`` says (a reused prefix)."""
-    from xoffload.engine.kv_batch import batch_store_class
+    from xoffload.kv.table import batch_store_class
     from xoffload.engine.request import Request
     from xoffload.engine.scheduler import Sequence
     from xoffload.kernels import cpu_backend

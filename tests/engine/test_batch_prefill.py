@@ -1,5 +1,5 @@
 """The batched prefill of a group of sequences (LlamaModel.prefill_batch + the resident stores'
-BatchPrefillSink, xoffload.engine.kv_batch_prefill) and the runner's grouping of short admitted
+BatchPrefillSink, xoffload.kv.batch_prefill) and the runner's grouping of short admitted
 prompts (xoffload.engine.runner).
 
 CPU, fp32 (the kernels' references; tolerances from fp32 rounding): the group's logits and the
@@ -31,7 +31,7 @@ def _prompts(lens, seed=0, vocab=256):
 
 def _store(m, prompts, prefix=True, block=BLOCK):
     """A batched resident store (prefix caching or not) over ``prompts``, each admitted."""
-    from xoffload.engine.kv_batch import batch_store_class
+    from xoffload.kv.table import batch_store_class
 
     n = max(map(len, prompts)) + 8
     kw = dict(mode="resident", kv_block_size=block, max_model_len=max(512, n), max_num_seqs=len(prompts) + 1)
@@ -116,7 +116,7 @@ def test_history_launches_one_per_length_class(lens, monkeypatch):
     """Questions of one power-of-two length class over histories of different lengths: one
     history launch per layer (equal lengths: on q itself, no padding copy); lengths across
     classes: one launch per class. Each equals one prefill per question."""
-    from xoffload.engine import kv_batch_prefill as kbp
+    from xoffload.kv import batch_prefill as kbp
 
     calls = []
     orig = kbp.paged_decode_attn_with_lse
@@ -223,7 +223,7 @@ def _alone(m, prompts, sps, max_model_len=1024):
 def _spy(monkeypatch, prompts):
     """Record, when each ResidentPrefixBatchKV closes: the tokens its cache holds of each prompt,
     the blocks sequences still hold, and the free blocks once the cache is emptied."""
-    from xoffload.engine import kv_batch_prefix as kp
+    from xoffload.kv import resident_prefix as kp
 
     seen = []
     orig = kp.ResidentPrefixBatchKV.close

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from xoffload.engine import LLM, SamplingParams
-from xoffload.engine.kv_batch import batch_store_class
-from xoffload.engine.kv_batch_quest import OffloadQuestBatchKV
+from xoffload.kv.table import batch_store_class
+from xoffload.kv.quest import OffloadQuestBatchKV
 from xoffload.engine.kv_batch_serial import SerialBatchKV
 from xoffload.models import random_model
 from xoffload.sparse import QuestDecode
@@ -230,8 +230,8 @@ def test_page_cache_cut_to_memory_and_none_when_a_step_does_not_fit(monkeypatch)
     transparent without a reuse bias: tokens still equal alone); fewer than a step's pages for all
     three: two at a time, each with a cache (``run_limit``); not allowed to run fewer
     (``CACHE_OVER_BATCH = 1``): no cache, every selected page read in place."""
-    from xoffload.engine import kv_batch_quest as kv_batch
-    from xoffload.engine.kv_batch_cache import BatchPageCache
+    from xoffload.kv import quest as kv_batch
+    from xoffload.kv.page_cache import BatchPageCache
 
     m = tiny_random()
     prompts = _prompts([120, 200, 263], seed=32)
@@ -298,7 +298,7 @@ def test_admission_waits_for_summary_room_and_refuses_what_never_fits(monkeypatc
     """A summary pool with room for one sequence at a time (the GPU memory limit, faked here) runs
     them one by one with the same tokens; a prompt whose summaries alone pass the pool, or whose
     KV passes the CPU pool, is refused before anything runs, naming the sizes."""
-    import xoffload.engine.kv_batch as kb
+    import xoffload.kv.base as kb
 
     m = tiny_random()
     prompts = _prompts([200, 210, 190], seed=15)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from xoffload.engine import LLM, SamplingParams
-from xoffload.engine.kv_batch import batch_store_class
-from xoffload.engine.kv_batch_quest import OffloadQuestBatchKV
+from xoffload.kv.table import batch_store_class
+from xoffload.kv.quest import OffloadQuestBatchKV
 
 from .llm_helpers import tiny_random
 from .test_batch import _prompts

@@ -1,4 +1,4 @@
-"""Chunked prefill (xoffload.engine.kv_batch_chunk, the runner's _prefill_chunked): a prompt longer
+"""Chunked prefill (xoffload.kv.chunk, the runner's _prefill_chunked): a prompt longer
 than max_num_batched_tokens is prefilled over several steps and gives the tokens of a whole
 prefill; running sequences decode between its chunks; a short prompt that arrives meanwhile is
 prefilled first; an abort mid-prefill frees its blocks; the option is resolved and refused where
@@ -10,7 +10,7 @@ import torch
 
 from xoffload import LLMEngine
 from xoffload.engine import LLM, SamplingParams
-from xoffload.engine.kv_batch_chunk import DEFAULT_CHUNK_TOKENS
+from xoffload.kv.chunk import DEFAULT_CHUNK_TOKENS
 from xoffload.sparse import QuestDecode
 
 from .llm_helpers import tiny_random

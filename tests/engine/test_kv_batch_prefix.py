@@ -1,4 +1,4 @@
-"""Prefix caching in batched resident generation (xoffload.engine.kv_batch_prefix): the prompts of a
+"""Prefix caching in batched resident generation (xoffload.kv.resident_prefix): the prompts of a
 call share the GPU pool blocks of their common prefixes.
 
 CPU, fp32 (the kernels' references): 8 questions over one document give the same tokens as without
@@ -28,7 +28,7 @@ def _prompts(lens, seed=0, vocab=256):
 
 def _store_spy(monkeypatch):
     """Record every ResidentPrefixBatchKV the calls open (to inspect its pool before close)."""
-    from xoffload.engine import kv_batch_prefix as kp
+    from xoffload.kv import resident_prefix as kp
 
     seen = []
     orig_close = kp.ResidentPrefixBatchKV.close
@@ -89,7 +89,7 @@ def test_partial_blocks_repeats_and_a_small_pool_that_evicts(monkeypatch):
 def test_copy_on_write_keeps_the_other_holders_kv():
     """Two prompts sharing a prefix that ends inside a block: the second copies that block before
     writing its own tokens there, so the first's KV rows are unchanged (checked in the pool)."""
-    from xoffload.engine.kv_batch_prefix import ResidentPrefixBatchKV
+    from xoffload.kv.resident_prefix import ResidentPrefixBatchKV
     from xoffload.engine.scheduler import Sequence
     from xoffload.engine.request import Request
 
@@ -169,7 +169,7 @@ def test_prefix_cached_teacher_forced_logits_equal_alone_cpu(monkeypatch):
     """CPU fp32: fed the one-request run's tokens, every row of a prefix-cached batch (the later
     rows prefilling only their suffix against the first one's blocks, one of them through a
     copy-on-write block) has its one-request logits at every step, to float rounding."""
-    from xoffload.engine import kv_batch_prefix as kp
+    from xoffload.kv import resident_prefix as kp
 
     from .test_batch import _check_batch_tracks_alone
 
@@ -273,7 +273,7 @@ def test_history_routes_by_chunk_rows_and_reads_the_reused_prefix(monkeypatch):
     queries over the reused prefix as the first prompt's prefill wrote it in the pool (70 tokens:
     two whole blocks and a partly filled one, read through the second sequence's table)."""
     from helpers import assert_lse_match, max_err, out_tol, sdpa_in_dtype
-    from xoffload.engine import kv_batch_prefix as kp
+    from xoffload.kv import resident_prefix as kp
     from xoffload.engine.request import Request
     from xoffload.engine.scheduler import Sequence
     from xoffload.kernels.reference import masked_attention_ref

@@ -6,9 +6,8 @@
   (conversations whose KV stays stored between turns);
 - :mod:`.runner`: :class:`StepRunner` (one store epoch: prefill, decode step, retire),
   :mod:`.scheduler` (:class:`Sequence`, :class:`Scheduler`: queues and admission);
-- :mod:`.kv_batch`: the stores of a step (:class:`ResidentBatchKV`, :class:`OffloadBatchKV`,
-  :class:`OffloadQuestBatchKV`, :class:`SerialBatchKV`) and the table that picks one
-  (:func:`batch_store_class`); :mod:`.kv_store`, :mod:`.kv_paged`: the one-request stores the
+- :mod:`xoffload.kv`: the KV layer (stores, the table that picks one); :class:`SerialBatchKV`;
+  :mod:`.kv_store`, :mod:`.kv_paged`: the one-request stores the
   serial store wraps; :mod:`.kv_history`: a session turn's prefill sink;
 - :mod:`.config` (:class:`EngineConfig`), :mod:`.sampling`, :mod:`.request`, :mod:`.inputs`,
   :mod:`.cuda_graph`.
@@ -22,10 +21,7 @@ from .cuda_graph import BatchGraphs, GraphDecode
 from .kv_store import (MODE_ALIASES, STORES, KVStore, OffloadKV, ResidentKV, Splits, canonical_mode,
                        register_store, store_class)
 from .kv_paged import OffloadPagedKV, PagedKV, ResidentPagedKV
-from .kv_batch import BatchKV, batch_store_class
-from .kv_batch_offload import OffloadBatchKV
-from .kv_batch_quest import OffloadQuestBatchKV
-from .kv_batch_resident import ResidentBatchKV
+from ..kv import BatchKV, OffloadBatchKV, OffloadQuestBatchKV, ResidentBatchKV, batch_store_class
 from .kv_batch_serial import SerialBatchKV
 from .llm import LLM
 from .llm_engine import LLMEngine

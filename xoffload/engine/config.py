@@ -78,7 +78,7 @@ class EngineConfig:
         max_num_batched_tokens: most prompt tokens prefilled between two decode steps (default
             ``max_model_len``; a longer prompt still runs, alone in its step); with chunked
             prefill, the most tokens of one long prompt prefilled per step (default
-            :data:`~xoffload.engine.kv_batch_chunk.DEFAULT_CHUNK_TOKENS`).
+            :data:`~xoffload.kv.chunk.DEFAULT_CHUNK_TOKENS`).
         enable_chunked_prefill: prefill a prompt longer than ``max_num_batched_tokens`` in chunks
             over several engine steps, the running sequences decoding between them and short
             prompts prefilled first (vLLM's chunked prefill). True needs a store that supports it
@@ -109,7 +109,7 @@ class EngineConfig:
             (:class:`xoffload.runtime.PrefixCache`). Resident mode with ``max_num_seqs > 1`` and
             dense decode: the same within one batched ``generate`` call, over its GPU pool (the
             prompts of a call share their common prefixes;
-            :mod:`xoffload.engine.kv_batch_prefix`). Default False.
+            :mod:`xoffload.kv.resident_prefix`). Default False.
     """
 
     mode: str = "resident"
@@ -219,7 +219,7 @@ class EngineConfig:
 
     def _batched_offload_refusal(self) -> str | None:
         """Batched offload with a decode policy: None where the batched Quest store serves it (the
-        store table of :func:`~xoffload.engine.kv_batch.batch_store_class`), else why not."""
+        store table of :func:`~xoffload.kv.table.batch_store_class`), else why not."""
         from ..sparse.quest import QuestDecode
 
         pol, n = self.sparse_decode, self.max_num_seqs
@@ -268,7 +268,7 @@ class EngineConfig:
         Raises:
             ValueError: ``enable_chunked_prefill=True`` where the store cannot chunk a prefill.
         """
-        from .kv_batch_chunk import DEFAULT_CHUNK_TOKENS
+        from ..kv.chunk import DEFAULT_CHUNK_TOKENS
 
         can = bool(getattr(store_cls, "chunked_prefill", False)) and self.policy.dense and tp is None
         if self.enable_chunked_prefill and not can:

@@ -105,7 +105,7 @@ class BatchGraphs:
 
     Args:
         model: the :class:`~xoffload.models.llama.LlamaModel`.
-        store: the call's :class:`~xoffload.engine.kv_batch.BatchKV` (``pos``, ``max_len``,
+        store: the call's :class:`~xoffload.kv.base.BatchKV` (``pos``, ``max_len``,
             ``buckets``).
         use_graphs: capture graphs (CUDA and a capturable store only).
     Attributes:

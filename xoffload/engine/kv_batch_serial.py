@@ -1,11 +1,11 @@
 """Every other configuration, and ``max_num_seqs=1``: :class:`SerialBatchKV`, one one-request store
 (:mod:`.kv_store`, :mod:`.kv_paged`) per sequence behind the step loop's store interface (see
-:mod:`.kv_batch`)."""
+:mod:`xoffload.kv`)."""
 from __future__ import annotations
 
 import torch
 
-from .kv_batch import BatchKV, _blocks
+from ..kv.base import BatchKV, _blocks
 
 
 class SerialBatchKV(BatchKV):

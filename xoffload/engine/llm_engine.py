@@ -7,7 +7,7 @@ Threads: :meth:`add_request` and :meth:`abort_request` may be called from any th
 the work under a lock; an abort from the thread that drives the loop, between steps, is applied at
 once); one thread at a time runs :meth:`step`, which holds the device.
 
-Store epochs: the KV store (the table in :func:`~.kv_batch.batch_store_class`) is opened when the
+Store epochs: the KV store (the table in :func:`~xoffload.kv.table.batch_store_class`) is opened when the
 engine goes busy, its GPU pools sized for ``max_num_seqs`` requests like the largest one waiting
 then with :data:`~.runner.HEADROOM` more prompt (within the free GPU memory: a conversation's
 next turn is its last prompt plus the answer and a question), and
@@ -33,7 +33,7 @@ from ..models.loader import load_model, resolve_dtype_device
 from .config import EngineConfig
 from .eviction import make_room
 from .inputs import decode, prompt_ids
-from .kv_batch import batch_store_class
+from ..kv.table import batch_store_class
 from .kv_store import store_class
 from .request import Clock, Request, RequestOutput, request_timings
 from .runner import StepRunner, headroom

@@ -1,7 +1,7 @@
 """The device side of the step loop: one :class:`StepRunner` per *store epoch* of an
 :class:`~.llm_engine.LLMEngine` (from the moment the engine goes busy until it is idle again).
 
-It owns the epoch's batched KV store (:mod:`.kv_batch`, chosen by :func:`~.kv_batch.batch_store_class`),
+It owns the epoch's batched KV store (:mod:`xoffload.kv`, chosen by :func:`~xoffload.kv.table.batch_store_class`),
 its :class:`~.scheduler.Scheduler` and its CUDA graphs, and runs what one engine step does:
 admit what fits (:meth:`Scheduler.admit`), prefill the admitted sequences (layerwise, into their
 KV) and sample each one's first token; then one decode step for every running sequence (rows
@@ -41,8 +41,8 @@ from collections import deque
 import torch
 
 from .cuda_graph import BatchGraphs, GraphDecode
-from .kv_batch import _to_device
-from .kv_batch_prefill import GROUP_PREFILL_MAX_TOKENS
+from ..kv.base import _to_device
+from ..kv.batch_prefill import GROUP_PREFILL_MAX_TOKENS
 from .request import EOS_LAG, Clock
 from .sampling import sample
 from .scheduler import Scheduler, Sequence
@@ -130,7 +130,7 @@ class StepRunner:
     Args:
         model: the :class:`~xoffload.models.llama.LlamaModel`.
         config: the engine's bound :class:`~.config.EngineConfig`.
-        store: the epoch's opened batched store (:class:`~.kv_batch.BatchKV`).
+        store: the epoch's opened batched store (:class:`~xoffload.kv.base.BatchKV`).
         clock: the engine's :class:`~.request.Clock`.
 
     Attributes: ``sched`` (the :class:`Scheduler`), ``steps`` (per decode step: sequences, rows,
@@ -140,7 +140,7 @@ class StepRunner:
     def __init__(self, model, config, store, clock: Clock):
         self.m, self.config, self.store, self.clock = model, config, store, clock
         self.cuda = model.device.type == "cuda"
-        # chunked prefill (kv_batch_chunk): admission is not held to a token count, each step's
+        # chunked prefill (kv.chunk): admission is not held to a token count, each step's
         # prefill work is (_prefill_chunked)
         self.chunked = bool(config.enable_chunked_prefill) and getattr(store, "chunked_prefill", False)
         self.sched = Scheduler(config.max_num_seqs, config.max_num_batched_tokens if not self.chunked else 1 << 62,
@@ -326,7 +326,7 @@ class StepRunner:
         self.log.publish(tok, [s])
 
     def _prefill_chunked(self) -> None:
-        """One step's prefill work with chunked prefill (:mod:`.kv_batch_chunk`): every admitted
+        """One step's prefill work with chunked prefill (:mod:`..kv.chunk`): every admitted
         sequence with at most :data:`GROUP_PREFILL_MAX_TOKENS` (and ``max_num_batched_tokens``)
         tokens left to prefill (a question, a follow-up turn) is prefilled whole, then the longer ones, oldest first, get at most
         ``max_num_batched_tokens`` tokens between them: a chunk, or the last part of a prompt

@@ -11,7 +11,7 @@ one launch: a program per (KV head, block of pages) holds the group's queries as
 :func:`quest_page_scores_batched` scores a whole decode batch in one launch: row ``r``'s query against
 its own candidate pages, gathered by a ``[R, N]`` index from one shared summary pool, padded to ``N``
 per row with ``-inf`` past the row's count (the batched Quest store,
-:class:`xoffload.engine.kv_batch_quest.OffloadQuestBatchKV`).
+:class:`xoffload.kv.quest.OffloadQuestBatchKV`).
 
 
 CPU tensors run :func:`xoffload.kernels.reference.quest_page_scores_ref` (and

@@ -1,10 +1,10 @@
 """``resident`` with ``max_num_seqs > 1``: :class:`ResidentBatchKV`, one paged KV pool on the model's
-device for every running sequence (see :mod:`.kv_batch` for the store interface)."""
+device for every running sequence (see :mod:`.base` for the store interface)."""
 from __future__ import annotations
 
 import torch
 
-from .kv_batch import BatchKV, RowPool, _Region, _StagedSink, _blocks, _pool_memory_limit, _to_device, _top_sum
+from .base import BatchKV, RowPool, _Region, _StagedSink, _blocks, _pool_memory_limit, _to_device, _top_sum
 
 
 class ResidentBatchKV(BatchKV):
@@ -31,7 +31,7 @@ class ResidentBatchKV(BatchKV):
         if self.cap_tokens is not None:
             nb = min(nb, self.cap_tokens // blk)
         per_block = blk * self.cfg.kv_bytes_per_token(self.dtype)
-        from .kv_batch_prefill import GROUP_PREFILL_MAX_TOKENS  # (a module that imports this one)
+        from .batch_prefill import GROUP_PREFILL_MAX_TOKENS  # (a module that imports this one)
 
         group = min(int(config.max_num_batched_tokens or 0), self.max_num_seqs * GROUP_PREFILL_MAX_TOKENS)
         limit = _pool_memory_limit(model, seqs, config, self.device, group_tokens=group)
@@ -83,9 +83,9 @@ class ResidentBatchKV(BatchKV):
     batch_prefill = True
 
     def batch_sink(self, seqs):
-        """:class:`~xoffload.engine.kv_batch_prefill.BatchPrefillSink`: the group's K/V through the
+        """:class:`~xoffload.kv.batch_prefill.BatchPrefillSink`: the group's K/V through the
         staging pair into each member's rows (one ``index_copy_`` per layer for all)."""
-        from .kv_batch_prefill import BatchPrefillSink
+        from .batch_prefill import BatchPrefillSink
 
         return BatchPrefillSink(self, seqs)
 

@@ -1,13 +1,13 @@
 """``offload`` with ``max_num_seqs > 1`` and dense decode: :class:`OffloadBatchKV`, prompts read in
-place from the pinned pool, generated tokens in a GPU tail (see :mod:`.kv_batch`)."""
+place from the pinned pool, generated tokens in a GPU tail (see :mod:`.base`)."""
 from __future__ import annotations
 
 import torch
 
 from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
-from .kv_batch_chunk import ChunkedPrefill
-from .kv_store import PrefillStaging
-from .kv_batch import (TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _StagedSink, _blocks, _join,
+from .chunk import ChunkedPrefill
+from .staging import PrefillStaging
+from .base import (TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _StagedSink, _blocks, _join,
                        _to_device, _top_sum)
 
 

@@ -9,7 +9,7 @@ waiting and the engine's headroom) and serves the :class:`~xoffload.engine.sched
   ``release(seq)``;
 - prefill: ``sink(seq)``, the model's prefill sink for that sequence (``buffers`` / ``done``);
   where ``batch_prefill`` (the resident stores), also ``batch_sink(seqs)``, the sink of one
-  ``LlamaModel.prefill_batch`` over a group (:mod:`~xoffload.engine.kv_batch_prefill`);
+  ``LlamaModel.prefill_batch`` over a group (:mod:`~xoffload.kv.batch_prefill`);
 - decode: ``set_batch(seqs) -> rows`` (the running sequences in row order, padded to a batch-size
   bucket: ``rows >= len(seqs)``; host work, only when the batch changes), then per step
   ``begin_step()``, ``attend(layer, q [rows, Hq, D], k_new [rows, Hkv, D], v_new) -> [rows, Hq,
@@ -21,22 +21,22 @@ waiting and the engine's headroom) and serves the :class:`~xoffload.engine.sched
 
 Stores (one module each):
 
-- :class:`~.kv_batch_resident.ResidentBatchKV` (``resident``): one paged KV pool on the model's device for all the
+- :class:`~.resident.ResidentBatchKV` (``resident``): one paged KV pool on the model's device for all the
   sequences (``[L, blocks * kv_block_size, Hkv, D]`` rows, block tables per sequence); decode is
   one :func:`~xoffload.kernels.paged_decode_attn_with_lse` launch per layer for the whole batch,
   each row with its own length (the split-KV kernel of :mod:`xoffload.kernels.decode` with a page
   table). A slot-per-sequence cache for :func:`~xoffload.kernels.decode_attn_with_lse` would hold
   ``max_model_len`` tokens per slot and need the running sequences packed into the first slots
   for a graph per bucket; the pool holds what each sequence may reach and nothing else.
-- :class:`~.kv_batch_offload.OffloadBatchKV` (``offload``, direct decode, no decode policy): prompts in the offload
+- :class:`~.offload.OffloadBatchKV` (``offload``, direct decode, no decode policy): prompts in the offload
   engine's pinned CPU pool, read in place over PCIe by one paged launch per layer for the batch
   (a page table of pool blocks per row); generated tokens in a paged GPU tail pool (a second
   launch); the two merged by LSE.
-- :class:`~.kv_batch_quest.OffloadQuestBatchKV` (``offload`` + :class:`~xoffload.sparse.QuestDecode`, direct
+- :class:`~.quest.OffloadQuestBatchKV` (``offload`` + :class:`~xoffload.sparse.QuestDecode`, direct
   decode, no prefetch asked for): prompts in the pinned pool, every admitted sequence's page
   summaries in one shared GPU summary pool, sink + recent + generated tokens in the paged GPU tail
   pool, the dense layers on the GPU when they fit (else read in place), a GPU page cache per
-  sequence (:mod:`~xoffload.engine.kv_batch_cache`) when it fits; per layer one batched score
+  sequence (:mod:`~xoffload.kv.page_cache`) when it fits; per layer one batched score
   launch, one topk, one cache lookup + fill and one paged launch for the whole batch.
 
 - :class:`~.kv_batch_serial.SerialBatchKV`: ``max_num_seqs=1`` and every other store (Quest
@@ -53,7 +53,7 @@ import torch
 from ..kernels import paged_decode_attn_with_lse
 from ..runtime.allocator import BlockAllocator
 
-__all__ = ["BatchKV", "RowPool", "batch_store_class", "batch_buckets", "TAIL_BLOCK", "SUMMARY_BLOCK"]
+__all__ = ["BatchKV", "RowPool", "batch_buckets", "TAIL_BLOCK", "SUMMARY_BLOCK"]
 
 #: tokens per block of the GPU tail pool of generated tokens (offload): one page per kernel tile
 TAIL_BLOCK = 64
@@ -399,47 +399,3 @@ class _CachedPrompts:
         if self.cache is None:
             return seq.prompt_len
         return seq.prompt_len - self.cache.peek(seq.req.ids[:-1])
-
-
-def batch_store_class(config):
-    """The store table: ``(batched store class, open keyword arguments)`` that serves ``config``
-    (the one place a configuration's store is chosen).
-
-    ======================================  =====================================================
-    configuration                           store
-    ======================================  =====================================================
-    ``max_num_seqs == 1``                   :class:`SerialBatchKV` around the mode's one-request
-                                            store (its own CUDA graph per sequence)
-    ``resident``, dense decode              :class:`ResidentBatchKV` (with ``prefix_caching``:
-                                            :class:`~.kv_batch_prefix.ResidentPrefixBatchKV`)
-    ``offload`` direct/uva, dense decode    :class:`OffloadBatchKV`
-    ``offload`` direct/uva + QuestDecode    :class:`OffloadQuestBatchKV` (not with ``prefetch``,
-                                            nor ``bound_scale < 1`` without exact channels)
-    anything else                           :class:`SerialBatchKV` around the one-request store
-    ======================================  =====================================================
-    """
-    from ..sparse.quest import QuestDecode
-    from .kv_batch_offload import OffloadBatchKV
-    from .kv_batch_quest import OffloadQuestBatchKV
-    from .kv_batch_resident import ResidentBatchKV
-    from .kv_batch_serial import SerialBatchKV
-    from .kv_paged import OffloadPagedKV
-    from .kv_store import ResidentKV, store_class
-
-    store_cls = store_class(config.mode).variant(config)
-    pol = config.decode_policy
-    if config.max_num_seqs == 1:
-        return SerialBatchKV, {"store_cls": store_cls}
-    if store_cls is ResidentKV:
-        if config.prefix_caching:
-            from .kv_batch_prefix import ResidentPrefixBatchKV
-
-            return ResidentPrefixBatchKV, {}
-        return ResidentBatchKV, {}
-    if store_cls is OffloadPagedKV and pol is None:
-        return OffloadBatchKV, {}
-    if store_cls is OffloadPagedKV and isinstance(pol, QuestDecode) and not pol.prefetch \
-            and (pol.exact_channels or pol.bound_scale == 1.0):
-        return OffloadQuestBatchKV, {}
-    return SerialBatchKV, {"store_cls": store_cls}
-

@@ -1,6 +1,6 @@
 """The prefill sink of a group of sequences prefilled together (``LlamaModel.prefill_batch``) into
-the GPU pool of a batched resident store (:class:`~xoffload.engine.kv_batch_resident.ResidentBatchKV` and
-its prefix-caching subclass :class:`~xoffload.engine.kv_batch_prefix.ResidentPrefixBatchKV`).
+the GPU pool of a batched resident store (:class:`~xoffload.kv.resident.ResidentBatchKV` and
+its prefix-caching subclass :class:`~xoffload.kv.resident_prefix.ResidentPrefixBatchKV`).
 
 The model fills one ``[T, Hkv, D]`` K/V pair per layer for every token of the group (the
 store's staging buffers, concatenated in the group's order); :meth:`BatchPrefillSink.done`
@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import paged_decode_attn_with_lse
-from .kv_batch import _blocks, _to_device
+from .base import _blocks, _to_device
 
 __all__ = ["BatchPrefillSink", "GROUP_PREFILL_MAX_TOKENS"]
 
@@ -44,7 +44,7 @@ class BatchPrefillSink:
     """The sink of ``LlamaModel.prefill_batch`` for ``seqs`` of a resident batched ``store``.
 
     Args:
-        store: a :class:`~xoffload.engine.kv_batch_resident.ResidentBatchKV` (its ``pool``, ``block``,
+        store: a :class:`~xoffload.kv.resident.ResidentBatchKV` (its ``pool``, ``block``,
             ``_staging``, ``cfg``, ``scale``, ``device``).
         seqs: the group's sequences, each admitted with its block table (``seq.kv["table"]``)
             and, when it reuses a prefix, ``seq.kv["start"]`` (its :meth:`prefill_start`; 0 or

@@ -1,5 +1,5 @@
 """The batched Quest store's prefill sink (:class:`QuestPrefill`, a mixin of
-:class:`~xoffload.engine.kv_batch_quest.OffloadQuestBatchKV`) and its prefix reuse
+:class:`~xoffload.kv.quest.OffloadQuestBatchKV`) and its prefix reuse
 (``prefix_caching``): the prefill of a sequence whose first ``r`` prompt tokens' KV the pinned
 pool already holds (blocks of an earlier prompt, found by the
 :class:`~xoffload.runtime.PrefixCache`).
@@ -12,7 +12,7 @@ the model the tail ``[r, T)`` of a ``[T]`` staging pair per layer and fills its 
 from the pool (one :meth:`~xoffload.runtime.OffloadRuntime.fetch_blocks` per layer), so the store's
 ``done`` sees the whole layer's K/V, as a fresh prefill's, without a concatenation; the same rows
 serve the chunk's attention to the reused prefix (:meth:`WholeLayer.history`: every reused token,
-dense, as :class:`~xoffload.engine.kv_batch_offload.OffloadBatchKV`'s sink). Only the new rows are copied
+dense, as :class:`~xoffload.kv.offload.OffloadBatchKV`'s sink). Only the new rows are copied
 to the pool (the reused blocks are already there; a shared, partly filled last block is copied
 before the write by the engine).
 
@@ -24,7 +24,7 @@ import torch
 
 from ..kernels import flash_attn_with_lse
 from ..sparse.quest import choose_channels
-from .kv_batch import SUMMARY_BLOCK, _StagedSink, _to_device
+from .base import SUMMARY_BLOCK, _StagedSink, _to_device
 
 __all__ = ["WholeLayer", "QuestPrefill"]
 
@@ -76,7 +76,7 @@ class WholeLayer:
 
 class QuestPrefill:
     """The batched Quest store's prefill sink (a mixin of
-    :class:`~xoffload.engine.kv_batch_quest.OffloadQuestBatchKV`: its pools, plan and staging)."""
+    :class:`~xoffload.kv.quest.OffloadQuestBatchKV`: its pools, plan and staging)."""
 
     def _summary_rows(self, stab, n: int) -> torch.Tensor:
         """int64 ``[n]`` (host): summary page of each of a sequence's ``n`` candidates."""
@@ -86,7 +86,7 @@ class QuestPrefill:
 
     def sink(self, seq):
         """The prefill sink of ``seq``. Past a reused prefix (``kv["start"]`` tokens, prefix caching)
-        the model prefills the rest while :class:`~.kv_batch_quest_prefix.WholeLayer` fills each
+        the model prefills the rest while :class:`~.quest_prefix.WholeLayer` fills each
         layer's head from the pool, so ``done`` builds the summaries, channels, resident tokens and
         dense rows from the whole layer, as a fresh prefill does; the chunk attends to the prefix
         through ``history``."""

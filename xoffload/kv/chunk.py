@@ -1,6 +1,6 @@
 """Chunked prefill of the batched offload stores (:class:`ChunkedPrefill`, a mixin of
-:class:`~xoffload.engine.kv_batch_offload.OffloadBatchKV` and
-:class:`~xoffload.engine.kv_batch_quest.OffloadQuestBatchKV`).
+:class:`~xoffload.kv.offload.OffloadBatchKV` and
+:class:`~xoffload.kv.quest.OffloadQuestBatchKV`).
 
 A long prompt is prefilled over several engine steps, a chunk of at most
 ``max_num_batched_tokens`` tokens per step, so that the sequences already decoding (and the short
@@ -20,7 +20,7 @@ in chunks of 4K: ~15 GB, ~0.3 s at ~50 GB/s, against ~2.6 s of prefill compute).
 from __future__ import annotations
 
 from ..kernels import flash_attn_with_lse
-from .kv_batch import _StagedSink, _blocks
+from .base import _StagedSink, _blocks
 
 __all__ = ["ChunkedPrefill", "DEFAULT_CHUNK_TOKENS"]
 

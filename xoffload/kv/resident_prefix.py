@@ -1,7 +1,7 @@
 """Prefix caching for batched ``resident`` generation: the prompts of one ``LLM.generate`` call share
 the KV blocks of their common leading tokens in the GPU pool of :class:`ResidentBatchKV`.
 
-A sequence's KV lives in blocks of the store's GPU :class:`~xoffload.engine.kv_batch.RowPool`. Right
+A sequence's KV lives in blocks of the store's GPU :class:`~xoffload.kv.base.RowPool`. Right
 before its prefill (:meth:`ResidentPrefixBatchKV.prefill_start`) its prompt is matched against a
 :class:`~xoffload.runtime.PrefixCache` over that pool (chained block hashes, as vLLM's automatic
 prefix caching): the matched blocks join its block table with one more reference each, a shared
@@ -28,8 +28,8 @@ import torch
 
 from ..kernels import flash_attn_with_lse, paged_decode_attn_with_lse
 from ..runtime.prefix_cache import PrefixCache
-from .kv_batch import _blocks, _StagedSink, _to_device
-from .kv_batch_resident import ResidentBatchKV
+from .base import _blocks, _StagedSink, _to_device
+from .resident import ResidentBatchKV
 
 __all__ = ["ResidentPrefixBatchKV", "HISTORY_SPLIT_ROWS"]
 
@@ -55,8 +55,8 @@ class _PoolBlocks:
 
 
 class ResidentPrefixBatchKV(ResidentBatchKV):
-    """:class:`~xoffload.engine.kv_batch_resident.ResidentBatchKV` with prefix caching (module docstring);
-    chosen by :func:`~xoffload.engine.kv_batch.batch_store_class` for ``mode="resident"``,
+    """:class:`~xoffload.kv.resident.ResidentBatchKV` with prefix caching (module docstring);
+    chosen by :func:`~xoffload.kv.table.batch_store_class` for ``mode="resident"``,
     ``prefix_caching=True``, dense decode. A request that reused a prefix carries ``prefix_reused_tokens`` in its timings
     (the key is absent when it reused none, as in offload mode: ``timings.get(..., 0)``);
     ``cow_copies`` counts the copied blocks."""
@@ -158,7 +158,7 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
         cache, in the group's order, once the last layer is stored (members of one group do not
         share blocks with each other: the runner flushes a group before a prompt that would reuse
         a block of it)."""
-        from .kv_batch_prefill import BatchPrefillSink
+        from .batch_prefill import BatchPrefillSink
 
         def register():
             for s in seqs:

@@ -1,5 +1,5 @@
 """``offload`` with ``max_num_seqs > 1`` and Quest decode: :class:`OffloadQuestBatchKV` (see
-:mod:`.kv_batch` for the store interface)."""
+:mod:`.base` for the store interface)."""
 from __future__ import annotations
 
 import torch
@@ -7,11 +7,11 @@ import torch
 from ..kernels import merge_attention_states, paged_decode_attn_with_lse
 from ..kernels.topk import topk_ids
 from ..runtime.allocator import BlockAllocator
-from .kv_batch_cache import BatchPageCache
-from .kv_store import PrefillStaging
-from .kv_batch_chunk import ChunkedPrefill
-from .kv_batch_quest_prefix import QuestPrefill
-from .kv_batch import (SUMMARY_BLOCK, TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _blocks,
+from .page_cache import BatchPageCache
+from .staging import PrefillStaging
+from .chunk import ChunkedPrefill
+from .quest_prefix import QuestPrefill
+from .base import (SUMMARY_BLOCK, TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _blocks,
                        _join, _pool_memory_limit, _to_device, _top_sum)
 
 
@@ -29,17 +29,17 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
     the whole pool for ``max_num_seqs`` sequences fits the memory left after tails, summaries and a
     prefill's headroom (``dense_on_gpu``; :attr:`DENSE_ON_GPU` overrides), else in the pinned pool,
     read in place over PCIe (UVA). Each running sequence holds one of ``max_num_seqs`` page-cache
-    slots (:class:`~xoffload.engine.kv_batch_cache.BatchPageCache`) with the slots its plan gets
+    slots (:class:`~xoffload.kv.page_cache.BatchPageCache`) with the slots its plan gets
     alone (:meth:`QuestDecode.cache_slots`), cut to the memory left; when a step's pages do not
     fit there is none, unless fewer sequences at once can each have one: then at most
     ``run_limit`` run at a time (down to ``1 /`` :attr:`CACHE_OVER_BATCH` of them;
     ``cache_limited``).
 
-    Prefix caching (``prefix_caching``) as :class:`~.kv_batch_offload.OffloadBatchKV`: the pool
+    Prefix caching (``prefix_caching``) as :class:`~.offload.OffloadBatchKV`: the pool
     sequence starts at prefill on the longest cached prefix, the model prefills the rest, the
     prompt goes into the cache after the last layer (the dense layers are then copied to the pool
     too); the staging holds the whole layer, its reused head read back from the pool
-    (:mod:`~.kv_batch_quest_prefix`), so summaries, channels, resident tokens and dense rows are
+    (:mod:`~.quest_prefix`), so summaries, channels, resident tokens and dense rows are
     those of a fresh prefill and the chunk attends to the prefix through ``history``.
 
     Decode, per layer, for all rows at once (shapes fixed for the store, one CUDA graph per
@@ -127,7 +127,7 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         if self.dense_on_gpu:
             dcfg = SimpleNamespace(num_layers=len(self.dense), num_kv_heads=hkv, head_dim=d)
             self.dpool = RowPool(dcfg, mem["ndb"], self.block, self.dtype, self.device)
-        # per-sequence page caches (kv_batch_cache): what the policy gives each plan alone, cut to
+        # per-sequence page caches (kv.page_cache): what the policy gives each plan alone, cut to
         # the memory left after the tails, summaries and dense pool; none when a step's pages do not fit
         self.pcache = None
         if cmax and mem["slots"] >= self.K:

@@ -1,4 +1,4 @@
-"""Per-sequence GPU page caches for the batched Quest store (:class:`~xoffload.engine.kv_batch.
+"""Per-sequence GPU page caches for the batched Quest store (:class:`~xoffload.kv.base.
 OffloadQuestBatchKV`): the pages a sequence's sparse layers fetched stay on the GPU, so a page chosen
 again costs no PCIe bytes (ShadowKV, Sun et al. 2024: most chosen chunks repeat between steps).
 
@@ -112,7 +112,7 @@ class BatchPageCache:
         """The batch's rows (host work when the batch changes): ``entries[r] = (slot, k_r, c_r)``
         for the running sequences (``c_r >= k_r``; ``k_r = 0``: the row looks nothing up);
         padding rows up to ``rows`` use the scratch slot."""
-        from .kv_batch import _to_device
+        from .base import _to_device
 
         S, C, P = self.S, self.C, self.P
         vec = torch.zeros(4, rows, dtype=torch.int32)
