@@ -1,7 +1,8 @@
 """``xoffload serve`` end to end on the CPU: a real uvicorn server on a free port over the tiny
 random model (given a byte-level tokenizer with a chat template), driven by the ``openai`` client:
 completions and chat, streaming (deltas concatenate to the non-streamed text), 16 concurrent
-clients equal to offline ``LLM.generate``, a follow-up turn served from the prefix cache, a
+clients equal to offline ``LLM.generate``, follow-up turns (chat, token ids) served from the prefix
+cache with the whole previous prompt reused, a
 client gone mid-stream (its blocks freed), every bad input a 400 with OpenAI's error object, 429
 past the queue, 401 without the API key."""
 import copy
@@ -167,7 +168,24 @@ def test_follow_up_turn_reads_the_prefix_cache(client):
              {"role": "user", "content": "Question two?"}]
     second = client.chat.completions.create(model=NAME, messages=msgs, max_tokens=8, temperature=0)
     cached = second.usage.prompt_tokens_details.cached_tokens
-    assert 16 <= cached < second.usage.prompt_tokens and cached >= len(doc) // 16 * 16 - 16
+    # the template renders the history as the first turn's prompt and more: all of that prompt's KV
+    # is reused (the answer's own KV is not: the random model's bytes need not decode and encode
+    # back to the same ids)
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+
+
+def test_follow_up_of_token_ids_reuses_the_whole_previous_prompt(client, model):
+    """A client that re-sends the conversation as token ids (its prompt, the answer's ids, a new
+    question) gets the whole previous prompt from the prefix cache, as the engine does."""
+    tok = model.tokenizer
+    p1 = tok.encode("Ids all the way: a document to keep. " * 5, add_special_tokens=False)
+    first = client.completions.create(model=NAME, prompt=p1, max_tokens=6, temperature=0)
+    assert first.usage.prompt_tokens == len(p1)
+    answer = LLM(model, **OPTS).generate([p1], SamplingParams(max_tokens=6))[0].token_ids  # the same greedy ids
+    p2 = p1 + list(answer) + tok.encode(" And then?", add_special_tokens=False)
+    second = client.completions.create(model=NAME, prompt=p2, max_tokens=4, temperature=0)
+    assert second.usage.prompt_tokens == len(p2)
+    assert len(p1) <= second.usage.prompt_tokens_details.cached_tokens < len(p2)
 
 
 def test_disconnect_mid_stream_frees_blocks(server, client):
