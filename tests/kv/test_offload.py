@@ -88,7 +88,7 @@ def test_direct_falls_back_to_in_place_when_staging_does_not_fit(monkeypatch):
 
 
 # ------------------------------------------------------------------- the store, teacher forced
-def _store_logits(m, prompts, toks, n_steps, decode, max_num_seqs, poison=False):
+def _store_logits(m, prompts, toks, n_steps, decode, max_num_seqs, poison=False, block=BLOCK):
     """Per prompt, fp32 logits ``[n_steps, V]`` of decode steps fed ``toks[b][i]`` at step i, the
     prompts decoded ``max_num_seqs`` at a time by an :class:`OffloadBatchKV` (a group of fewer rows
     than its bucket has padding rows, whose logits must stay finite). ``poison``: the staging buffers
@@ -98,7 +98,7 @@ def _store_logits(m, prompts, toks, n_steps, decode, max_num_seqs, poison=False)
     from xoffload.kernels import cpu_backend
 
     L = max(map(len, prompts)) + n_steps + 8
-    llm = LLM(m, mode="offload", offload_decode=decode, kv_block_size=BLOCK, max_model_len=L,
+    llm = LLM(m, mode="offload", offload_decode=decode, kv_block_size=block, max_model_len=L,
               max_num_seqs=max_num_seqs)
     sp = SamplingParams(max_tokens=n_steps + 1, ignore_eos=True)
     seqs = [Sequence(i, Request.make(p, sp, max_model_len=L, seed=0, stop_ids=(), device=m.device))
@@ -179,8 +179,8 @@ def test_gpu_staged_tracks_in_place_and_graphs_equal_eager(max_num_seqs, monkeyp
         toks[decode] = [o.token_ids for o in outs]
         assert toks[decode] == [o.token_ids for o in eager], decode
     feed = toks["uva"]  # step i feeds each row's i-th generated token
-    a = _store_logits(m, prompts, feed, 8, "direct", max_num_seqs, poison=True)
-    b = _store_logits(m, prompts, feed, 8, "uva", max_num_seqs)
+    a = _store_logits(m, prompts, feed, 8, "direct", max_num_seqs, poison=True, block=256)
+    b = _store_logits(m, prompts, feed, 8, "uva", max_num_seqs, block=256)
     eps = torch.finfo(torch.bfloat16).eps
     for x, y in zip(a, b):
         assert float((x - y).abs().max()) <= m.cfg.num_layers * eps * float(y.abs().max())
