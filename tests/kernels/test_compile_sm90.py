@@ -162,6 +162,11 @@ def _topk_types():
             "s_or": "i32", "s_pr": "i32", "bonus": "fp32"}
 
 
+def _gather_types():
+    return {"src_k": "*i16", "src_v": "*i16", "dst_k": "*i16", "dst_v": "*i16", "ids_ptr": "*i32",
+            "block_elems": "i32"}
+
+
 #: name -> (module, kernel, types, constexprs[, launch options])
 VARIANTS = {
     **{f"lookup batched={b} bt={bt} hits={h}": ("page_cache", "_lookup_kernel", "lookup",
@@ -187,6 +192,9 @@ VARIANTS = {
     **{f"quantize fp8 {g}": ("fp8", "_quantize_kernel", "quant", dict(PAGE=32, TOKEN=g == "token", BLOCK_T=32,
                                                                        BLOCK_D=128), {"num_warps": 4})
        for g in ("page", "token")},
+    **{f"gather blocks even={e} skip={k}": ("gather", "_gather_blocks_kernel", "gather",
+                                            dict(BLOCK=8192, EVEN=e, SKIP=k), {"num_warps": 8})
+       for e, k in ((True, False), (True, True), (False, True))},
 }
 
 
@@ -197,7 +205,8 @@ def _compile_all() -> dict:
     types = {"lookup": _lookup_types(), "fill": _fill_types(), "channel": _channel_types(), "topk": _topk_types(),
              "attn": _attn_types(), "attn_fp32": _attn_types("*fp32"), "paged_bf16": _paged_types(q="*bf16"),
              "paged_fp16": _paged_types(q="*fp16"), "dense_bf16": _dense_types("*bf16"),
-             "dense_fp16": _dense_types("*fp16"), "quant": _quant_types()}
+             "dense_fp16": _dense_types("*fp16"), "quant": _quant_types(),
+             "gather": _gather_types()}
     out = {}
     for name, (mod, kern, tkey, consts, *opts) in VARIANTS.items():
         module = f"xoffload.kernels.{mod}"

@@ -1,0 +1,1 @@
+"""Tests of xoffload/kv/ (the batched KV stores), one module each."""

@@ -63,7 +63,8 @@ class EngineConfig:
             alone it means ``sparse_decode="quest"`` with this budget.
         offload_decode: how offload-mode decode reads the pool, the whole step in one CUDA graph
             except with the ring — ``"direct"`` (default: dense decode copies each layer's pages
-            into one of two GPU buffers on a copy stream while the layer before computes; sparse
+            into one of two GPU buffers on a copy stream while the layer before computes, or reads
+            them in place when the buffers for ``max_num_seqs`` rows do not fit the GPU; sparse
             decode copies the chosen pages it does not have cached), ``"uva"`` (dense decode's
             attention kernel reads the pages in place over PCIe, serialised with the compute; with
             ``sparse_decode`` the same as ``"direct"``) or ``"ring"`` (the engine copies each layer

@@ -27,13 +27,12 @@ element size; dense decode: the whole prompt's KV of every layer.
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from ..kernels import decode_attn_with_lse, gather_blocks, merge_attention_states, paged_decode_attn_with_lse
+from ..kernels import decode_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
 from ..kernels.page_cache import PageCacheState, page_cache_fill, page_cache_lookup
 from ..sparse.quest import PageSummaries, QuestDecode, select_page_ids, select_pages
+from ..kv.staging import LayerStaging
 from .kv_store import KVStore, OffloadKV, PrefillStaging, Splits, register_store
 
 __all__ = ["PagedKV", "OffloadPagedKV", "ResidentPagedKV"]
@@ -132,15 +131,10 @@ class PagedKV(KVStore):
                                for l in self._cached)
         # dense offload decode through two staging buffers filled on a copy stream
         self.staged = bool(stage_dense) and engine is not None and policy is None and T > 0
+        self._stager = None
         if self.staged:  # whole pool blocks [nb, block, Hkv, D] (the gather copies blocks)
-            nb, B = -(-T // engine.block_size), engine.block_size
-            self._sbuf = [(torch.empty(nb, B, hkv, d, dtype=dtype, device=self.device),
-                           torch.empty(nb, B, hkv, d, dtype=dtype, device=self.device)) for _ in range(2)]
+            self._stager = LayerStaging(engine.pool, -(-T // engine.block_size), L, self.device)
             self._slen = torch.full((1,), T, dtype=torch.int32, device=self.device)
-            cuda = self.device.type == "cuda"
-            self._copy_stream = torch.cuda.Stream(self.device) if cuda else None
-            self._copied = [torch.cuda.Event() for _ in range(L)] if cuda else []
-            self._freed = [torch.cuda.Event() for _ in range(2)] if cuda else []
         self.pos_t = torch.zeros(1, dtype=torch.int64, device=self.device)
         bases = sorted(set(self._tail_prompt))
         self._base_ix = {b: i for i, b in enumerate(bases)}
@@ -201,7 +195,7 @@ class PagedKV(KVStore):
         self._h2d_max = paged_tokens * tok_bytes if engine is not None else 0
         self._page_bytes = self.page * tok_bytes // hkv  # K and V of one page of one KV head
         if self.staged:  # whole blocks cross PCIe
-            self._h2d_max = self._sbuf[0][0].shape[0] * engine.block_size * tok_bytes * L
+            self._h2d_max = self._stager.n * engine.block_size * tok_bytes * L
         self.summary_bytes = self.summaries.nbytes if self.summaries is not None else 0
 
     def _counts(self):
@@ -319,6 +313,8 @@ class PagedKV(KVStore):
             bt = torch.tensor(self.eng.block_table(self.seq), dtype=torch.int32)
             self._bt = bt.to(self.device)
             self._block = B
+            if self._stager is not None:
+                self._stager.ids = self._bt[:self._stager.n]
             if self.plan is None:  # dense decode: one shared list of the prompt's pool blocks
                 self._table[0, 0, : bt.numel()].copy_((bt.long() * B).to(torch.int32))
         else:
@@ -344,24 +340,7 @@ class PagedKV(KVStore):
             b = self._base_ix[self.plan.resident_prompt_tokens]
             torch.add(self._wlen[b:b + 1], self._k * self.page, out=self._clen)
         if self.staged:  # layers 0 and 1 start copying now; layer l+2 once layer l is done
-            cs = self._copy_stream
-            if cs is not None:
-                cs.wait_stream(torch.cuda.current_stream(self.device))
-            for layer in range(min(2, self.cfg.num_layers)):
-                self._stage_layer(layer)
-
-    def _stage_layer(self, layer: int) -> None:
-        """Copy layer ``layer``'s prompt blocks from the pool into staging buffer ``layer % 2`` (on
-        the copy stream, after the buffer's last reader; recorded in ``_copied[layer]``): one
-        :func:`~xoffload.kernels.gather_blocks` launch per step and layer, reading the pinned pool
-        over UVA (``cudaMemcpyAsync`` from registered memory cannot be captured by torch)."""
-        kb, vb = self._sbuf[layer & 1]
-        cs = self._copy_stream
-        ctx = torch.cuda.stream(cs) if cs is not None else contextlib.nullcontext()
-        with ctx:
-            gather_blocks(self.eng.pool.k[layer], self.eng.pool.v[layer], self._bt[:kb.shape[0]], kb, vb)
-            if cs is not None:
-                self._copied[layer].record(cs)
+            self._stager.begin()
 
     def _store(self, layer):
         if self.eng is None:
@@ -397,21 +376,13 @@ class PagedKV(KVStore):
         return o[0, 0]
 
     def _attend_staged(self, layer, q4, o_t, l_t) -> torch.Tensor:
-        """Dense offload decode over the staging buffer of ``layer`` (waits for its copy), then
-        frees the buffer for layer ``layer + 2``."""
-        cuda = self._copy_stream is not None
-        cur = torch.cuda.current_stream(self.device) if cuda else None
-        if cuda:
-            cur.wait_event(self._copied[layer])
-        kb, vb = (t.flatten(0, 1) for t in self._sbuf[layer & 1])
+        """Dense offload decode over the staging buffer of ``layer`` (waits for its copy, see
+        :class:`~xoffload.kv.staging.LayerStaging`), then frees the buffer for layer ``layer + 2``."""
+        kb, vb = (t.flatten(0, 1) for t in self._stager.acquire(layer))
         o_p, l_p = decode_attn_with_lse(q4, kb[None], vb[None], self._slen, softmax_scale=self.scale,
                                         num_splits=self._nsplit_pages, check=False)
         o, _ = merge_attention_states(o_p, l_p, o_t, l_t)
-        if layer + 2 < self.cfg.num_layers:
-            if cuda:
-                self._freed[layer & 1].record(cur)
-                self._copy_stream.wait_event(self._freed[layer & 1])
-            self._stage_layer(layer + 2)
+        self._stager.release(layer)
         return o[0, 0]
 
     def _fetch(self, layer: int, q: torch.Tensor, table, src, hits) -> None:
@@ -467,7 +438,7 @@ class PagedKV(KVStore):
         """Free the request's tails, summaries, row store and (offload) its pool sequence."""
         self._tk = self._tv = []
         self._ck, self._cv = {}, {}
-        self._sbuf = []
+        self._stager = None
         self._rows = self.summaries = None
         self._stage.clear()
         if self.eng is not None and self.seq is not None:

@@ -27,14 +27,7 @@ _HOST_ARG = ["ptr"]  # how host sources are handed to Triton: HostPtr, or the te
 
 
 @triton.jit
-def _gather_blocks_kernel(src_k, src_v, dst_k, dst_v, ids_ptr, block_elems,
-                          BLOCK: tl.constexpr, EVEN: tl.constexpr):
-    c = tl.program_id(0)  # chunk inside a block
-    i = tl.program_id(1)  # position in the id list
-    b = tl.load(ids_ptr + i).to(tl.int64)
-    offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    src = b * block_elems + offs
-    dst = i.to(tl.int64) * block_elems + offs
+def _copy_block(src_k, src_v, dst_k, dst_v, src, dst, offs, block_elems, EVEN: tl.constexpr):
     if EVEN:
         kk = tl.load(src_k + src)
         vv = tl.load(src_v + src)
@@ -46,6 +39,22 @@ def _gather_blocks_kernel(src_k, src_v, dst_k, dst_v, ids_ptr, block_elems,
         vv = tl.load(src_v + src, mask=m)
         tl.store(dst_k + dst, kk, mask=m)
         tl.store(dst_v + dst, vv, mask=m)
+
+
+@triton.jit
+def _gather_blocks_kernel(src_k, src_v, dst_k, dst_v, ids_ptr, block_elems,
+                          BLOCK: tl.constexpr, EVEN: tl.constexpr, SKIP: tl.constexpr):
+    c = tl.program_id(0)  # chunk inside a block
+    i = tl.program_id(1)  # position in the id list
+    b = tl.load(ids_ptr + i).to(tl.int64)
+    offs = c.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    src = b * block_elems + offs
+    dst = i.to(tl.int64) * block_elems + offs
+    if SKIP:  # a negative id: nothing read, the output block left as it is
+        if b >= 0:
+            _copy_block(src_k, src_v, dst_k, dst_v, src, dst, offs, block_elems, EVEN)
+    else:
+        _copy_block(src_k, src_v, dst_k, dst_v, src, dst, offs, block_elems, EVEN)
 
 
 _RAW = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -73,18 +82,23 @@ def _check(src_k, src_v, ids, out_k, out_v):
 
 def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, block_ids: torch.Tensor,
                   out_k: torch.Tensor, out_v: torch.Tensor, *, block: int = DEFAULT_BLOCK,
-                  num_warps: int = DEFAULT_WARPS, backend: str | None = None) -> None:
+                  num_warps: int = DEFAULT_WARPS, backend: str | None = None,
+                  skip_negative: bool = False) -> None:
     """``out_k[i] = src_k[block_ids[i]]`` and the same for V, for every i, in one launch.
 
     Args:
         src_k, src_v: contiguous ``[num_blocks, ...]`` source blocks: pinned (registered) host
             memory, or device memory, or plain CPU memory (fallback / interpreter).
         block_ids: 1-D int32/int64 tensor on the output device; ids must be in ``[0, num_blocks)``
-            (not checked on the device; the caller validates).
+            (not checked on the device; the caller validates), or negative with ``skip_negative``.
         out_k, out_v: contiguous ``[len(block_ids), ...]`` outputs of the sources' dtype.
         block, num_warps: kernel tuning (elements per program per tensor, warps).
         backend: ``"triton"``, ``"torch"`` or None (Triton for CUDA outputs or under the
             interpreter, else torch).
+        skip_negative: a negative id copies nothing (``out_k[i]`` / ``out_v[i]`` keep what they
+            held and no source byte is read): a fixed-length id list, e.g. one captured in a CUDA
+            graph, that copies only the entries a step needs. The id list is read on the device
+            only (no host sync).
 
     Runs on the current stream; the caller orders it after writes to the sources (events).
     Raises TypeError/ValueError for mismatched shapes, dtypes or devices.
@@ -96,6 +110,12 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, block_ids: torch.Ten
     if backend is None:
         backend = "triton" if (out_k.is_cuda or interpreter_on()) else "torch"
     if backend == "torch":
+        if skip_negative:
+            keep = (block_ids >= 0).view((-1,) + (1,) * (src_k.dim() - 1))
+            idx = block_ids.clamp(min=0).to(src_k.device)
+            out_k.copy_(torch.where(keep, src_k.index_select(0, idx).to(out_k.device), out_k))
+            out_v.copy_(torch.where(keep, src_v.index_select(0, idx).to(out_v.device), out_v))
+            return
         idx = block_ids.to(src_k.device)
         if src_k.device == out_k.device:
             torch.index_select(src_k, 0, idx, out=out_k)
@@ -125,7 +145,7 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, block_ids: torch.Ten
         grid = (triton.cdiv(block_elems, blk), i1 - i0)
         try:
             kern[grid](sk, sv, ok, ov, ids, block_elems, BLOCK=blk, EVEN=(block_elems % blk == 0),
-                       num_warps=num_warps)
+                       SKIP=bool(skip_negative), num_warps=num_warps)
         except (TypeError, ValueError, AttributeError, KeyError):
             # argument processing failed before any launch: retry once with the host tensors
             # themselves (Triton maps registered host pointers through cuPointerGetAttribute)
@@ -134,5 +154,5 @@ def gather_blocks(src_k: torch.Tensor, src_v: torch.Tensor, block_ids: torch.Ten
             _HOST_ARG[0] = "tensor"
             sk, sv = src_k.view(raw), src_v.view(raw)
             kern[grid](sk, sv, ok, ov, ids, block_elems, BLOCK=blk, EVEN=(block_elems % blk == 0),
-                       num_warps=num_warps)
+                       SKIP=bool(skip_negative), num_warps=num_warps)
 

@@ -28,10 +28,11 @@ Stores (one module each):
   table). A slot-per-sequence cache for :func:`~xoffload.kernels.decode_attn_with_lse` would hold
   ``max_model_len`` tokens per slot and need the running sequences packed into the first slots
   for a graph per bucket; the pool holds what each sequence may reach and nothing else.
-- :class:`~.offload.OffloadBatchKV` (``offload``, direct decode, no decode policy): prompts in the offload
-  engine's pinned CPU pool, read in place over PCIe by one paged launch per layer for the batch
-  (a page table of pool blocks per row); generated tokens in a paged GPU tail pool (a second
-  launch); the two merged by LSE.
+- :class:`~.offload.OffloadBatchKV` (``offload``, direct or uva decode, no decode policy): prompts in
+  the offload engine's pinned CPU pool, read by one paged launch per layer for the batch, from GPU
+  staging buffers the layer's blocks were copied into one layer ahead (direct, when they fit) or
+  in place over PCIe (a page table of pool blocks per row); generated tokens in a paged GPU tail
+  pool (a second launch); the two merged by LSE.
 - :class:`~.quest.OffloadQuestBatchKV` (``offload`` + :class:`~xoffload.sparse.QuestDecode`, direct
   decode, no prefetch asked for): prompts in the pinned pool, every admitted sequence's page
   summaries in one shared GPU summary pool, sink + recent + generated tokens in the paged GPU tail

@@ -1,27 +1,49 @@
-"""``offload`` with ``max_num_seqs > 1`` and dense decode: :class:`OffloadBatchKV`, prompts read in
-place from the pinned pool, generated tokens in a GPU tail (see :mod:`.base`)."""
+"""``offload`` with dense decode: :class:`OffloadBatchKV`, prompts in the pinned pool, copied per layer
+into GPU staging buffers ahead of their attention (``offload_decode="direct"``) or read in place
+(``"uva"``), generated tokens in a GPU tail (see :mod:`.base`)."""
 from __future__ import annotations
 
 import torch
 
 from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
 from .chunk import ChunkedPrefill
-from .staging import PrefillStaging
+from .staging import LayerStaging, PrefillStaging
 from .base import (TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _StagedSink, _blocks, _join,
-                       _to_device, _top_sum)
+                   _pool_memory_limit, _to_device, _top_sum)
 
 
 class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
-    """``offload`` (direct decode, no decode policy): every prompt's KV in the offload runtime's
-    pinned CPU pool, the generated tokens in a paged GPU tail pool (blocks of :data:`TAIL_BLOCK`).
+    """``offload`` (direct or uva decode, no decode policy): every prompt's KV in the offload
+    runtime's pinned CPU pool, the generated tokens in a paged GPU tail pool (blocks of
+    :data:`TAIL_BLOCK`).
 
     Admission reserves the prompt's blocks in the engine's pool (``kv_cache_tokens``, default
     ``max_num_seqs * max_model_len``, fixed when the LLM is made) and tail blocks for the tokens it
     may generate (the tail pool is sized per call from the requests). Prefill copies each layer to
-    the pool as :class:`~xoffload.engine.kv_paged.OffloadPagedKV` does (two staging buffers,
-    alternating). Decode per layer: one paged launch reads every row's prompt pages in place from
-    host memory (UVA on CUDA), one reads the rows' tails from the GPU, and the two are merged by
-    LSE.
+    the pool through :class:`~.staging.PrefillStaging`. Decode per layer: one paged launch over
+    every row's prompt pages, one over the rows' tails on the GPU, the two merged by LSE. The
+    prompt pages are read
+
+    - staged (``offload_decode="direct"``, when the buffers fit): a
+      :class:`~.staging.LayerStaging` of ``R x P`` blocks (``R = max_num_seqs`` rows, ``P`` =
+      pool blocks of the longest prompt the store was sized for; row ``i``'s blocks at ``i * P``,
+      a fixed staging page table) copies layer ``l + 1``'s blocks of the batch's rows (one gather
+      launch; a padding row or page copies nothing) on a copy stream while layer ``l`` computes,
+      inside the step's CUDA graph; whole blocks cross PCIe;
+    - in place (``"uva"``, or ``"direct"`` when ``2 x 2 x R x P`` blocks of one layer's K and V do
+      not fit the GPU memory left after the tail and a prefill's headroom: ``staging_limited`` in
+      :meth:`describe`): the attention kernel reads the pool's pages over PCIe (UVA), serialised
+      with the layer's compute; only the prompt's tokens cross.
+
+    One choice per store, whatever the bucket. At a large batch both ways are bound by the same
+    PCIe bytes (the sum of the rows' prompts, against one read of the weights for the step) and
+    read the pool at about the same rate (the gather and the paged kernel are both UVA loads), so
+    staging keeps its gain, each layer's compute hidden under the next layer's copy, and costs each
+    row's partly filled last block and the buffers' GPU memory; so it stays the choice while the
+    buffers fit, and in place is what runs when they do not.
+
+    Attributes: ``staged`` (bool), ``stager`` (the :class:`~.staging.LayerStaging` or None),
+    ``staging_limited`` (direct decode asked for, the buffers did not fit).
     """
 
     capturable = True
@@ -40,13 +62,25 @@ class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
                             self.dtype, self.device)
         R = self.buckets[-1]
         self.region = _Region(self.tail, R, _blocks(max(new), TAIL_BLOCK), self.device)
-        self.hpages = max(1, _blocks(max([s.prompt_len for s in seqs] + [1]), self.block))
-        self.htable = torch.zeros(R, 1, self.hpages, dtype=torch.int32, device=self.device)
+        P = self.hpages = max(1, _blocks(max([s.prompt_len for s in seqs] + [1]), self.block))
         self.hlens = torch.zeros(R, dtype=torch.int32, device=self.device)
         self._reserved = 0  # pool blocks of the admitted sequences' prompts
         self._admitted: dict = {}
         self._stage = PrefillStaging(self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device)
         self._tok_bytes = self.cfg.kv_bytes_per_token(self.dtype)
+        # K and V of R x P blocks of one layer, two buffers
+        self.staging_bytes = 2 * R * P * self.block * self._tok_bytes // self.cfg.num_layers
+        self.stager, self.staging_limited = None, False
+        if config.offload_decode == "direct":
+            limit = _pool_memory_limit(model, seqs, config, self.device)  # after the tail pool
+            self.staging_limited = limit is not None and self.staging_bytes > limit
+            if not self.staging_limited:
+                self.stager = LayerStaging(self.eng.pool, R * P, self.cfg.num_layers, self.device,
+                                           skip_negative=True)
+        self.staged = self.stager is not None
+        # the prompt pages' table [R, 1, P] (rows of the staging buffers: fixed; or of the pool)
+        first = torch.arange(R * P, dtype=torch.int32, device=self.device).view(R, 1, P) * self.block
+        self.table = first if self.staged else torch.zeros_like(first)
 
     def _prompt_blocks(self, seq) -> int:
         # with a prefix cache, one more: a shared, partly filled last block is copied before the
@@ -96,7 +130,18 @@ class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
         seq.kv = None
 
     def h2d_bytes_per_step(self, seq) -> int:
-        return seq.prompt_len * self._tok_bytes
+        """Bytes of ``seq``'s prompt KV read from the pool per decode step: its whole blocks when
+        staged, its tokens in place."""
+        n = _blocks(seq.prompt_len, self.block) * self.block if self.staged else seq.prompt_len
+        return n * self._tok_bytes
+
+    def describe(self) -> dict:
+        """The call's choices: ``prompt_read`` (``"staged"`` or ``"in place"``), ``staging_bytes``
+        (of the two buffers, staged or not), ``staging_limited`` (direct decode asked for, the
+        buffers over the GPU memory free for them), ``tail_bytes``."""
+        return {"store": type(self).__name__, "prompt_read": "staged" if self.staged else "in place",
+                "staging_bytes": self.staging_bytes, "staging_limited": self.staging_limited,
+                "tail_bytes": self.tail.nbytes if self.tail is not None else 0}
 
     def sink(self, seq):
         sid, events = seq.kv["sid"], seq.kv["events"]
@@ -126,34 +171,43 @@ class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
         _join(seqs, self.device)
         self._set_positions(seqs, rows)
         self.region.set_rows([s.kv["tail"] for s in seqs], [s.prompt_len for s in seqs], rows)
-        tab = torch.zeros(rows, self.hpages, dtype=torch.int32)
+        blocks = torch.full((rows, self.hpages), -1, dtype=torch.int32)  # pool block per page (-1: none)
         lens = torch.zeros(rows, dtype=torch.int32)
         for i, s in enumerate(seqs):
-            bt = torch.tensor(self.eng.block_table(s.kv["sid"]), dtype=torch.int32)
-            tab[i, :bt.numel()] = bt * self.block
+            bt = self.eng.block_table(s.kv["sid"])[:_blocks(s.prompt_len, self.block)]
+            blocks[i, :len(bt)] = torch.tensor(bt, dtype=torch.int32)
             lens[i] = s.prompt_len
-        _to_device(self.htable[:rows, 0], tab)
+        if self.staged:
+            _to_device(self.stager.ids[:rows * self.hpages], blocks.flatten())
+        else:
+            _to_device(self.table[:rows, 0], blocks.clamp(min=0) * self.block)
         _to_device(self.hlens[:rows], lens)
         self.n = rows
         return rows
 
     def begin_step(self):
         self.region.step(self.pos, self.active, self.n)
+        if self.staged:  # layers 0 and 1 start copying the batch's rows
+            self.stager.begin(self.n * self.hpages)
 
     def attend(self, layer, q, k_new, v_new):
         n, q4 = self.n, q[:, None]
         o_t, l_t = self.region.attend(layer, q4, k_new, v_new, n, self.scale)
-        pool = self.eng.pool
-        o_p, l_p = paged_decode_attn_with_lse(q4, pool.k_rows(layer), pool.v_rows(layer), self.htable[:n],
-                                              self.hlens[:n], page_size=self.block, softmax_scale=self.scale,
-                                              check=False)
+        if self.staged:
+            k, v = (t.flatten(0, 1) for t in self.stager.acquire(layer))
+        else:
+            k, v = self.eng.pool.k_rows(layer), self.eng.pool.v_rows(layer)
+        o_p, l_p = paged_decode_attn_with_lse(q4, k, v, self.table[:n], self.hlens[:n], page_size=self.block,
+                                              softmax_scale=self.scale, check=False)
+        if self.staged:
+            self.stager.release(layer)
         o, _ = merge_attention_states(o_p, l_p, o_t, l_t)
         return o[:, 0]
 
     def close(self):
         for seq in list(self._admitted.values()):
             self.release(seq)
-        self.tail = self.region = None
+        self.tail = self.region = self.stager = None
         self._stage.clear()
         super().close()
 

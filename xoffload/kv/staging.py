@@ -1,12 +1,17 @@
-"""Prefill staging: the GPU buffers a layerwise prefill writes each layer's K/V into before they
-are copied out to the offload runtime's pinned pool."""
+"""Staging between the offload runtime's pinned pool and the GPU: the buffers a layerwise prefill
+writes each layer's K/V into before they are copied out to the pool (:class:`PrefillStaging`),
+and the two buffers dense decode copies each layer's prompt blocks into ahead of its attention
+(:class:`LayerStaging`)."""
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
+from ..kernels import gather_blocks
 from ..kernels.checks import check_int
 
-__all__ = ["PrefillStaging"]
+__all__ = ["PrefillStaging", "LayerStaging"]
 
 
 class PrefillStaging:
@@ -51,3 +56,87 @@ class PrefillStaging:
     def clear(self) -> None:
         """Drop the buffers (the prefill is over; the engine holds the sources until copied)."""
         self._buf, self._ev = None, [None] * self.n
+
+
+class LayerStaging:
+    """Decode's copy of each layer's prompt blocks from the pinned pool into one of two GPU
+    buffers, one layer ahead of the layer that reads them, all on the device (CUDA-graph safe).
+
+    A step (:meth:`begin`) starts the copies of layers 0 and 1; :meth:`acquire` of layer ``l``
+    makes the current stream wait for its copy and hands its buffer; :meth:`release` of ``l``, once
+    the reads of that buffer are enqueued, starts layer ``l + 2``'s copy into it. On CUDA the
+    copies run on a copy stream of their own, ordered by events recorded on the streams (no host
+    wait), so layer ``l + 1``'s copy crosses PCIe while layer ``l`` computes; each copy is one
+    :func:`~xoffload.kernels.gather_blocks` launch reading the pinned pool over UVA
+    (``cudaMemcpyAsync`` from ``cudaHostRegister``-ed memory cannot be captured by torch). Off CUDA
+    the copy runs inline on the host.
+
+    Args:
+        pool: the pinned :class:`~xoffload.runtime.pool.CpuKVPool` (``k[layer]`` / ``v[layer]``:
+            contiguous ``[num_blocks, block, Hkv, D]``).
+        num_blocks: ``N``, staged blocks per layer (the length of :attr:`ids`, >= 1).
+        num_layers: layers of a step.
+        device: where the buffers live.
+        skip_negative: negative entries of :attr:`ids` copy nothing (their staged block keeps
+            what it held); otherwise every entry must be a valid pool block.
+
+    Attributes:
+        k, v: per buffer (2), the staged K / V ``[N, block, Hkv, D]`` of the pool's dtype
+            (zeroed at first).
+        ids: int32 ``[N]`` on ``device``, the pool block copied into each staged block; the owner
+            writes it before the steps that read it (stream-ordered on the current stream).
+        nbytes: bytes of the two buffers.
+    Raises:
+        ValueError for ``num_blocks < 1``; torch.OutOfMemoryError when the buffers do not fit.
+    """
+
+    def __init__(self, pool, num_blocks: int, num_layers: int, device, *, skip_negative: bool = False):
+        self.pool, self.n, self.L = pool, check_int("num_blocks", num_blocks, 1), int(num_layers)
+        self.device, self.skip = torch.device(device), bool(skip_negative)
+        shape = (self.n,) + tuple(pool.k[0].shape[1:])
+        self.k = [torch.zeros(shape, dtype=pool.k[0].dtype, device=self.device) for _ in range(2)]
+        self.v = [torch.zeros_like(t) for t in self.k]
+        self.ids = torch.full((self.n,), -1 if self.skip else 0, dtype=torch.int32, device=self.device)
+        self.nbytes = 4 * self.k[0].numel() * self.k[0].element_size()
+        cuda = self.device.type == "cuda"
+        self._stream = torch.cuda.Stream(self.device) if cuda else None
+        self._copied = [torch.cuda.Event() for _ in range(self.L)] if cuda else []
+        self._freed = [torch.cuda.Event() for _ in range(2)] if cuda else []
+        self._count = self.n
+
+    def begin(self, count: int | None = None) -> None:
+        """Start of a step: copy the first ``count`` entries of :attr:`ids` (default all) for every
+        layer of the step; the copy stream first waits for the current stream (the step's inputs
+        and the ids written before it)."""
+        self._count = self.n if count is None else int(count)
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        for layer in range(min(2, self.L)):
+            self._stage(layer)
+
+    def _stage(self, layer: int) -> None:
+        c, i = self._count, layer & 1
+        cs = self._stream
+        with torch.cuda.stream(cs) if cs is not None else contextlib.nullcontext():
+            gather_blocks(self.pool.k[layer], self.pool.v[layer], self.ids[:c], self.k[i][:c], self.v[i][:c],
+                          skip_negative=self.skip)
+            if cs is not None:
+                self._copied[layer].record(cs)
+
+    def acquire(self, layer: int):
+        """``(k, v)`` ``[N, block, Hkv, D]``: layer ``layer``'s staged blocks, the current stream
+        ordered after their copy."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._copied[layer])
+        return self.k[layer & 1], self.v[layer & 1]
+
+    def release(self, layer: int) -> None:
+        """Layer ``layer``'s reads of its buffer are enqueued: the buffer takes layer ``layer + 2``
+        (its copy waits for those reads)."""
+        if layer + 2 >= self.L:
+            return
+        if self._stream is not None:
+            ev = self._freed[layer & 1]
+            ev.record(torch.cuda.current_stream(self.device))
+            self._stream.wait_event(ev)
+        self._stage(layer + 2)
