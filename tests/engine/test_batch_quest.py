@@ -47,7 +47,7 @@ def test_store_choice():
         llm = LLM(m, mode="offload", max_model_len=64, kv_block_size=32, max_num_seqs=2, sparse_decode=pol)
         assert batch_store_class(llm.config)[0] is cls, pol
     llm = LLM(m, mode="gpu", max_model_len=64, kv_block_size=32, max_num_seqs=2, sparse_decode=POL)
-    assert batch_store_class(llm.config)[0] is SerialBatchKV
+    assert batch_store_class(llm.config) == (OffloadQuestBatchKV, {"pool_placement": "device"})
 
 
 @pytest.fixture(params=[None, False], ids=["dense-auto", "dense-in-pool"])
@@ -470,10 +470,10 @@ def test_gpu_quest_continuous_batching_graphs_equal_eager():
 @pytest.mark.parametrize("mode, kw", [("gpu", {}), ("offload", {"kv_block_size": 32})])
 def test_exact_channels_batched_equal_alone_and_full_budget_equals_dense(mode, kw):
     """Found holding under adversarial testing, kept as a regression test: with exact channels
-    (offload: the batched Quest store; gpu: per-sequence stores, SerialBatchKV) each sequence's greedy tokens
-    equal its one-request run, prompts under a page (no candidate page: channels never chosen)
-    included; a budget covering the context gives dense decode's tokens; repeated requests are
-    unaffected by earlier ones."""
+    (offload: the batched Quest store over the pinned pool; gpu: the same store over a device
+    pool) each sequence's greedy tokens equal its one-request run, prompts under a page (no
+    candidate page: channels never chosen) included; a budget covering the context gives dense
+    decode's tokens; repeated requests are unaffected by earlier ones."""
     m = tiny_random("tiny-qwen3")
     pol = QuestDecode(token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(),
                       exact_channels=8, bound_scale=0.25)
@@ -483,8 +483,7 @@ def test_exact_channels_batched_equal_alone_and_full_budget_equals_dense(mode, k
     one = LLM(m, sparse_decode=pol, **base)
     alone = [one.generate(p, sp)[0].token_ids for p in prompts]
     batch = LLM(m, sparse_decode=pol, max_num_seqs=4, **base)
-    want = OffloadQuestBatchKV if mode == "offload" else SerialBatchKV
-    assert batch_store_class(batch.config)[0] is want
+    assert batch_store_class(batch.config)[0] is OffloadQuestBatchKV
     assert [o.token_ids for o in batch.generate(prompts, sp)] == alone
     assert [one.generate(p, sp)[0].token_ids for p in prompts[::-1]] == alone[::-1]
     dense = [o.token_ids for o in LLM(m, **base).generate(prompts, sp)]

@@ -149,9 +149,12 @@ def test_refused_configurations():
     with pytest.raises(ValueError, match="needs max_num_seqs > 1, got max_num_seqs=1") as e:
         LLM(m, mode="resident", prefix_caching=True, max_model_len=256)
     assert "\n" not in str(e.value) and "sparse_decode" not in str(e.value)
-    with pytest.raises(ValueError, match="no decode policy, got sparse_decode=QuestDecode$"):
+    with pytest.raises(ValueError, match="batched resident .max_num_seqs=2. with QuestDecode needs bound_scale=1.0 "
+                                         "without exact channels, got bound_scale=0.5$"):
         LLM(m, mode="resident", prefix_caching=True, max_num_seqs=2, max_model_len=256,
-            sparse_decode=QuestDecode(token_budget=64, page_size=16))
+            sparse_decode=QuestDecode(token_budget=64, page_size=16, bound_scale=0.5))
+    LLM(m, mode="resident", prefix_caching=True, max_num_seqs=2, max_model_len=256,
+        sparse_decode=QuestDecode(token_budget=64, page_size=16, prefetch=True))  # the batched Quest store, on the device
     with pytest.raises(ValueError, match="offload_decode 'direct' or 'uva', got 'ring'"):
         LLM(m, mode="offload", offload_decode="ring", prefix_caching=True, max_model_len=256)
     with pytest.raises(ValueError, match="batched offload .max_num_seqs=2. with QuestDecode needs prefetch=False, "

@@ -2,7 +2,9 @@
 boundaries, ring sizes, request isolation, random lifecycles, bad input. The allocator, pool, ring
 and gather kernel have their own test files.
 
-Host mode (device="cpu") runs the same bookkeeping as the GPU path with synchronous copies.
+Host mode (device="cpu") runs the same bookkeeping as the GPU path with synchronous copies. The
+lifecycle, fetch and copy-on-write tests also run with ``placement="device"`` (the pool a
+DeviceKVPool on the runtime's device: the same results).
 """
 import random
 
@@ -75,9 +77,12 @@ class Ref:
             assert torch.equal(v.view(len(ids), bs, *v.shape[1:]), rv[ids]), f"fetch layer {l}"
 
 
-def eng_(layers=2, bs=16, max_tokens=256, nb=None, nbuf=4, dtype=DT, h=H, d=D):
+def eng_(layers=2, bs=16, max_tokens=256, nb=None, nbuf=4, dtype=DT, h=H, d=D, placement="host"):
     return OffloadRuntime(layers, h, d, dtype=dtype, device="cpu", max_tokens=max_tokens, block_size=bs,
-                         num_buffers=nbuf, num_blocks=nb)
+                         num_buffers=nbuf, num_blocks=nb, placement=placement)
+
+
+PLACEMENTS = pytest.mark.parametrize("placement", ["host", "device"])
 
 
 # ---------------------------------------------------------------------------- exhaustion
@@ -178,9 +183,10 @@ def _run_request(e, seed, T, steps, fetch_ids):
     return s, outs
 
 
-def test_request_after_another_is_bit_identical():
+@PLACEMENTS
+def test_request_after_another_is_bit_identical(placement):
     def fresh():
-        return eng_(layers=3, bs=16, max_tokens=256, nb=24, nbuf=2)
+        return eng_(layers=3, bs=16, max_tokens=256, nb=24, nbuf=2, placement=placement)
 
     _, alone = _run_request(fresh(), seed=7, T=37, steps=12, fetch_ids=[2, 0, 3])
     e = fresh()
@@ -192,8 +198,10 @@ def test_request_after_another_is_bit_identical():
         assert torch.equal(ka, kb) and torch.equal(va, vb)
 
 
-def test_twenty_sequences_random_lifecycle_restore_pool():
-    e = eng_(layers=2, bs=8, max_tokens=128, nb=120, nbuf=2)
+@PLACEMENTS
+def test_twenty_sequences_random_lifecycle_restore_pool(placement):
+    e = eng_(layers=2, bs=8, max_tokens=128, nb=120, nbuf=2, placement=placement)
+    assert e.pool.placement == placement
     start = e.allocator.snapshot()
     rnd = random.Random(0)
     r = Ref(e, seed=3)
@@ -221,8 +229,9 @@ def test_twenty_sequences_random_lifecycle_restore_pool():
 
 
 # ------------------------------------------------------------------------- sparse / misc
-def test_fetch_blocks_without_prefetch_during_step():
-    e = eng_(layers=2, bs=8, max_tokens=128)
+@PLACEMENTS
+def test_fetch_blocks_without_prefetch_during_step(placement):
+    e = eng_(layers=2, bs=8, max_tokens=128, placement=placement)
     r = Ref(e)
     s = e.add_sequence()
     r.prefill(s, 21)
@@ -331,6 +340,8 @@ def test_engine_arg_validation():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="CUDA is not available"):
             OffloadRuntime(1, 1, 2, device="cuda")
+    with pytest.raises(ValueError, match="placement must be 'host' or 'device', got 'gpu'"):
+        OffloadRuntime(1, 1, 2, device="cpu", placement="gpu")
 
 
 # -------------------------------------------------------------------------- gather path
@@ -395,9 +406,10 @@ def _pool_block(e, b):
     return [(e.pool.k[l][b].clone(), e.pool.v[l][b].clone()) for l in range(e.num_layers)]
 
 
+@PLACEMENTS
 @pytest.mark.parametrize("n_fork", [0, 16, 21, 37, 40])
-def test_fork_shares_then_copies_on_write(n_fork):
-    e = eng_(layers=3, bs=16, max_tokens=256, nb=20)
+def test_fork_shares_then_copies_on_write(n_fork, placement):
+    e = eng_(layers=3, bs=16, max_tokens=256, nb=20, placement=placement)
     start = e.num_free_blocks
     r = Ref(e, seed=n_fork)
     p = e.add_sequence()
@@ -444,8 +456,9 @@ def test_fork_shares_then_copies_on_write(n_fork):
     e.allocator.check()
 
 
-def test_parent_writes_first_copies_and_child_keeps_its_view():
-    e = eng_(layers=2, bs=8, max_tokens=128, nb=12)
+@PLACEMENTS
+def test_parent_writes_first_copies_and_child_keeps_its_view(placement):
+    e = eng_(layers=2, bs=8, max_tokens=128, nb=12, placement=placement)
     r = Ref(e, seed=5)
     p = e.add_sequence()
     r.prefill(p, 13)

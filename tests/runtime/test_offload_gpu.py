@@ -3,7 +3,9 @@ references, 100 iterations each, plus pinned-memory residency and the UVA gather
 
 (a) slow writer then offload, (b) 2-buffer ring with slowed attention, (c) D2H source deleted and
 its memory poisoned, (d) ring size not dividing the layer count over many decode steps, (e) compute
-on a non-default stream. Tests may synchronize; the library never does.
+on a non-default stream. (a), (c), the gather test and copy-on-write also run with the pool in
+device memory (``placement="device"``: the same ordering, device-to-device copies). Tests may
+synchronize; the library never does.
 """
 import pytest
 import torch
@@ -24,9 +26,12 @@ def _gen(seed):
     return torch.Generator(device="cuda").manual_seed(seed)
 
 
-def test_a_slow_writer_then_offload():
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_a_slow_writer_then_offload(placement):
     T, h, d = 300, 8, 128
-    e = OffloadRuntime(2, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_blocks=8)
+    e = OffloadRuntime(2, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_blocks=8,
+                       placement=placement)
+    assert e.pool.k[0].is_cuda == (placement == "device")
     g = _gen(0)
     naive_bad = 0
     side = torch.cuda.Stream()
@@ -85,9 +90,11 @@ def test_b_two_buffer_ring_slow_attention():
     e.close()
 
 
-def test_c_source_deleted_and_poisoned():
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_c_source_deleted_and_poisoned(placement):
     T, h, d = 256, 8, 128
-    e = OffloadRuntime(1, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_blocks=4)
+    e = OffloadRuntime(1, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=128, num_blocks=4,
+                       placement=placement)
     g = _gen(2)
     for it in range(ITERS):
         s = e.add_sequence()
@@ -204,13 +211,16 @@ def test_f_fresh_ring_buffers_wait_for_queued_writers():
         e.close()
 
 
-def test_fragmented_tables_use_gather_and_fetch_blocks_match():
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_fragmented_tables_use_gather_and_fetch_blocks_match(placement):
     # two sequences prefilled chunk by chunk interleave their blocks: whole-layer loads use the
-    # gather kernel (runs of one 96 KiB block), fetch_blocks reads pinned memory through UVA
+    # gather kernel (runs of one 96 KiB block), fetch_blocks reads pinned memory through UVA (or
+    # device memory)
     L, h, d, bs = 3, 3, 64, 256
-    e = OffloadRuntime(L, h, d, dtype=BF, device="cuda", max_tokens=4096, block_size=bs, num_blocks=40)
+    e = OffloadRuntime(L, h, d, dtype=BF, device="cuda", max_tokens=4096, block_size=bs, num_blocks=40,
+                       placement=placement)
     # (Tensor.is_pinned() is False for cudaHostRegister'ed memory on torch 2.11; not checked)
-    assert e.use_gather and e.pool.pinned
+    assert e.use_gather and (e.pool.pinned if placement == "host" else e.pool.k[0].is_cuda)
     g = _gen(5)
     a, b = e.add_sequence(), e.add_sequence()
     refs = {a: [[], []], b: [[], []]}
@@ -257,3 +267,52 @@ def test_pinned_pool_resident_size():
     assert 0.8 * p.nbytes <= grew <= 1.05 * p.nbytes, (grew, p.nbytes)  # registered = resident
     p.close()
     assert _rss() - before < 0.1 * p.nbytes
+
+
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_copy_on_write_after_slow_pending_writes(placement):
+    """A fork shares a partly filled block whose prefill copy is still queued (a slow offload
+    stream); the child's first write copies it (on the offload stream, after that copy): both
+    sequences keep their own KV, 20 iterations."""
+    L, h, d, bs = 2, 4, 64, 64
+    e = OffloadRuntime(L, h, d, dtype=BF, device="cuda", max_tokens=512, block_size=bs, num_blocks=16,
+                       placement=placement)
+    g = _gen(9)
+    for it in range(20):
+        p = e.add_sequence()
+        ref = [(_rand(100, h, d, g), _rand(100, h, d, g)) for _ in range(L)]
+        with torch.cuda.stream(e._offload_stream):
+            torch.cuda._sleep(2_000_000)
+        for l in range(L):
+            e.offload_layer(p, l, *ref[l])
+        c = e.fork(p, 90)
+        new = [(_rand(7, h, d, g), _rand(7, h, d, g)) for _ in range(L)]
+        for l in range(L):
+            e.offload_layer(c, l, *new[l])
+        assert e.cow_copies == it + 1
+        torch.cuda.synchronize()
+        for l in range(L):
+            hk, hv = e.host_kv(p, l)
+            assert torch.equal(hk, ref[l][0].cpu()) and torch.equal(hv, ref[l][1].cpu()), f"it {it} parent {l}"
+            ck, cv = e.host_kv(c, l)
+            assert torch.equal(ck, torch.cat([ref[l][0][:90], new[l][0]]).cpu()), f"it {it} child {l}"
+            assert torch.equal(cv, torch.cat([ref[l][1][:90], new[l][1]]).cpu()), f"it {it} child {l}"
+        e.free(c)
+        e.free(p)
+    assert e.num_free_blocks == 16
+    e.close()
+
+
+def test_device_pool_on_cuda_and_its_allocation_error():
+    """DeviceKVPool on CUDA: zeroed, layer-major blocks in device memory; more than the device
+    holds raises PoolAllocationError naming the size."""
+    from xoffload.runtime import DeviceKVPool, PoolAllocationError
+
+    p = DeviceKVPool(3, 5, 64, 2, 32, BF, device="cuda")
+    assert p.label == "GPU pool" and p.k[2].is_cuda and p.k[0].shape == (5, 64, 2, 32)
+    assert float(p.v[1].abs().sum()) == 0.0 and p.k_rows(1).shape == (320, 2, 32)
+    p.close()
+    free, _ = torch.cuda.mem_get_info()
+    n = free // (2 * 1024 * 8 * 128 * 2) + 8  # blocks of one layer: more than is free
+    with pytest.raises(PoolAllocationError, match=r"GiB .* on cuda.*Hint: use fewer blocks"):
+        DeviceKVPool(1, n, 1024, 8, 128, BF, device="cuda")

@@ -1,8 +1,8 @@
-"""CpuKVPool (runtime/pool.py): layout, sizes, and the allocation-failure message."""
+"""CpuKVPool and DeviceKVPool (runtime/pool.py): layout, sizes, and the allocation-failure message."""
 import pytest
 import torch
 
-from xoffload.runtime import CpuKVPool, OffloadRuntime, PoolAllocationError
+from xoffload.runtime import CpuKVPool, DeviceKVPool, OffloadRuntime, PoolAllocationError
 
 
 def test_pool_layout_and_size():
@@ -20,6 +20,54 @@ def test_pool_layout_and_size():
     assert big.nbytes <= big.allocated_bytes <= 1.05 * big.nbytes
     big.close()
     p.close()
+
+
+def test_device_pool_has_the_host_pools_interface(device):
+    """DeviceKVPool: the same layout and views as CpuKVPool, zero-filled, on the device asked for
+    (the CPU counts as a device), placement 'device'; an OffloadRuntime over it writes and reads
+    there; bad shapes and dtypes are refused as for the host pool."""
+    p = DeviceKVPool(3, 5, 16, 2, 8, torch.float16, device=device)
+    h = CpuKVPool(3, 5, 16, 2, 8, torch.float16, pin=False)
+    assert (p.nbytes, p.block_bytes, p.layer_bytes) == (h.nbytes, h.block_bytes, h.layer_bytes)
+    assert p.placement == "device" and h.placement == "host" and not p.pinned and h.label == "CPU pool"
+    assert p.label == ("GPU pool" if device == "cuda" else "device pool")
+    assert len(p.k) == 3 and p.k[0].shape == (5, 16, 2, 8) and p.k[0].is_contiguous()
+    assert p.k[0].device.type == device and float(p.k[2].abs().sum() + p.v[2].abs().sum()) == 0.0
+    for l in range(3):  # K and V of all layers are distinct memory
+        p.k[l].fill_(l)
+        p.v[l].fill_(10 + l)
+    for l in range(3):
+        assert bool((p.k[l] == l).all()) and bool((p.v[l] == 10 + l).all())
+        assert p.k_rows(l).shape == (80, 2, 8) and p.k_rows(l).data_ptr() == p.k[l].data_ptr()
+    p.close()
+    assert p.k == [] and p.v == []
+    with pytest.raises(ValueError):
+        DeviceKVPool(0, 5, 16, 2, 8, torch.float16, device=device)
+    with pytest.raises(TypeError):
+        DeviceKVPool(1, 5, 16, 2, 8, torch.int8, device=device)
+    e = OffloadRuntime(2, 2, 8, dtype=torch.float32, device=device, max_tokens=64, block_size=16, placement="device")
+    assert e.pool.k[0].device.type == device and e.use_gather == (device == "cuda")
+    s = e.add_sequence()
+    k, v = torch.randn(20, 2, 8, device=device), torch.randn(20, 2, 8, device=device)
+    for l in range(2):
+        e.offload_layer(s, l, k, v)
+    rows = e.pool.k_rows(1)[e.block_table(s)[0] * 16:e.block_table(s)[0] * 16 + 16]
+    assert torch.equal(rows, k[:16])  # the pool holds the tokens, in device memory
+    fk, _ = e.fetch_blocks(s, 1, [1, 0])
+    assert torch.equal(fk[16:], k[:16]) and torch.equal(fk[:4], k[16:]) and not bool(fk[4:16].any())
+    hk, hv = e.host_kv(s, 0)
+    assert hk.device.type == "cpu" and torch.equal(hk, k.cpu()) and torch.equal(hv, v.cpu())
+    e.close()
+
+
+def test_device_pool_failed_allocation_names_size_and_hint():
+    with pytest.raises(PoolAllocationError) as ei:
+        DeviceKVPool(1, 2 ** 36, 1024, 8, 128, torch.bfloat16, device="cpu")
+    msg = str(ei.value)
+    assert "GiB" in msg and str(2 ** 36 * 1024 * 8 * 128 * 2 * 2) in msg and "fewer blocks (kv_cache_tokens)" in msg
+    assert isinstance(ei.value, MemoryError)
+    with pytest.raises(PoolAllocationError, match="fewer blocks"):
+        OffloadRuntime(1, 8, 128, device="cpu", max_tokens=1024, num_blocks=2 ** 36, placement="device")
 
 
 def test_pool_failed_allocation_names_size_and_hint():

@@ -1,7 +1,8 @@
 """PrefixCache (runtime/prefix_cache.py) over OffloadRuntime's shared blocks: matching of
 full and partial blocks, exact KV read-back of reused prefixes, copy-on-write of a cached partial
 block, LRU leaf-first eviction that never touches a block a live sequence holds, the exhaustion
-error, stats, pool accounting.
+error, stats, pool accounting; the random workload and the CUDA ordering test also over a pool in
+device memory (``placement="device"``).
 
 The KV of a token here is a function of the whole token prefix up to it (a chained hash), as in a
 real model: a reused block is right only if its prefix is the same, so any wrong reuse shows.
@@ -17,9 +18,9 @@ L, H, D = 2, 2, 4
 DT = torch.float32
 
 
-def eng_(bs=4, nb=16, max_tokens=64, device="cpu", dtype=DT, layers=L):
+def eng_(bs=4, nb=16, max_tokens=64, device="cpu", dtype=DT, layers=L, placement="host"):
     return OffloadRuntime(layers, H, D, dtype=dtype, device=device, max_tokens=max_tokens, block_size=bs,
-                         num_blocks=nb, num_buffers=2)
+                         num_blocks=nb, num_buffers=2, placement=placement)
 
 
 def kv_of(tokens, layers=L, device="cpu", dtype=DT):
@@ -249,10 +250,12 @@ def test_eviction_never_touches_blocks_of_live_sequences():
     e.allocator.check()
 
 
+@pytest.mark.parametrize("placement", ["host", "device"])
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_random_workload_accounting_and_kv(device):
+def test_random_workload_accounting_and_kv(device, placement):
     rnd = random.Random(0)
-    e = eng_(bs=4, nb=24, max_tokens=80, device=device, dtype=DT if device == "cpu" else torch.bfloat16)
+    e = eng_(bs=4, nb=24, max_tokens=80, device=device, dtype=DT if device == "cpu" else torch.bfloat16,
+             placement=placement)
     c = PrefixCache(e)
     start = e.num_free_blocks
     exhausted = [0]
@@ -317,11 +320,12 @@ def test_engine_reset_keeps_cache_close_refuses():
 
 # -------------------------------------------------------------------------------- GPU
 @pytest.mark.cuda
-def test_cuda_pinned_reuse_copy_on_write_ordering():
+@pytest.mark.parametrize("placement", ["host", "device"])
+def test_cuda_pinned_reuse_copy_on_write_ordering(placement):
     """The parent's pool writes are queued behind a slow kernel when the child, started on the
     cached blocks, copies the shared partial block (copy-on-write) and decodes: with ordering by
-    events only, every read-back is exact."""
-    e = eng_(bs=64, nb=64, max_tokens=1024, device="cuda", dtype=torch.bfloat16, layers=3)
+    events only, every read-back is exact (pinned pool, or the pool in device memory)."""
+    e = eng_(bs=64, nb=64, max_tokens=1024, device="cuda", dtype=torch.bfloat16, layers=3, placement=placement)
     c = PrefixCache(e)
     rnd = random.Random(1)
     for it in range(20):

@@ -14,7 +14,7 @@ def _args(*argv):
     ([], True),  # offload, batched
     (["--mode", "gpu"], True),  # resident, max_num_seqs 8, dense decode
     (["--mode", "resident", "--max-num-seqs", "1"], False),  # resident needs a batch to share blocks
-    (["--mode", "resident", "--sparse-decode", "quest"], False),
+    (["--mode", "resident", "--sparse-decode", "quest"], True),  # batched Quest over a device pool
     (["--no-prefix-caching"], False),
 ])
 def test_prefix_caching_default_where_supported(argv, prefix):

@@ -83,15 +83,18 @@ class EngineConfig:
         enable_chunked_prefill: prefill a prompt longer than ``max_num_batched_tokens`` in chunks
             over several engine steps, the running sequences decoding between them and short
             prompts prefilled first (vLLM's chunked prefill). True needs a store that supports it
-            (``offload`` with ``max_num_seqs > 1``, dense prefill, one device; elsewhere
-            ValueError). None / False (default): off -- on the H200 conversation load (8B, eight
+            (``offload``, or ``resident`` with a QuestDecode, with ``max_num_seqs > 1``, dense
+            prefill, one device; elsewhere ValueError). None / False (default): off -- on the H200 conversation load (8B, eight
             32K documents) it cost throughput and did not lower the follow-ups' TTFT
             (docs/CHANGELOG.md, chunked prefill).
         kv_cache_tokens: tokens of KV the running sequences may hold together:
             ``offload``: the pinned CPU pool (its size; default ``max_num_seqs * max_model_len``,
             allocated when the LLM is made); ``resident``: a cap on the GPU pool, which is
             otherwise sized per call from the requests (what the ``max_num_seqs`` largest need) and
-            the free GPU memory. A prompt that alone needs more is refused (ValueError).
+            the free GPU memory; ``resident`` with a QuestDecode and ``max_num_seqs > 1``: the
+            prompts' pool on the device, allocated when the LLM is made (default what fits, at
+            most ``max_num_seqs * max_model_len``: :mod:`xoffload.kv.device_runtime`). A prompt
+            that alone needs more is refused (ValueError).
         tensor_parallel_size: ranks the model is sharded over (default 1: one device). ``N > 1``
             needs one process per rank (``torchrun --nproc-per-node N``): attention / KV heads,
             MLP and vocabulary split across the ranks, each with its own KV store (its pinned
@@ -107,10 +110,11 @@ class EngineConfig:
             prefill builds them); blocks are reference-counted,
             a shared partly filled block is copied before it is written, and cached blocks no live
             sequence holds are evicted (LRU, leaf first) when the pool runs short
-            (:class:`xoffload.runtime.PrefixCache`). Resident mode with ``max_num_seqs > 1`` and
-            dense decode: the same within one batched ``generate`` call, over its GPU pool (the
+            (:class:`xoffload.runtime.PrefixCache`). Resident mode with ``max_num_seqs > 1``: with
+            dense decode, the same within one batched ``generate`` call, over its GPU pool (the
             prompts of a call share their common prefixes;
-            :mod:`xoffload.kv.resident_prefix`). Default False.
+            :mod:`xoffload.kv.resident_prefix`); with a QuestDecode the batched Quest store
+            serves, as offload's, over the engine's pool on the device. Default False.
     """
 
     mode: str = "resident"
@@ -155,10 +159,12 @@ class EngineConfig:
             raise ValueError(f"offload_decode must be one of {OFFLOAD_DECODES}, got {self.offload_decode!r}")
         if self.offload_decode == "ring" and self.sparse_decode is not None:
             raise ValueError("offload_decode='ring' reads whole layers; sparse_decode needs offload_decode='direct'")
-        if self.mode == "offload" and self.offload_decode != "ring":
-            b = self.kv_block_size
-            if is_int(b) and (b < 16 or b & (b - 1)):
-                raise ValueError(f"kv_block_size must be a power of two >= 16 for offload_decode={self.offload_decode!r}, got {b}")
+        b = self.kv_block_size
+        direct = self.mode == "offload" and self.offload_decode != "ring"
+        if direct and is_int(b) and (b < 16 or b & (b - 1)):
+            raise ValueError(f"kv_block_size must be a power of two >= 16 for offload_decode={self.offload_decode!r}, got {b}")
+        batched = is_int(self.max_num_seqs) and self.max_num_seqs > 1  # resident: the batched Quest store's pool
+        if direct or (self.mode == "resident" and batched):
             p = getattr(self.sparse_decode, "page_size", None)
             if p is not None and is_int(b) and b % p:
                 raise ValueError(f"kv_block_size {b} must be a multiple of the decode policy's page_size {p}")
@@ -201,7 +207,8 @@ class EngineConfig:
         policy, or a :class:`~xoffload.sparse.QuestDecode` the batched Quest store serves: no
         ``prefetch``, and exact channels when ``bound_scale < 1``; other policies run one
         per-request store per sequence, which does not share blocks) or ``resident`` with
-        ``max_num_seqs > 1`` and no decode policy."""
+        ``max_num_seqs > 1`` and no decode policy or such a QuestDecode (``prefetch`` allowed:
+        the store's device pool has no page cache to prefetch into)."""
         pol = None if self.sparse_decode is None else type(self.sparse_decode).__name__
         if self.tensor_parallel_size != 1:
             return f"it needs one device, got tensor_parallel_size={self.tensor_parallel_size}"
@@ -215,22 +222,22 @@ class EngineConfig:
             return (f"mode={self.mode!r} shares blocks between the prompts of one batched call: it needs "
                     f"max_num_seqs > 1, got max_num_seqs=1 (or mode='offload')")
         if pol:
-            return f"mode={self.mode!r} needs dense decode: no decode policy, got sparse_decode={pol}"
+            return self._batched_offload_refusal()
         return None
 
     def _batched_offload_refusal(self) -> str | None:
-        """Batched offload with a decode policy: None where the batched Quest store serves it (the
-        store table of :func:`~xoffload.kv.table.batch_store_class`), else why not."""
+        """Batched offload or resident with a decode policy: None where the batched Quest store
+        serves it (the store table of :func:`~xoffload.kv.table.batch_store_class`), else why not."""
         from ..sparse.quest import QuestDecode
 
-        pol, n = self.sparse_decode, self.max_num_seqs
+        pol, n, mode = self.sparse_decode, self.max_num_seqs, self.mode
         if not isinstance(pol, QuestDecode):
-            return (f"batched offload (max_num_seqs={n}) needs dense decode or QuestDecode, got "
+            return (f"batched {mode} (max_num_seqs={n}) needs dense decode or QuestDecode, got "
                     f"sparse_decode={type(pol).__name__}")
-        if pol.prefetch:
+        if pol.prefetch and mode == "offload":
             return f"batched offload (max_num_seqs={n}) with QuestDecode needs prefetch=False, got prefetch=True"
         if not pol.exact_channels and pol.bound_scale != 1.0:
-            return (f"batched offload (max_num_seqs={n}) with QuestDecode needs bound_scale=1.0 without exact "
+            return (f"batched {mode} (max_num_seqs={n}) with QuestDecode needs bound_scale=1.0 without exact "
                     f"channels, got bound_scale={pol.bound_scale}")
         return None
 
@@ -273,9 +280,9 @@ class EngineConfig:
 
         can = bool(getattr(store_cls, "chunked_prefill", False)) and self.policy.dense and tp is None
         if self.enable_chunked_prefill and not can:
-            raise ValueError(f"enable_chunked_prefill=True needs a store that prefills in chunks (offload mode with "
-                             f"max_num_seqs > 1, direct or uva decode, dense prefill, one device); this configuration "
-                             f"uses {store_cls.__name__}")
+            raise ValueError(f"enable_chunked_prefill=True needs a store that prefills in chunks (offload mode, or "
+                             f"resident with QuestDecode, with max_num_seqs > 1, direct or uva decode, dense prefill, "
+                             f"one device); this configuration uses {store_cls.__name__}")
         on = bool(self.enable_chunked_prefill)
         n = self.max_num_batched_tokens or (DEFAULT_CHUNK_TOKENS if on else self.max_model_len)
         return dataclasses.replace(self, enable_chunked_prefill=on, max_num_batched_tokens=n)

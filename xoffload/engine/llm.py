@@ -29,7 +29,8 @@ class LLM:
     prompts and broadcasts them; every rank runs the same loop and returns the same outputs.
 
     Attributes: ``engine`` (the :class:`LLMEngine`), ``config``, ``model``, ``tokenizer``, ``mode``,
-    ``policy`` (prefill), ``offload`` (the runtime's ``OffloadRuntime``; None in resident mode),
+    ``policy`` (prefill), ``offload`` (the runtime's ``OffloadRuntime``; in resident mode None,
+    except with a QuestDecode and ``max_num_seqs > 1``: its pool on the device),
     ``prefix_cache``, ``batch_stats`` (the last store epoch's figures: decode steps, prefills,
     tok/s, most sequences at once, captured CUDA-graph buckets, the store).
 
@@ -185,9 +186,9 @@ class LLM:
         return msg[1], msg[2]
 
     def close(self):
-        """Release what the requests share (the offload runtime's pinned pool and GPU ring); an
-        offload LLM cannot generate afterwards (ValueError), a resident one keeps serving. Safe
-        to call twice."""
+        """Release what the requests share (the runtime's pool: offload's pinned pool and GPU ring, or
+        resident + Quest batched's device pool); such an LLM cannot generate afterwards
+        (ValueError), a resident one without a runtime keeps serving. Safe to call twice."""
         self.engine.close()
 
 

@@ -42,6 +42,16 @@ from .scheduler import FINISHED, Sequence
 
 __all__ = ["LLMEngine"]
 
+
+def _shared_runtime(model, cfg, store_kw):
+    """The engine's OffloadRuntime or None: over a pool on the model's device where the store table
+    asks (``pool_placement="device"``: resident + QuestDecode), else the mode's (offload: pinned)."""
+    if store_kw.get("pool_placement") == "device":
+        from ..kv.device_runtime import open_device_runtime
+        return open_device_runtime(model, cfg)
+    return store_class(cfg.mode).variant(cfg).open_shared(model, cfg)
+
+
 class LLMEngine:
     """Continuous-batching engine over one model and one KV layer (see the module docstring).
 
@@ -74,7 +84,7 @@ class LLMEngine:
         cfg = cfg.bind(m)
         self.store_cls, self.store_kw = batch_store_class(cfg)
         self.config = cfg = cfg.resolve_chunked_prefill(self.store_cls, m.tp)
-        self.offload = store_class(cfg.mode).variant(cfg).open_shared(m, cfg)
+        self.offload = _shared_runtime(m, cfg, self.store_kw)
         self.prefix_cache = None
         if cfg.prefix_caching and self.offload is not None:
             from ..runtime import PrefixCache
@@ -159,8 +169,9 @@ class LLMEngine:
             if -(-n // B) > total:
                 p = len(req.ids)
                 what = f"{p} prompt + {n - p} new tokens" if n > p else f"{p} prompt tokens"
-                raise ValueError(f"prompt {rid} needs {-(-n // B) * B} tokens of KV in the CPU pool ({what} in blocks "
-                                 f"of {B}) but the pool holds {total * B} tokens (kv_cache_tokens={cfg.kv_cache_tokens})")
+                raise ValueError(f"prompt {rid} needs {-(-n // B) * B} tokens of KV in the {self.offload.pool.label} "
+                                 f"({what} in blocks of {B}) but the pool holds {total * B} tokens "
+                                 f"(kv_cache_tokens={cfg.kv_cache_tokens})")
         elif cfg.kv_cache_tokens is not None:
             B = int(cfg.kv_block_size)
             if -(-req.final_len // B) > cfg.kv_cache_tokens // B:
@@ -429,9 +440,9 @@ class LLMEngine:
                 self._finishing.append(s)
 
     def close(self) -> None:
-        """Abort every request, close every session, free the store and (offload) the pinned pool
-        and ring: an offload runtime refuses requests afterwards, a resident one, which shares
-        nothing between stores, keeps serving. Safe to call twice."""
+        """Abort every request, close every session, free the store and the runtime's pool (offload,
+        resident + Quest batched): an engine with a runtime refuses requests afterwards, one without
+        (resident), which shares nothing between stores, keeps serving. Safe to call twice."""
         if self.closed:
             return
         with self._step_lock:

@@ -6,7 +6,8 @@
 - :mod:`.base`: :class:`BatchKV` (what every store shares), :class:`RowPool` (paged GPU rows);
 - :mod:`.resident`, :mod:`.resident_prefix`: KV on the model's device (with prefix caching);
 - :mod:`.offload`, :mod:`.quest`: prompts in the pinned host pool, read in place or staged
-  (dense), or the pages a :class:`~xoffload.sparse.QuestDecode` chooses (sparse);
+  (dense), or the pages a :class:`~xoffload.sparse.QuestDecode` chooses (sparse); the Quest
+  store also over a pool on the device (``resident``, :mod:`.device_runtime` opens its runtime);
 - :mod:`.page_cache`, :mod:`.chunk`, :mod:`.quest_prefix`, :mod:`.batch_prefill`,
   :mod:`.staging`: the parts those stores are built from.
 

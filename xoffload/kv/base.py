@@ -38,14 +38,17 @@ Stores (one module each):
   summaries in one shared GPU summary pool, sink + recent + generated tokens in the paged GPU tail
   pool, the dense layers on the GPU when they fit (else read in place), a GPU page cache per
   sequence (:mod:`~xoffload.kv.page_cache`) when it fits; per layer one batched score
-  launch, one topk, one cache lookup + fill and one paged launch for the whole batch.
+  launch, one topk, one cache lookup + fill and one paged launch for the whole batch. Also
+  ``resident`` + QuestDecode, over a runtime whose pool is on the model's device
+  (:mod:`~xoffload.kv.device_runtime`: no page cache, no dense pool, no host bytes).
 
 - :class:`~.kv_batch_serial.SerialBatchKV`: ``max_num_seqs=1`` and every other store (Quest
-  resident, Quest with prefetch, the ring): one one-request store per sequence, the model step
-  shared (one read of the weights for all rows), attention one sequence at a time.
+  with ``bound_scale < 1`` and no exact channels, offload Quest with prefetch, the ring): one
+  one-request store per sequence, the model step shared (one read of the weights for all rows),
+  attention one sequence at a time.
 
-The two offload stores cache prefixes (``prefix_caching``: ``open(..., prefix_cache=)``,
-``takes_prefix_cache``). :func:`batch_store_class` is the table that picks the store.
+The two offload stores (the Quest one in either placement) cache prefixes (``prefix_caching``:
+``open(..., prefix_cache=)``, ``takes_prefix_cache``). :func:`batch_store_class` is the table that picks the store.
 """
 from __future__ import annotations
 
@@ -382,8 +385,9 @@ class _StagedSink:
 
 class _CachedPrompts:
     """Prefix caching of the batched offload stores (a :class:`~xoffload.runtime.PrefixCache` over
-    the engine's pinned pool in ``self.cache``, or None): a sequence's pool sequence starts at its
-    prefill on the longest cached prefix of its prompt (``kv["sid"]`` None until then)."""
+    the engine's pool, pinned or on the device, in ``self.cache``, or None): a sequence's pool
+    sequence starts at its prefill on the longest cached prefix of its prompt (``kv["sid"]`` None
+    until then)."""
 
     #: the engine passes its prefix cache to :meth:`open` (``prefix_cache=``)
     takes_prefix_cache = True

@@ -16,8 +16,10 @@ from .base import (SUMMARY_BLOCK, TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, 
 
 
 class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV):
-    """``offload`` + :class:`~xoffload.sparse.QuestDecode` (direct decode): the batched Quest store
-    (docs/DESIGN.md, "The batched Quest store", says why each choice was made).
+    """``offload`` (or ``resident``) + :class:`~xoffload.sparse.QuestDecode`: the batched Quest store
+    (docs/DESIGN.md, "The batched Quest store", says why each choice was made). Over a runtime whose
+    pool is on the model's device (``pool_placement="device"``, ``resident``) pages are read in
+    place from HBM: no page cache, no dense pool (the dense layers read the pool), no host bytes.
 
     Where each sequence's KV lives: every layer's prompt KV in the offload runtime's pinned pool
     (``kv_cache_tokens``), copied there layer by layer during prefill; the page summaries (min and
@@ -69,6 +71,7 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         from ..sparse.quest import PageSummaries
 
         self.eng = shared
+        self.on_device = shared.pool.placement == "device"
         self.block = self.eng.block_size
         self.cache = prefix_cache
         pol = self.policy = config.decode_policy
@@ -103,11 +106,12 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         sneed = [_blocks(self._summary_pages(p), SUMMARY_BLOCK) for p in plans]
         dneed = [self._prompt_blocks(s) for s in seqs] if self.dense else [0]
         el = torch.empty((), dtype=self.dtype).element_size()
-        per_sb = max(1, len(self.sparse)) * hkv * SUMMARY_BLOCK * (2 * d + P * self.r) * el  # min, max, channels
+        # bytes of a summary block: min, max, channels
+        per_sb = self._per_sb = max(1, len(self.sparse)) * hkv * SUMMARY_BLOCK * (2 * d + P * self.r) * el
         per_db = 2 * len(self.dense) * self.block * hkv * d * el
         self._dl = {l: i for i, l in enumerate(sorted(self.dense))}
         self._slot_bytes = sb = BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype)
-        cmax = max([self._want_c(p) for p in plans] + [0])
+        cmax = max([self._want_c(p) for p in plans] + [0]) if not self.on_device else 0
         S = min(self.max_num_seqs, len(seqs))  # the most that run at once in this call
         mem = self._plan_memory(S, sneed, dneed, per_sb, per_db, sb, cmax, limit)
         self.cache_limited = False
@@ -157,7 +161,8 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         self._reserved = 0
         self._admitted: dict = {}
         self._stage = PrefillStaging(self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device)
-        self._tok_layer_bytes = self.cfg.kv_bytes_per_token(self.dtype) // L  # K and V, one token, one layer
+        # K and V of one token and layer, as host bytes per step count them (0: the pool is on the device)
+        self._tok_layer_bytes = 0 if self.on_device else self.cfg.kv_bytes_per_token(self.dtype) // L
 
     def _plan_memory(self, S, sneed, dneed, per_sb, per_db, slot_bytes, cmax, limit) -> dict:
         """The pools' sizes for ``S`` sequences at once (no allocation): ``nsb`` summary blocks
@@ -173,7 +178,8 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         left = None if limit is None else limit - tail - nsb * per_sb
         # the dense pool allocates one scratch block more than its table can hold
         fits = left is None or (not limited and left >= (ndb + 1) * per_db)
-        dense_on = bool(self.dense) and self.N > 0 and (fits if self.DENSE_ON_GPU is None else bool(self.DENSE_ON_GPU))
+        dense_on = bool(self.dense) and self.N > 0 and not self.on_device and \
+            (fits if self.DENSE_ON_GPU is None else bool(self.DENSE_ON_GPU))
         free = None if limit is None else left - ((ndb + 1) * per_db if dense_on else 0)
         slots = BatchPageCache.slots_that_fit(cmax, S, slot_bytes, free) if cmax else 0
         return {"nsb": nsb, "memory_limited": limited, "ndb": ndb, "dense_on": dense_on, "slots": slots}
@@ -184,10 +190,10 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         return self.summ.nbytes
 
     def describe(self) -> dict:
-        """The call's choices: ``dense_on_gpu``, ``memory_limited`` (the summary pool was cut to the
-        free GPU memory), pool sizes (``summary_pages``, bytes of the summary / tail / dense pools),
-        ``N`` / ``K`` (padded candidate and per-step page counts)."""
-        return {"store": type(self).__name__, "dense_on_gpu": self.dense_on_gpu,
+        """The call's choices: ``dense_on_gpu``, ``pool`` (``"host"`` / ``"device"``), ``memory_limited``
+        (the summary pool was cut to the free GPU memory), pool sizes (``summary_pages``, bytes of the
+        summary / tail / dense pools), ``N`` / ``K`` (padded candidate and per-step page counts)."""
+        return {"store": type(self).__name__, "dense_on_gpu": self.dense_on_gpu, "pool": self.eng.pool.placement,
                 "memory_limited": self.memory_limited, "summary_pages": self.sum_alloc.num_blocks * SUMMARY_BLOCK,
                 "summary_bytes": self.summ.nbytes, "tail_bytes": self.tail.nbytes,
                 "dense_pool_bytes": self.dpool.nbytes if self.dpool is not None else 0,
@@ -213,7 +219,11 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         return self._prompt_blocks(seq) + (1 if self.cache is not None else 0)
 
     @classmethod
-    def open(cls, model, config, shared, seqs, prefix_cache=None) -> "OffloadQuestBatchKV":
+    def open(cls, model, config, shared, seqs, prefix_cache=None, pool_placement="host") -> "OffloadQuestBatchKV":
+        """ValueError when ``shared``'s pool is not where the store table says (``pool_placement``)."""
+        if shared.pool.placement != pool_placement:
+            raise ValueError(f"this store expects a runtime whose pool placement is {pool_placement!r}, "
+                             f"got {shared.pool.placement!r}")
         return cls(model, config, shared, seqs, prefix_cache)
 
     def _needs(self, seq) -> tuple:
@@ -229,7 +239,7 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
                              f"KV on the GPU but "
                              f"the dense pool holds {self.dpool.num_blocks * self.block}")
         if nb > self.cap_blocks:
-            raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of KV in the CPU pool "
+            raise ValueError(f"prompt {seq.index} needs {nb * self.block} tokens of KV in the {self.eng.pool.label} "
                              f"({seq.prompt_len} prompt tokens in blocks of {self.block}) but the pool holds "
                              f"{self.cap_blocks * self.block} tokens (kv_cache_tokens)")
         if nt > self.tail.num_blocks:
@@ -237,12 +247,8 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
                              f"tokens) but the tail pool holds {self.tail.num_blocks * TAIL_BLOCK}")
         if ns > self.sum_alloc.num_blocks:
             raise ValueError(f"prompt {seq.index} needs {ns * SUMMARY_BLOCK} pages of Quest summaries "
-                             f"({ns * self._sum_block_bytes()} bytes on the GPU) but the summary pool holds "
+                             f"({ns * self._per_sb} bytes on the GPU) but the summary pool holds "
                              f"{self.sum_alloc.num_blocks * SUMMARY_BLOCK} pages (the GPU memory free for it)")
-
-    def _sum_block_bytes(self) -> int:
-        return max(1, len(self.sparse)) * self.cfg.num_kv_heads * SUMMARY_BLOCK * \
-            (2 * self.cfg.head_dim + self.page * self.r) * self.summ.kmin.element_size()
 
     def can_admit(self, seq) -> bool:
         nb, nt, ns = self._needs(seq)

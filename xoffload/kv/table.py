@@ -18,8 +18,15 @@ def batch_store_class(config):
     ``offload`` direct/uva, dense decode    :class:`OffloadBatchKV`
     ``offload`` direct/uva + QuestDecode    :class:`OffloadQuestBatchKV` (not with ``prefetch``,
                                             nor ``bound_scale < 1`` without exact channels)
+    ``resident`` + QuestDecode              :class:`OffloadQuestBatchKV` over a runtime whose pool
+                                            is on the model's device (``pool_placement=
+                                            "device"``: no page cache, no host bytes; not with
+                                            ``bound_scale < 1`` without exact channels)
     anything else                           :class:`SerialBatchKV` around the one-request store
     ======================================  =====================================================
+
+    The open keyword ``pool_placement`` (``"host"`` when absent) is also where the engine's
+    runtime keeps the pool: the engine opens a device pool for ``"device"``.
     """
     from ..sparse.quest import QuestDecode
     from .offload import OffloadBatchKV
@@ -41,8 +48,10 @@ def batch_store_class(config):
         return ResidentBatchKV, {}
     if store_cls is OffloadPagedKV and pol is None:
         return OffloadBatchKV, {}
-    if store_cls is OffloadPagedKV and isinstance(pol, QuestDecode) and not pol.prefetch \
-            and (pol.exact_channels or pol.bound_scale == 1.0):
+    served = isinstance(pol, QuestDecode) and (pol.exact_channels or pol.bound_scale == 1.0)
+    if store_cls is OffloadPagedKV and served and not pol.prefetch:
         return OffloadQuestBatchKV, {}
+    if config.mode == "resident" and served:  # (prefetch only feeds a page cache: none on the device)
+        return OffloadQuestBatchKV, {"pool_placement": "device"}
     return SerialBatchKV, {"store_cls": store_cls}
 

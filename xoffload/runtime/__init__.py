@@ -8,6 +8,8 @@ nothing of models. Public pieces:
   ``end_step`` (decode through the ring), ``fetch_blocks`` (sparse), ``free``, ``reset``.
 * :class:`CpuKVPool` - layer-major host K/V, pinned with ``cudaHostRegister`` in slabs;
   :func:`reuse_pinned_slabs` keeps closed pools' registered slabs for the next pool of that size.
+  :class:`DeviceKVPool` - the same interface with the blocks in device memory
+  (``OffloadRuntime(placement="device")``).
 * :class:`BlockAllocator` - reference-counted blocks and per-sequence block tables (contiguous
   runs preferred; shared blocks; external references; an evictor hook).
 * :class:`PrefixCache` - block-hash prefix reuse over an engine's pool (``match``, ``insert``,
@@ -42,7 +44,7 @@ Contract notes (what a caller of the engine may rely on beyond the method list a
 from .allocator import BlockAllocator, PoolExhaustedError, block_runs
 from .offload import OffloadRuntime
 from ..kernels.gather import gather_blocks
-from .pool import CpuKVPool, PinnedSlabCache, PoolAllocationError, reuse_pinned_slabs
+from .pool import CpuKVPool, DeviceKVPool, PinnedSlabCache, PoolAllocationError, reuse_pinned_slabs
 from .prefix_cache import CacheStats, PrefixCache, PrefixMatch, block_hash
 from .ring import LayerRing
 
@@ -50,6 +52,7 @@ __all__ = [
     "BlockAllocator",
     "CacheStats",
     "CpuKVPool",
+    "DeviceKVPool",
     "LayerRing",
     "OffloadRuntime",
     "PinnedSlabCache",

@@ -1,4 +1,5 @@
-"""OffloadRuntime: a sequence's KV lives in the host pool; layers stream through a GPU ring.
+"""OffloadRuntime: a sequence's KV lives in the host pool (or, ``placement="device"``, a pool in
+device memory); layers stream through a GPU ring.
 
 (Over 450 lines on purpose: one class whose methods share one set of stream/event ordering rules,
 stated below and per method; splitting it would scatter them.)
@@ -50,7 +51,7 @@ from .streams import Pending, Sync
 from .allocator import BlockAllocator, block_runs
 from ..kernels.checks import check_int
 from ..kernels.gather import gather_blocks
-from .pool import CpuKVPool
+from .pool import CpuKVPool, DeviceKVPool
 from .ring import LayerRing
 from .sequence import SeqState, StepState
 
@@ -71,7 +72,10 @@ class OffloadRuntime:
         num_blocks: pool blocks per layer; None => ``ceil(max_tokens / block_size)``.
         pin: register the pool memory with CUDA (CUDA device only).
         gather: use the Triton gather kernel for scattered reads of the pool (default: when the
-            device is CUDA and the pool is pinned).
+            device is CUDA and the pool is pinned or on the device).
+        placement: where the pool's blocks live: ``"host"`` (default, :class:`CpuKVPool`) or
+            ``"device"`` (:class:`~.pool.DeviceKVPool` on ``device``: prefill's copies and the
+            reads are device to device; every method and ordering rule stays the same).
 
     GPU memory: each active decode step holds a ring of N x 2 x round_up(max_tokens, block_size)
     x Hkv x D elements; each sequence that has decoded holds a decode buffer of num_layers x 2 x
@@ -85,7 +89,7 @@ class OffloadRuntime:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.bfloat16, device="cuda", max_tokens: int = 131072,
                  block_size: int = 1024, num_buffers: int = 4, num_blocks: int | None = None,
-                 pin: bool = True, gather: bool | None = None):
+                 pin: bool = True, gather: bool | None = None, placement: str = "host"):
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("max_tokens", max_tokens), ("block_size", block_size), ("num_buffers", num_buffers)):
             check_int(name, val, 1, type_error=ValueError)
@@ -102,6 +106,8 @@ class OffloadRuntime:
                 dev = torch.device("cuda", torch.cuda.current_device())
         elif dev.type != "cpu":
             raise ValueError(f"device must be 'cuda' or 'cpu', got {device!r}")
+        if placement not in ("host", "device"):
+            raise ValueError(f"placement must be 'host' or 'device', got {placement!r}")
         self.num_layers = num_layers
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -112,11 +118,13 @@ class OffloadRuntime:
         self.num_buffers = num_buffers
         self.buffer_tokens = math.ceil(max_tokens / block_size) * block_size
         self._sync = Sync(dev)
-        self.pool = CpuKVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                              pin=pin and dev.type == "cuda")
+        self.pool = DeviceKVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device=dev) \
+            if placement == "device" else CpuKVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
+                                                    pin=pin and dev.type == "cuda")
         self.allocator = BlockAllocator(num_blocks, block_size)
-        self.use_gather = (dev.type == "cuda" and self.pool.pinned) if gather is None else bool(gather)
-        if self.use_gather and dev.type == "cuda" and not self.pool.pinned:
+        readable = self.pool.pinned or placement == "device"  # the device can read it in place
+        self.use_gather = (dev.type == "cuda" and readable) if gather is None else bool(gather)
+        if self.use_gather and dev.type == "cuda" and not readable:
             raise ValueError("gather=True on CUDA needs a pinned pool (pin=True)")
         self._offload_stream = self._sync.stream()
         self._pending = Pending()
@@ -564,8 +572,8 @@ class OffloadRuntime:
         table = self.allocator.table(seq)
         ks, vs = [], []
         for phys, _, m in block_runs(table, 0, s.pool_len[l], self.block_size):
-            ks.append(self.pool.k_rows(l)[phys:phys + m].clone())
-            vs.append(self.pool.v_rows(l)[phys:phys + m].clone())
+            ks.append(self.pool.k_rows(l)[phys:phys + m].to("cpu", copy=True))
+            vs.append(self.pool.v_rows(l)[phys:phys + m].to("cpu", copy=True))
         d = s.dec_len[l]
         if d:
             ks.append(s.dec_k[l, :d].to("cpu"))

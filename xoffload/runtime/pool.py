@@ -1,7 +1,10 @@
-"""Host KV pool: K and V of every layer in (optionally pinned) host memory, layer-major.
+"""KV pools: K and V of every layer, layer-major, in (optionally pinned) host memory
+(:class:`CpuKVPool`) or in device memory (:class:`DeviceKVPool`).
 
-Layout: ``pool.k[layer]`` and ``pool.v[layer]`` are contiguous ``[num_blocks, block_size,
-num_kv_heads, head_dim]`` tensors, so one layer's blocks are large contiguous pieces.
+Layout (both): ``pool.k[layer]`` and ``pool.v[layer]`` are contiguous ``[num_blocks, block_size,
+num_kv_heads, head_dim]`` tensors, so one layer's blocks are large contiguous pieces; ``k_rows`` /
+``v_rows`` view them as token rows, ``close`` drops the memory, ``placement`` says where it is
+(``"host"`` / ``"device"``) and ``label`` names it in messages.
 
 Pinning (DESIGN.md, Runtime): plain host memory is allocated in slabs (``torch.empty`` on the CPU,
 page-aligned inside the allocation) and each slab is registered with
@@ -119,7 +122,30 @@ def reuse_pinned_slabs():
         cache.close()
 
 
-class CpuKVPool:
+def _check_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype) -> int:
+    """Validate a pool's shape and dtype; returns the element size in bytes."""
+    for name, val, lo in (("num_layers", num_layers, 1), ("num_blocks", num_blocks, 0),
+                          ("block_size", block_size, 1), ("num_kv_heads", num_kv_heads, 1),
+                          ("head_dim", head_dim, 1)):
+        check_int(name, val, lo, type_error=ValueError)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating-point torch.dtype (KV values), got {dtype!r}")
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class _PoolViews:
+    """The row views both pools share (``k``, ``v``, ``num_kv_heads``, ``head_dim`` set by them)."""
+
+    def k_rows(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s K as flat token rows ``[num_blocks * block_size, Hkv, D]`` (a view)."""
+        return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
+
+    def v_rows(self, layer: int) -> torch.Tensor:
+        """Layer ``layer``'s V as flat token rows ``[num_blocks * block_size, Hkv, D]`` (a view)."""
+        return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
+
+
+class CpuKVPool(_PoolViews):
     """Layer-major host K/V storage for ``num_layers x num_blocks x block_size`` tokens.
 
     Args:
@@ -136,6 +162,7 @@ class CpuKVPool:
         nbytes: bytes asked for (K and V of every layer).
         allocated_bytes: bytes actually allocated (nbytes plus < 2 pages of alignment per slab).
         pinned: whether the memory is registered with CUDA.
+        placement: ``"host"``; label: ``"CPU pool"``.
 
     Raises:
         ValueError: a non-positive dimension.
@@ -143,22 +170,19 @@ class CpuKVPool:
             names the size asked and suggests fewer blocks or a smaller block size.
     """
 
+    placement = "host"
+    label = "CPU pool"
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.bfloat16, *, pin: bool = True,
                  slab_bytes: int = DEFAULT_SLAB_BYTES):
-        for name, val, lo in (("num_layers", num_layers, 1), ("num_blocks", num_blocks, 0),
-                              ("block_size", block_size, 1), ("num_kv_heads", num_kv_heads, 1),
-                              ("head_dim", head_dim, 1)):
-            check_int(name, val, lo, type_error=ValueError)
-        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-            raise TypeError(f"dtype must be a floating-point torch.dtype (KV values), got {dtype!r}")
+        self.itemsize = _check_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
-        self.itemsize = torch.empty((), dtype=dtype).element_size()
         self.block_bytes = block_size * num_kv_heads * head_dim * self.itemsize  # one of K or V
         self.layer_bytes = 2 * num_blocks * self.block_bytes
         self.nbytes = num_layers * self.layer_bytes
@@ -246,15 +270,6 @@ class CpuKVPool:
                 self._registered.append((ptr, span))
         return raw
 
-    # ------------------------------------------------------------------ views
-    def k_rows(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s K as flat token rows ``[num_blocks * block_size, Hkv, D]`` (a view)."""
-        return self.k[layer].view(-1, self.num_kv_heads, self.head_dim)
-
-    def v_rows(self, layer: int) -> torch.Tensor:
-        """Layer ``layer``'s V as flat token rows ``[num_blocks * block_size, Hkv, D]`` (a view)."""
-        return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
-
     # --------------------------------------------------------------- lifetime
     def close(self) -> None:
         """Unregister every slab and drop the memory. The caller must make sure no copy that
@@ -279,3 +294,69 @@ class CpuKVPool:
         return (f"CpuKVPool(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
                 f"nbytes={self.nbytes}, pinned={self.pinned})")
+
+
+class DeviceKVPool(_PoolViews):
+    """Layer-major K/V storage for ``num_layers x num_blocks x block_size`` tokens in device memory:
+    :class:`CpuKVPool`'s interface (``k`` / ``v`` lists of ``[num_blocks, block_size, Hkv, D]``,
+    ``k_rows`` / ``v_rows``, ``close``) with the blocks where attention reads them, so an
+    :class:`~xoffload.runtime.OffloadRuntime` over it copies prefill's K/V device to device and
+    its reads never cross PCIe (``mode="resident"`` with a decode policy). Zero-filled (one memset
+    per layer). A CPU ``device`` gives plain host tensors with the same placement (tests).
+
+    Args:
+        num_layers, num_blocks, block_size, num_kv_heads, head_dim: the shape (ints; blocks may be
+            0, the others >= 1).
+        dtype: floating-point element dtype.
+        device: where the blocks live (``"cuda"``, ``"cuda:i"``, ``"cpu"`` or a torch.device).
+
+    Attributes:
+        k, v: lists of ``[num_blocks, block_size, Hkv, D]`` tensors on ``device``, one per layer.
+        nbytes: bytes of K and V of every layer; pinned: False; placement: ``"device"``;
+        label: ``"GPU pool"`` on CUDA, else ``"device pool"``.
+
+    Raises:
+        ValueError / TypeError: a bad dimension or dtype.
+        PoolAllocationError (a MemoryError): the device could not hold it; the message names the
+            size asked and suggests fewer blocks (``kv_cache_tokens``) or a smaller block size.
+    """
+
+    placement = "device"
+    pinned = False
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.bfloat16, *, device="cuda"):
+        self.itemsize = _check_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.device = torch.device(device)
+        self.label = "GPU pool" if self.device.type == "cuda" else "device pool"
+        self.block_bytes = block_size * num_kv_heads * head_dim * self.itemsize  # one of K or V
+        self.layer_bytes = 2 * num_blocks * self.block_bytes
+        self.nbytes = self.allocated_bytes = num_layers * self.layer_bytes
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
+        try:
+            for _ in range(num_layers):  # one allocation per layer: no single huge segment
+                kv = torch.zeros(shape, dtype=dtype, device=self.device)
+                self.k.append(kv[0])
+                self.v.append(kv[1])
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            self.close()
+            why = (str(e).splitlines() or [type(e).__name__])[0]
+            raise PoolAllocationError(
+                f"could not allocate {self.nbytes / 2**30:.3f} GiB ({self.nbytes} bytes) on {self.device} for the KV "
+                f"pool ({num_layers} layers x {num_blocks} blocks x {block_size} tokens x {num_kv_heads} kv heads x "
+                f"{head_dim} x {self.itemsize} B x 2 for K and V): {why}. Hint: use fewer blocks (kv_cache_tokens) "
+                f"or a smaller block_size.") from None
+
+    def close(self) -> None:
+        """Drop the memory (back to torch's caching allocator). The caller makes sure no kernel or
+        copy that reads or writes the pool is still queued (the runtime's ``close`` waits)."""
+        self.k, self.v = [], []
+
+    def __repr__(self):
+        return (f"DeviceKVPool(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
+                f"device={self.device}, nbytes={self.nbytes})")

@@ -210,13 +210,15 @@ class EngineLoop:
             self._take_blocks()
 
     def _take_blocks(self) -> None:
-        """KV block counts: the pinned host pool (offload) and the open store's GPU pool."""
+        """KV block counts: the runtime's pool (offload: pinned host; resident + Quest: on the GPU)
+        and the open store's GPU pool."""
         e = self.engine
         blocks = {}
         try:
             if e.offload is not None and not getattr(e, "closed", False):
                 u = e.offload.allocator.usage()
-                blocks["host"] = {"total": u["total"], "free": u["free"], "used": u["seq_held"],
+                where = "gpu" if e.offload.pool.placement == "device" else "host"
+                blocks[where] = {"total": u["total"], "free": u["free"], "used": u["seq_held"],
                                   "cached": u["external_only"]}
             r = e._runner
             pool = getattr(r.store, "pool", None) if r is not None else None

@@ -3,8 +3,9 @@ Prometheus' text exposition format (version 0.0.4), written by hand (no client l
 
 Gauges: ``xoffload_requests_running``, ``xoffload_requests_waiting``,
 ``xoffload_kv_blocks{pool="host"|"gpu", state="used"|"cached"|"free"|"total"}`` (host: the pinned
-pool of offload mode; gpu: the open store's paged pool of resident mode; ``cached``: blocks only
-the prefix cache holds, which it frees when the pool runs short), ``xoffload_generation_tokens_per_second``
+pool of offload mode; gpu: the open store's paged pool of resident mode, or resident + Quest's
+device pool; ``cached``: blocks only the prefix cache holds, which it frees when the pool runs
+short), ``xoffload_generation_tokens_per_second``
 (the last 10 s), ``xoffload_gpu_memory_allocated_bytes`` (CUDA). Counters:
 ``xoffload_generation_tokens_total``, ``xoffload_prompt_tokens_total``,
 ``xoffload_prefix_cache_hit_tokens_total``, ``xoffload_requests_finished_total{reason}``,
