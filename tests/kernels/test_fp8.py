@@ -15,6 +15,7 @@ over UVA.
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import assert_lse_match, attention_in_dtype, max_err, out_tol, sdpa_in_dtype
 from xoffload.kernels import cpu_backend, decode_attn_with_lse, paged_decode_attn_with_lse
@@ -22,7 +23,7 @@ from xoffload.kernels.fp8 import (
     FP8_DTYPE, check_fp8_supported, dequantize_kv_fp8, fp8_scale_shape, quantize_kv_fp8,
 )
 from xoffload.kernels.reference import (
-    FP8_SCALE_MIN, decode_attention_ref, dequantize_cache_fp8_ref, dequantize_kv_fp8_ref, kvcache_visible_ref, paged_decode_attn_ref, paged_gather_ref,
+    FP8_SCALE_MIN, decode_attention_ref, fp8_scale_from_amax, dequantize_cache_fp8_ref, dequantize_kv_fp8_ref, kvcache_visible_ref, paged_decode_attn_ref, paged_gather_ref,
     quantize_kv_fp8_ref,
 )
 
@@ -145,6 +146,36 @@ def test_saturation_never_overflows(device):
     x[:, 0, 0] = amax
     q, scale = quantize_kv_fp8(x.to(device), page_size=1)
     assert bool((q[:, 0, 0].float() == 448).all())
+
+
+class _Divisions(TorchDispatchMode):
+    """Records the (dividend shape, divisor) of every aten division dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_):
+            self.calls.append((tuple(args[0].shape), args[1]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_reference_scale_is_an_elementwise_division(device):
+    """``amax / 448`` correctly rounded on every device: the reference divides by a tensor of
+    amax's shape (PyTorch's CUDA kernel turns a division by a Python number into a product with
+    its rounded reciprocal, one ulp off for about half of all maxima); the scale equals the fp64
+    quotient rounded once to fp32 (exact: 53 >= 2 * 24 + 2 bits)."""
+    g = torch.Generator().manual_seed(5)
+    amax = torch.exp(torch.randn(4096, generator=g) * 20).float()
+    with _Divisions() as rec:
+        s = fp8_scale_from_amax(amax.to(device))
+    assert rec.calls and all(isinstance(d, torch.Tensor) and tuple(d.shape) == shp for shp, d in rec.calls), \
+        [(shp, type(d).__name__, getattr(d, "shape", None)) for shp, d in rec.calls]
+    want = (amax.double() / 448).float().clamp_min(FP8_SCALE_MIN)
+    assert torch.equal(s.cpu(), want)
+    # what a division by the number would give on the GPU: differs for many maxima
+    assert int(((amax * (torch.tensor(1.0) / 448)).clamp_min(FP8_SCALE_MIN) != want).sum()) > 100
 
 
 def test_out_buffers_and_empty(device):
