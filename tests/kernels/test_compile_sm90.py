@@ -11,7 +11,9 @@ interpreter, and the GPU suite).
 
 The fp8 variants' PTX is also read (``--ptx``): the quantization kernel must divide with IEEE
 ``div.rn.f32`` (no approximate division or reciprocal, no flush to zero) and cast with
-``cvt.rn.satfinite.e4m3x2.f32``, or it stops equalling the torch reference bit for bit on the GPU.
+``cvt.rn.satfinite.e4m3x2.f32``, or it stops equalling the torch reference bit for bit on the GPU;
+the decode kernels' fp8 tile step must convert codes with ``cvt.rn.f16x2.e4m3x2`` into fp16 MMAs
+(no ``cvt.bf16.f16``).
 
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (with it, Triton's own library
 functions such as ``tl.max`` are interpreted functions and cannot be compiled).
@@ -129,8 +131,8 @@ def _dense_types(q="*bf16"):
     return t
 
 
-def _dense(kv_fp8, spage):
-    return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32", HAS_LEFT=False, HAS_RIGHT=False,
+def _dense(kv_fp8, spage, block_n=64):
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=128, DOT_PREC="tf32", HAS_LEFT=False, HAS_RIGHT=False,
                 ROW_LEFT=False, SOFTCAP=False, ALIBI=False, LEFTPAD=False, BATCH_IDX=True, KV_FP8=kv_fp8, SPAGE=spage)
 
 
@@ -142,9 +144,10 @@ def _quant_types():
     return t
 
 
-def _paged(page, kv_fp8, token, div, **flags):
-    """The paged decode kernel's constexprs on the 8B shape (D 128, group 4) for an fp8 store."""
-    c = dict(PAGE=page, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32", HAS_LEFT=False, HAS_RIGHT=False,
+def _paged(page, kv_fp8, token, div, block_n=128, **flags):
+    """The paged decode kernel's constexprs on the 8B shape (D 128, group 4) for an fp8 store
+    (the fp8 tiles: 128 keys, ``decode._default_config``)."""
+    c = dict(PAGE=page, BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=128, DOT_PREC="tf32", HAS_LEFT=False, HAS_RIGHT=False,
              ROW_LEFT=False, SOFTCAP=False, ALIBI=False, LEFTPAD=False, KV_FP8=kv_fp8, SCALE_TOKEN=token,
              SCALE_DIV=div)
     c.update(flags)
@@ -153,11 +156,13 @@ def _paged(page, kv_fp8, token, div, **flags):
 
 #: the fp8 store's variants of the paged decode kernel (what _scale_args launches): name -> constexprs
 _PAGED_FP8 = {
-    "page scales, a tile per page, row store": _paged(64, 1, False, 64),
+    "page scales, a tile per page, row store": _paged(128, 1, False, 128),
     "page scales, a tile per page, block store": _paged(256, 1, False, 1),
     "page scales, an entry per key row": _paged(16, 2, False, 16),
-    "token scales, a tile per page": _paged(64, 2, True, 1),
+    "page scales, an entry per key row, block store": _paged(32, 2, False, 1),
+    "token scales, a tile per page": _paged(256, 2, True, 1),
     "token scales, an entry per key row, softcap window": _paged(32, 2, True, 1, SOFTCAP=True, HAS_LEFT=True),
+    "page scales, a tile per page, D 256 (64-key tiles)": _paged(64, 1, False, 1, block_n=64, BLOCK_D=256),
 }
 
 
@@ -187,7 +192,8 @@ VARIANTS = {
     **{f"decode fp8 {name} q={q}": ("decode", "_decode_split_kernel", f"dense_{q}", c,
                                     {"num_warps": 4, "num_stages": 3})
        for name, c in (("token scales", _dense(2, 1)), ("page scales, a tile per page", _dense(1, 256)),
-                       ("page scales per key", _dense(2, 16))) for q in ("bf16", "fp16")},
+                       ("page scales per key", _dense(2, 16)), ("page scales per key, 128-key tiles", _dense(2, 64, 128)))
+       for q in ("bf16", "fp16")},
     **{f"quantize fp8 {g}": ("fp8", "_quantize_kernel", "quant", dict(PAGE=32, TOKEN=g == "token", BLOCK_T=32,
                                                                        BLOCK_D=128), {"num_warps": 4})
        for g in ("page", "token")},
@@ -201,7 +207,9 @@ VARIANTS.update({f"quantize fp8 {g} x={x}": ("fp8", "_quantize_kernel", f"quant_
                  for x in ("fp16", "fp32") for g in ("page", "token")})
 
 #: substrings counted in the PTX of the fp8 variants (:func:`_ptx_counts`)
-PTX_PATTERNS = ("div.rn.f32", "div.full.f32", "div.approx", "rcp.approx", ".ftz", "cvt.rn.satfinite.e4m3x2.f32")
+PTX_PATTERNS = ("div.rn.f32", "div.full.f32", "div.approx", "rcp.approx", ".ftz", "cvt.rn.satfinite.e4m3x2.f32",
+                "cvt.rn.f16x2.e4m3x2", "cvt.bf16.f16", "cvt.rn.bf16", "m16n8k16.row.col.f32.f16.f16.f32",
+                "m16n8k16.row.col.f32.bf16.bf16.f32")
 
 
 def _types() -> dict:
@@ -330,6 +338,17 @@ def test_quantize_ptx_rounds_exactly(fp8_ptx, name):
     assert c["div.rn.f32"] > 0, c
     assert c["div.full.f32"] == c["div.approx"] == c["rcp.approx"] == c[".ftz"] == 0, c
     assert c["cvt.rn.satfinite.e4m3x2.f32"] > 0, c
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if "decode fp8" in n])
+def test_fp8_decode_ptx_converts_codes_to_fp16(fp8_ptx, name):
+    """The fp8 tile step converts two e4m3 codes per ``cvt.rn.f16x2.e4m3x2`` and feeds fp16
+    tensor-core MMAs whatever q's dtype: no per-element fp16 -> bf16 conversion of the codes (two
+    ``cvt.bf16.f16`` per pair, the slow conversion pipe) and no bf16 MMA."""
+    c = fp8_ptx[name]
+    assert c["cvt.rn.f16x2.e4m3x2"] > 0, c
+    assert c["cvt.bf16.f16"] == 0 and c["m16n8k16.row.col.f32.bf16.bf16.f32"] == 0, c
+    assert c["m16n8k16.row.col.f32.f16.f16.f32"] > 0, c
 
 
 def test_every_kernel_the_tests_launch_compiles(compiled, tmp_path):

@@ -31,8 +31,9 @@ partial; page scales ``[ceil(T / page_size), Hkv]``, token scales ``[T, Hkv]``) 
 ``[num_pages, page_size, Hkv]``).
 
 Dequantization happens where the values are used: the decode kernels (paged and contiguous,
-``k_scale`` / ``v_scale``) load e4m3 tiles, convert them to q's dtype (exact: every e4m3 value is
-an fp16 and a bf16 value) and apply the scales in fp32 around their two ``tl.dot`` s;
+``k_scale`` / ``v_scale``) load e4m3 tiles, convert them to fp16 (exact: every e4m3 value is an
+fp16 value; two codes per ``cvt.rn.f16x2.e4m3x2``), take a bf16 q as fp16 rows scaled by powers
+of two, and apply the scales in fp32 around their two ``tl.dot`` s (``decode._attend_tile``);
 :func:`dequantize_kv_fp8` (torch) serves the CPU and the tests.
 """
 from __future__ import annotations
