@@ -21,9 +21,16 @@ ceiling, and the torch reference's time on the same GPU (``torch_ms``) for scale
 Time: the median of ``triton.testing.do_bench`` (L2 flushed between runs) over CUDA-graph replays
 of one call with ``check=False`` (``us``; ``us_eager``: the plain Python call).
 
-Run: ``python benchmarks/bench_fp8_decode.py [--quick] [--only decode,quant] [--out PATH]`` (table
-+ JSON into benchmarks/results/fp8_decode.json), or ``pytest benchmarks/bench_fp8_decode.py``
-(pytest-benchmark; numbers in extra_info). Skips cleanly without CUDA (``--help`` works anywhere).
+``--fp8-configs BN,W,S[,R] ...`` also times the fp8 variants under other tiles of the paged kernel
+(BN keys per loop iteration, W warps, S pipeline stages, R an optional register cap per thread,
+ptxas' ``maxnreg``), one row each with ``config`` set (the library's default rows have none), so
+one run on the GPU compares them with the default (``decode._default_config``: 128 keys, 4 warps,
+3 stages for fp8 at D 128).
+
+Run: ``python benchmarks/bench_fp8_decode.py [--quick] [--only decode,quant] [--fp8-configs ...]
+[--out PATH]`` (table + JSON into benchmarks/results/fp8_decode.json), or ``pytest
+benchmarks/bench_fp8_decode.py`` (pytest-benchmark; numbers in extra_info). Skips cleanly without
+CUDA (``--help`` works anywhere).
 """
 from __future__ import annotations
 
@@ -105,9 +112,27 @@ def decode_bytes(variant, b, ctx, hkv, d, page) -> int:
     return 2 * (tokens * hkv * d + 4 * scales)
 
 
-def run_decode_case(b, ctx, page, hbm, heads=HEADS) -> list:
-    """The three variants at one (batch, context, page) shape; one row each."""
+def parse_config(text: str) -> dict:
+    """``"BN,W,S"`` or ``"BN,W,S,R"`` -> the paged kernel's config dict (``_paged_triton``)."""
+    parts = [int(x) for x in text.split(",")]
+    if len(parts) not in (3, 4) or min(parts) < 1:
+        raise ValueError(f"a config is BLOCK_N,num_warps,num_stages[,maxnreg] of positive ints, got {text!r}")
+    cfg = dict(block_n=parts[0], num_warps=parts[1], num_stages=parts[2])
+    if len(parts) == 4:
+        cfg["maxnreg"] = parts[3]
+    return cfg
+
+
+def _config_name(cfg) -> str:
+    return f"{cfg['block_n']}k w{cfg['num_warps']} s{cfg['num_stages']}" + (
+        f" r{cfg['maxnreg']}" if cfg.get("maxnreg") else "")
+
+
+def run_decode_case(b, ctx, page, hbm, heads=HEADS, configs=()) -> list:
+    """The three variants at one (batch, context, page) shape, one row each, and the fp8 variants
+    again under each of ``configs`` (paged kernel configs, :func:`parse_config`)."""
     from xoffload.kernels import paged_decode_attn_with_lse
+    from xoffload.kernels.paged_decode import _paged_triton
 
     hq, hkv, d = heads
     num_blocks = b * -(-ctx // page)
@@ -116,19 +141,25 @@ def run_decode_case(b, ctx, page, hbm, heads=HEADS) -> list:
     lens = torch.full((b,), ctx, dtype=torch.int32, device=DEVICE)
     q = torch.randn(b, 1, hq, d, device=DEVICE, dtype=DTYPE)
     rows, base_us, base_out = [], None, None
-    for variant in VARIANTS:
+    runs = [(v, None) for v in VARIANTS] + [(v, c) for c in configs for v in VARIANTS if v != "bf16"]
+    for variant, cfg in runs:
         if variant == "bf16":
             args, kw = (st.k, st.v), {}
         else:
             kq, ks, vq, vs = st.fp8(variant[4:])
             args, kw = (kq, vq), dict(k_scale=ks, v_scale=vs)
-        fn = lambda: paged_decode_attn_with_lse(q, *args, table, lens, check=False, **kw)  # noqa: E731
+        if cfg is None:
+            fn = lambda: paged_decode_attn_with_lse(q, *args, table, lens, check=False, **kw)  # noqa: E731
+        else:
+            fn = lambda: _paged_triton(q, *args, table, lens, page, d ** -0.5, None, cfg, **kw)  # noqa: E731
         out = fn()[0]
         us, us_eager, timing = _time(fn)
         nbytes = decode_bytes(variant, b, ctx, hkv, d, page)
         row = {"case": "decode", "variant": variant, "B": b, "context": ctx, "page": page, "Hq": hq, "Hkv": hkv,
                "D": d, "bytes": nbytes, "us": us, "us_eager": us_eager, "timing": timing,
                "GBps": nbytes / us / 1e3, "hbm_copy_GBps": hbm, "frac_of_hbm_copy": nbytes / us / 1e3 / hbm}
+        if cfg is not None:
+            row["config"] = _config_name(cfg)
         if variant == "bf16":
             base_us, base_out = us, out
         else:
@@ -187,7 +218,8 @@ def _line(r) -> str:
     if r["case"] == "decode":
         extra = (f"  fp8/bf16 {r['time_over_bf16']:.3f}  max|diff| {r['max_abs_diff_vs_bf16']:.3g}"
                  if "time_over_bf16" in r else "")
-        return (f"decode B={r['B']} ctx={r['context']:>6} page={r['page']:>3} {r['variant']:<9} "
+        name = r["variant"] + (f" [{r['config']}]" if r.get("config") else "")
+        return (f"decode B={r['B']} ctx={r['context']:>6} page={r['page']:>3} {name:<9} "
                 f"{r['us']:8.1f} us  {r['bytes'] / 2**20:8.1f} MiB  {r['GBps']:7.1f} GB/s "
                 f"({100 * r['frac_of_hbm_copy']:.1f}% of copy){extra}")
     return (f"quant {r['layout']:<6} page={r['page']:>3} {r['granularity']:<5} {r['us']:8.1f} us  "
@@ -198,9 +230,16 @@ def _line(r) -> str:
 def main(argv=None):
     ap = bench_parser(__doc__, "fp8_decode", quick_help="batch 1 at 128K only")
     ap.add_argument("--only", default="decode,quant", help="comma-separated cases: decode, quant")
+    ap.add_argument("--fp8-configs", nargs="*", default=[], metavar="BN,W,S[,R]",
+                    help="also time the fp8 variants under these paged-kernel configs (keys per tile, warps, "
+                         "stages, optional register cap), e.g. 64,4,3 128,4,3,168")
     args = parse_gpu_args(ap, argv)
     if args is None:
         return 0
+    try:
+        configs = [parse_config(c) for c in args.fp8_configs]
+    except ValueError as e:
+        ap.error(str(e))
     only = set(args.only.split(","))
     if only - {"decode", "quant"}:
         ap.error(f"--only: unknown case(s) {sorted(only - {'decode', 'quant'})}; choose from decode,quant")
@@ -214,7 +253,7 @@ def main(argv=None):
         for b in ((1,) if args.quick else BATCHES):
             for ctx in ((131072,) if args.quick else CONTEXTS):
                 for page in PAGES:
-                    for r in run_decode_case(b, ctx, page, hbm):
+                    for r in run_decode_case(b, ctx, page, hbm, configs=configs):
                         rows.append(r)
                         print(_line(r), flush=True)
     if "quant" in only:

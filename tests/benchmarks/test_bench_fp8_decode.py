@@ -46,6 +46,19 @@ def test_decode_case_rows(dry, page):
         assert 0 < r["max_abs_diff_vs_bf16"] < 0.2  # e4m3's error on unit-variance data, not garbage
 
 
+def test_decode_case_configs(dry):
+    """``--fp8-configs``: the fp8 variants again under each config, rows named by it."""
+    cfgs = [bfd.parse_config("32,4,2"), bfd.parse_config("64,4,3,168")]
+    rows = bfd.run_decode_case(1, 160, 32, 1000.0, heads=(4, 2, 32), configs=cfgs)
+    assert [(r["variant"], r.get("config")) for r in rows] == [
+        ("bf16", None), ("fp8_page", None), ("fp8_token", None), ("fp8_page", "32k w4 s2"), ("fp8_token", "32k w4 s2"),
+        ("fp8_page", "64k w4 s3 r168"), ("fp8_token", "64k w4 s3 r168")]
+    for r in rows[1:]:
+        assert 0 < r["max_abs_diff_vs_bf16"] < 0.2
+    with pytest.raises(ValueError, match="BLOCK_N,num_warps,num_stages"):
+        bfd.parse_config("64,4")
+
+
 @pytest.mark.parametrize("layout,page,granularity", bfd.quant_cases())
 def test_quant_case_row(dry, layout, page, granularity):
     r = bfd.run_quant_case(layout, page, granularity, 1000.0, tokens=512, heads=(4, 2, 32))

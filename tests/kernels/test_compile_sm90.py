@@ -9,6 +9,12 @@ tile class, on the H200's tiles, the decode kernels' fp8 variants (paged and con
 scales, a scale per tile or per key row) and the fp8 quantization kernel. Runtime behaviour is tested elsewhere (the
 interpreter, and the GPU suite).
 
+The fp8 variants' PTX is also read (``--ptx``): the quantization kernel must divide with IEEE
+``div.rn.f32`` (no approximate division or reciprocal, no flush to zero) and cast with
+``cvt.rn.satfinite.e4m3x2.f32``, or it stops equalling the torch reference bit for bit on the GPU;
+the decode kernels' fp8 tile step must convert codes with ``cvt.rn.f16x2.e4m3x2`` into fp16 MMAs
+(no ``cvt.bf16.f16``).
+
 The compile runs in a subprocess without ``TRITON_INTERPRET`` (with it, Triton's own library
 functions such as ``tl.max`` are interpreted functions and cannot be compiled).
 
@@ -125,8 +131,8 @@ def _dense_types(q="*bf16"):
     return t
 
 
-def _dense(kv_fp8, spage):
-    return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32", HAS_LEFT=False, HAS_RIGHT=False,
+def _dense(kv_fp8, spage, block_n=64):
+    return dict(BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=128, DOT_PREC="tf32", HAS_LEFT=False, HAS_RIGHT=False,
                 ROW_LEFT=False, SOFTCAP=False, ALIBI=False, LEFTPAD=False, BATCH_IDX=True, KV_FP8=kv_fp8, SPAGE=spage)
 
 
@@ -138,9 +144,10 @@ def _quant_types():
     return t
 
 
-def _paged(page, kv_fp8, token, div, **flags):
-    """The paged decode kernel's constexprs on the 8B shape (D 128, group 4) for an fp8 store."""
-    c = dict(PAGE=page, BLOCK_M=16, BLOCK_N=64, BLOCK_D=128, DOT_PREC="tf32", HAS_LEFT=False, HAS_RIGHT=False,
+def _paged(page, kv_fp8, token, div, block_n=128, **flags):
+    """The paged decode kernel's constexprs on the 8B shape (D 128, group 4) for an fp8 store
+    (the fp8 tiles: 128 keys, ``decode._default_config``)."""
+    c = dict(PAGE=page, BLOCK_M=16, BLOCK_N=block_n, BLOCK_D=128, DOT_PREC="tf32", HAS_LEFT=False, HAS_RIGHT=False,
              ROW_LEFT=False, SOFTCAP=False, ALIBI=False, LEFTPAD=False, KV_FP8=kv_fp8, SCALE_TOKEN=token,
              SCALE_DIV=div)
     c.update(flags)
@@ -149,11 +156,13 @@ def _paged(page, kv_fp8, token, div, **flags):
 
 #: the fp8 store's variants of the paged decode kernel (what _scale_args launches): name -> constexprs
 _PAGED_FP8 = {
-    "page scales, a tile per page, row store": _paged(64, 1, False, 64),
+    "page scales, a tile per page, row store": _paged(128, 1, False, 128),
     "page scales, a tile per page, block store": _paged(256, 1, False, 1),
     "page scales, an entry per key row": _paged(16, 2, False, 16),
-    "token scales, a tile per page": _paged(64, 2, True, 1),
+    "page scales, an entry per key row, block store": _paged(32, 2, False, 1),
+    "token scales, a tile per page": _paged(256, 2, True, 1),
     "token scales, an entry per key row, softcap window": _paged(32, 2, True, 1, SOFTCAP=True, HAS_LEFT=True),
+    "page scales, a tile per page, D 256 (64-key tiles)": _paged(64, 1, False, 1, block_n=64, BLOCK_D=256),
 }
 
 
@@ -188,7 +197,8 @@ VARIANTS = {
     **{f"decode fp8 {name} q={q}": ("decode", "_decode_split_kernel", f"dense_{q}", c,
                                     {"num_warps": 4, "num_stages": 3})
        for name, c in (("token scales", _dense(2, 1)), ("page scales, a tile per page", _dense(1, 256)),
-                       ("page scales per key", _dense(2, 16))) for q in ("bf16", "fp16")},
+                       ("page scales per key", _dense(2, 16)), ("page scales per key, 128-key tiles", _dense(2, 64, 128)))
+       for q in ("bf16", "fp16")},
     **{f"quantize fp8 {g}": ("fp8", "_quantize_kernel", "quant", dict(PAGE=32, TOKEN=g == "token", BLOCK_T=32,
                                                                        BLOCK_D=128), {"num_warps": 4})
        for g in ("page", "token")},
@@ -198,23 +208,56 @@ VARIANTS = {
 }
 
 
-def _compile_all() -> dict:
-    """Compile every named variant for sm_90 (in this process: no interpreter); name -> "ok" / the error."""
+#: the quantize kernel's other input dtypes (the GPU test quantizes all three), for the PTX checks
+VARIANTS.update({f"quantize fp8 {g} x={x}": ("fp8", "_quantize_kernel", f"quant_{x}",
+                                             dict(PAGE=32, TOKEN=g == "token", BLOCK_T=32, BLOCK_D=128),
+                                             {"num_warps": 4})
+                 for x in ("fp16", "fp32") for g in ("page", "token")})
+
+#: substrings counted in the PTX of the fp8 variants (:func:`_ptx_counts`)
+PTX_PATTERNS = ("div.rn.f32", "div.full.f32", "div.approx", "rcp.approx", ".ftz", "cvt.rn.satfinite.e4m3x2.f32",
+                "cvt.rn.f16x2.e4m3x2", "cvt.bf16.f16", "cvt.rn.bf16", "m16n8k16.row.col.f32.f16.f16.f32",
+                "m16n8k16.row.col.f32.bf16.bf16.f32")
+
+
+def _types() -> dict:
+    return {"lookup": _lookup_types(), "fill": _fill_types(), "channel": _channel_types(), "topk": _topk_types(),
+            "attn": _attn_types(), "attn_fp32": _attn_types("*fp32"), "paged_bf16": _paged_types(q="*bf16"),
+            "paged_fp16": _paged_types(q="*fp16"), "dense_bf16": _dense_types("*bf16"),
+            "dense_fp16": _dense_types("*fp16"), "quant": _quant_types(),
+            "quant_fp16": dict(_quant_types(), X="*fp16"), "quant_fp32": dict(_quant_types(), X="*fp32"),
+            "gather": _gather_types()}
+
+
+def _variant_spec(name: str, types: dict) -> dict:
     import importlib
 
-    types = {"lookup": _lookup_types(), "fill": _fill_types(), "channel": _channel_types(), "topk": _topk_types(),
-             "attn": _attn_types(), "attn_fp32": _attn_types("*fp32"), "paged_bf16": _paged_types(q="*bf16"),
-             "paged_fp16": _paged_types(q="*fp16"), "dense_bf16": _dense_types("*bf16"),
-             "dense_fp16": _dense_types("*fp16"), "quant": _quant_types(),
-             "gather": _gather_types()}
+    mod, kern, tkey, consts, *opts = VARIANTS[name]
+    module = f"xoffload.kernels.{mod}"
+    params = inspect.signature(getattr(importlib.import_module(module), kern).fn).parameters
+    return {"module": module, "name": kern, "constexprs": consts, "options": opts[0] if opts else {},
+            "signature": {p: "constexpr" if p in consts else types[tkey][p] for p in params}}
+
+
+def _compile_all() -> dict:
+    """Compile every named variant for sm_90 (in this process: no interpreter); name -> "ok" / the error."""
+    types = _types()
     out = {}
-    for name, (mod, kern, tkey, consts, *opts) in VARIANTS.items():
-        module = f"xoffload.kernels.{mod}"
-        params = inspect.signature(getattr(importlib.import_module(module), kern).fn).parameters
-        spec = {"module": module, "name": kern, "constexprs": consts, "options": opts[0] if opts else {},
-                "signature": {p: "constexpr" if p in consts else types[tkey][p] for p in params}}
-        fails = _compile_specs([spec])
+    for name in VARIANTS:
+        fails = _compile_specs([_variant_spec(name, types)])
         out[name] = fails[0][1] if fails else "ok"
+    return out
+
+
+def _ptx_counts() -> dict:
+    """The fp8 variants' sm_90 PTX: name -> {pattern: occurrences} for :data:`PTX_PATTERNS`."""
+    types = _types()
+    out = {}
+    for name in VARIANTS:
+        if "fp8" not in name:
+            continue
+        ptx = _compile_specs([_variant_spec(name, types)], keep=True)[0].asm["ptx"]
+        out[name] = {pat: ptx.count(pat) for pat in PTX_PATTERNS}
     return out
 
 
@@ -236,36 +279,40 @@ def _select(specs: list) -> list:
     return out
 
 
-def _compile_specs(specs: list) -> list:
-    """Compile each spec for sm_90; the failures as ``(module.name, error)``."""
+def _compile_specs(specs: list, keep: bool = False) -> list:
+    """Compile each spec for sm_90; the failures as ``(module.name, error)`` (``keep``: the
+    compiled kernels instead, errors raised)."""
     import importlib
 
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fails = []
+    fails, kept = [], []
     for s in specs:
         fn = getattr(importlib.import_module(s["module"]), s["name"])
         params = list(inspect.signature(fn.fn).parameters)
         src = ASTSource(fn=fn, signature=s["signature"],
                         constexprs={(params.index(k),): v for k, v in s["constexprs"].items()})
+        if keep:
+            kept.append(triton.compile(src, target=GPUTarget("cuda", 90, 32), options=s["options"]))
+            continue
         try:
             triton.compile(src, target=GPUTarget("cuda", 90, 32), options=s["options"])
         except Exception as e:  # reported, with the spec
             fails.append((f"{s['module']}.{s['name']}", f"{type(e).__name__}: {str(e)[:800]} | {json.dumps(s)[:600]}"))
-    return fails
+    return kept if keep else fails
 
 
-@pytest.fixture(scope="module")
-def compiled():
+def _run_self(*args) -> dict:
+    """This file run as a script without the interpreter (``args`` select the mode); its JSON."""
     try:
         from triton.backends.compiler import GPUTarget  # noqa: F401
         from triton.compiler import ASTSource  # noqa: F401
     except ImportError:
         pytest.skip("this Triton has no ASTSource / GPUTarget")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    p = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=600)
+    p = subprocess.run([sys.executable, __file__, *args], env=env, capture_output=True, text=True, timeout=600)
     if p.returncode != 0:
         if "ptxas" in p.stderr.lower() and "not found" in p.stderr.lower():
             pytest.skip("no ptxas in this Triton install")
@@ -273,9 +320,44 @@ def compiled():
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+@pytest.fixture(scope="module")
+def compiled():
+    return _run_self()
+
+
+@pytest.fixture(scope="module")
+def fp8_ptx():
+    return _run_self("--ptx")
+
+
 @pytest.mark.parametrize("name", list(VARIANTS))
 def test_kernel_compiles_for_sm90(compiled, name):
     assert compiled[name] == "ok", compiled[name]
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n.startswith("quantize fp8")])
+def test_quantize_ptx_rounds_exactly(fp8_ptx, name):
+    """The quantization kernel equals the torch reference bit for bit only if its two divisions
+    (``amax / 448``, ``x / scale``) are IEEE round-to-nearest: ``div.rn.f32``, never the
+    approximate ``div.full`` / ``div.approx`` / ``rcp.approx`` and never flushing subnormals
+    (``.ftz``); its stores cast exact e4m3 values with the saturating round-to-nearest
+    ``cvt.rn.satfinite.e4m3x2.f32``. (The kernel's one contracted ``fma.rn.f32``, ``a * 2^k - f``,
+    has an exact product, so it rounds as the separate multiply and subtract.)"""
+    c = fp8_ptx[name]
+    assert c["div.rn.f32"] > 0, c
+    assert c["div.full.f32"] == c["div.approx"] == c["rcp.approx"] == c[".ftz"] == 0, c
+    assert c["cvt.rn.satfinite.e4m3x2.f32"] > 0, c
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if "decode fp8" in n])
+def test_fp8_decode_ptx_converts_codes_to_fp16(fp8_ptx, name):
+    """The fp8 tile step converts two e4m3 codes per ``cvt.rn.f16x2.e4m3x2`` and feeds fp16
+    tensor-core MMAs whatever q's dtype: no per-element fp16 -> bf16 conversion of the codes (two
+    ``cvt.bf16.f16`` per pair, the slow conversion pipe) and no bf16 MMA."""
+    c = fp8_ptx[name]
+    assert c["cvt.rn.f16x2.e4m3x2"] > 0, c
+    assert c["cvt.bf16.f16"] == 0 and c["m16n8k16.row.col.f32.bf16.bf16.f32"] == 0, c
+    assert c["m16n8k16.row.col.f32.f16.f16.f32"] > 0, c
 
 
 def test_every_kernel_the_tests_launch_compiles(compiled, tmp_path):
@@ -303,7 +385,9 @@ def test_every_kernel_the_tests_launch_compiles(compiled, tmp_path):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 1:  # compile the specs of a file (test_every_kernel_the_tests_launch_compiles)
+    if sys.argv[1:] == ["--ptx"]:  # the fp8 variants' PTX counts (fp8_ptx)
+        print(json.dumps(_ptx_counts()))
+    elif len(sys.argv) > 1:  # compile the specs of a file (test_every_kernel_the_tests_launch_compiles)
         print(json.dumps(_compile_specs(json.loads(open(sys.argv[1]).read()))))
     else:
         print(json.dumps(_compile_all()))

@@ -9,12 +9,14 @@ most half an ulp, ``2^(e-4) <= |y| * 2^-4``, and a subnormal one by at most half
 fp32 product (<= 2^-24), so ``|x - q*scale| <= scale * max(|y| * 2^-4, 2^-10) + |x| * 2^-22``.
 
 CPU: the Triton code under the interpreter (which loads and converts e4m3 correctly; the kernel
-rounds to e4m3 itself, so it equals the reference bit for bit), fp16 queries. GPU (``-m cuda``):
-bf16, the 8B head shape, page and token scales, row and block stores, a pinned host store read
-over UVA.
+rounds to e4m3 itself, so it equals the reference bit for bit), fp16 queries, and bf16 queries
+(the fp8 tile step takes them as fp16 rows scaled by powers of two, so its dots are fp16 ones,
+which the interpreter computes correctly). GPU (``-m cuda``): bf16, the 8B head shape, page and
+token scales, row and block stores, a pinned host store read over UVA.
 """
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import assert_lse_match, attention_in_dtype, max_err, out_tol, sdpa_in_dtype
 from xoffload.kernels import cpu_backend, decode_attn_with_lse, paged_decode_attn_with_lse
@@ -22,7 +24,7 @@ from xoffload.kernels.fp8 import (
     FP8_DTYPE, check_fp8_supported, dequantize_kv_fp8, fp8_scale_shape, quantize_kv_fp8,
 )
 from xoffload.kernels.reference import (
-    FP8_SCALE_MIN, decode_attention_ref, dequantize_cache_fp8_ref, dequantize_kv_fp8_ref, kvcache_visible_ref, paged_decode_attn_ref, paged_gather_ref,
+    FP8_SCALE_MIN, decode_attention_ref, fp8_scale_from_amax, dequantize_cache_fp8_ref, dequantize_kv_fp8_ref, kvcache_visible_ref, paged_decode_attn_ref, paged_gather_ref,
     quantize_kv_fp8_ref,
 )
 
@@ -147,6 +149,36 @@ def test_saturation_never_overflows(device):
     assert bool((q[:, 0, 0].float() == 448).all())
 
 
+class _Divisions(TorchDispatchMode):
+    """Records the (dividend shape, divisor) of every aten division dispatched inside it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.div, torch.ops.aten.div_):
+            self.calls.append((tuple(args[0].shape), args[1]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_reference_scale_is_an_elementwise_division(device):
+    """``amax / 448`` correctly rounded on every device: the reference divides by a tensor of
+    amax's shape (PyTorch's CUDA kernel turns a division by a Python number into a product with
+    its rounded reciprocal, one ulp off for about half of all maxima); the scale equals the fp64
+    quotient rounded once to fp32 (exact: 53 >= 2 * 24 + 2 bits)."""
+    g = torch.Generator().manual_seed(5)
+    amax = torch.exp(torch.randn(4096, generator=g) * 20).float()
+    with _Divisions() as rec:
+        s = fp8_scale_from_amax(amax.to(device))
+    assert rec.calls and all(isinstance(d, torch.Tensor) and tuple(d.shape) == shp for shp, d in rec.calls), \
+        [(shp, type(d).__name__, getattr(d, "shape", None)) for shp, d in rec.calls]
+    want = (amax.double() / 448).float().clamp_min(FP8_SCALE_MIN)
+    assert torch.equal(s.cpu(), want)
+    # what a division by the number would give on the GPU: differs for many maxima
+    assert int(((amax * (torch.tensor(1.0) / 448)).clamp_min(FP8_SCALE_MIN) != want).sum()) > 100
+
+
 def test_out_buffers_and_empty(device):
     x = _x((48, 2, 32), torch.float16, device, seed=4)
     out = torch.empty(48, 2, 64, dtype=FP8_DTYPE, device=device)[:, :, 16:48]  # strided view
@@ -242,9 +274,9 @@ def _check_decode(q, kq, ks, vq, vs, table, lens, page, granularity, **kw):
 
 DECODE_CASES = [  # (Hq, Hkv, D, page, blocked, shared table, num_splits, lens)
     (8, 2, 64, 16, False, False, 3, [150, 0, 37]),   # GQA 4, a scale per key row (16 < BLOCK_N)
-    (8, 2, 64, 64, False, True, 2, [190, 64, 1]),    # one page per tile: one scale per tile
+    (8, 2, 64, 64, False, True, 2, [190, 64, 1]),    # two pages per tile (BLOCK_N 128): per key row
     (6, 3, 40, 32, True, True, None, [97, 0, 200]),  # block store, odd D
-    (4, 1, 64, 128, True, False, 2, [255, 129, 3]),  # block store, large pages
+    (4, 1, 64, 128, True, False, 2, [255, 129, 3]),  # block store, one page per tile: one scale per tile
 ]
 
 
@@ -280,6 +312,22 @@ def test_fp8_paged_decode_matches_reference(device, granularity, hq, hkv, d, pag
             o3, l3 = paged_decode_attn_with_lse(q, kq, vq, table, seqlens, page_size=page, k_scale=ks, v_scale=vs)
         assert max_err(out, o3) <= 4 * torch.finfo(q.dtype).eps * max(1.0, float(o3.abs().max()))
         assert_lse_match(lse, l3)
+
+
+@pytest.mark.parametrize("granularity", ["page", "token"])
+def test_fp8_paged_decode_bf16_query(device, granularity):
+    """A bf16 q: each row enters the fp16 dot scaled by its own power of two, so rows whose
+    magnitudes differ by 2^+-100 (one head of a GQA group huge, one tiny) keep their precision
+    (without the scaling the huge row would overflow fp16 and the tiny one vanish)."""
+    page, hq, hkv, d = 128, 8, 2, 64
+    kq, ks = _fp8_store((6 * page, hkv, d), granularity, page, device, seed=8, spread=True)
+    vq, vs = _fp8_store((6 * page, hkv, d), granularity, page, device, seed=9)
+    q = _x((2, 1, hq, d), torch.float32, device, seed=10, spread=False)
+    q[:, :, 1] *= 2.0 ** 100
+    q[:, :, 2] *= 2.0 ** -100
+    q[1, :, 5] *= 2.0 ** 60
+    table = (torch.tensor([[[3, 0, 5, 1]], [[2, 4, 1, 0]]]) * page).to(torch.int32).to(device)
+    _check_decode(q.to(torch.bfloat16), kq, ks, vq, vs, table, [500, 300], page, granularity, num_splits=2)
 
 
 def test_fp8_paged_decode_options(device):
@@ -369,6 +417,27 @@ def test_fp8_contiguous_decode_matches_reference(device, spage):
             o4, l4 = decode_attn_with_lse(q, kq, vq, lens, **kw)
         assert max_err(out, o4) <= 4 * torch.finfo(q.dtype).eps * max(1.0, float(o4.abs().max()))
         assert_lse_match(lse, l4)
+
+
+def test_fp8_contiguous_decode_bf16_query(device):
+    """The contiguous kernel with a bf16 q (rows of very different magnitudes) and softcap."""
+    b, s, hq, hkv, d = 2, 200, 8, 2, 32
+    kq, ks = _fp8_cache(b, s, hkv, d, 64, device, seed=45)
+    vq, vs = _fp8_cache(b, s, hkv, d, 64, device, seed=46)
+    q = _x((b, 1, hq, d), torch.float32, device, seed=47, spread=False)
+    q[:, :, 3] *= 2.0 ** 40
+    q[:, :, 4] *= 2.0 ** -40
+    q = q.to(torch.bfloat16)
+    lens = torch.tensor([200, 77], dtype=torch.int32, device=device)
+    kd, vd = dequantize_cache_fp8_ref(kq, ks, 64), dequantize_cache_fp8_ref(vq, vs, 64)
+    for softcap in (0.0, 30.0):
+        out, lse = decode_attn_with_lse(q, kq, vq, lens, k_scale=ks, v_scale=vs, scale_page_size=64, softcap=softcap)
+        ref_o, ref_l = decode_attention_ref(q, kd, vd, lens, softcap=softcap)
+        base = [attention_in_dtype(q[i], kd[i, :n].to(q.dtype), vd[i, :n].to(q.dtype),
+                                   kvcache_visible_ref(1, n, device=device)[None], d ** -0.5, softcap=softcap)[None]
+                for i, n in enumerate(lens.tolist())]
+        assert max_err(out, ref_o) <= out_tol(ref_o, torch.cat(base), q.dtype)
+        assert_lse_match(lse, ref_l)
 
 
 def test_fp8_contiguous_decode_errors(device):

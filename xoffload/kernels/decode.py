@@ -28,7 +28,8 @@ plain path compiles to the same code as before:
 * ``cache_batch_idx`` int32 ``[B]``: item b reads cache row ``cache_batch_idx[b]``.
 * fp8 caches (:mod:`xoffload.kernels.fp8`): ``float8_e4m3fn`` k/v with fp32 ``k_scale`` /
   ``v_scale`` per (token, KV head) or per (``scale_page_size`` positions, KV head); the tiles are
-  converted to q's dtype in registers and the scales applied in fp32 (:func:`_attend_tile`).
+  converted to fp16 in registers (q too: :func:`_fp8_query`) and the scales applied in fp32
+  (:func:`_attend_tile`).
 """
 from __future__ import annotations
 
@@ -305,10 +306,42 @@ def _key_range(seqlen, kstart, mb, GROUP, SQ, WIN_LEFT, WIN_RIGHT, NUM_SPLITS,
     return lo_k, lo, hi
 
 
+#: fp8 tiles: p is kept as ``2^_P_SHIFT * exp2(s - m)`` (the running max is stored minus _P_SHIFT),
+#: so its fp16 copy (at most 2^14) keeps weights down to 2^-38 instead of fp16's 2^-24
+_P_SHIFT = tl.constexpr(14.0)
+
+
+@triton.jit
+def _fp8_query(q, qk_scale, cap_scale, SOFTCAP: tl.constexpr):
+    """q ``[BLOCK_M, BLOCK_D]`` (fp16 / bf16) as the fp16 operand of the fp8 tile step, and each
+    row's factor (fp32 ``[BLOCK_M]``) that takes ``q16 . k_codes`` to the kernel's score units:
+    ``cap_scale`` (SOFTCAP) or ``qk_scale`` times the power of two the row was scaled by. An fp16 q
+    is used as is; each row of a bf16 q is multiplied by ``2^-e`` (exact) with
+    ``e = floor(log2 max|row|) - 14``, so its largest magnitude lies in ``[2^14, 2^15)`` and every
+    element down to ``2^-31`` of it converts to fp16 exactly (bf16 keeps 8 significant bits, fp16
+    11 down to 2^-14 and 8 down to 2^-17)."""
+    if SOFTCAP:
+        base = cap_scale
+    else:
+        base = qk_scale
+    if q.dtype == tl.bfloat16:
+        qf = q.to(tl.float32)
+        amax = tl.max(tl.abs(qf), 1)
+        e = ((amax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 141  # floor(log2 amax) - 14
+        e = tl.minimum(tl.maximum(e, -100), 100)
+        q16 = (qf * ((127 - e) << 23).to(tl.float32, bitcast=True)[:, None]).to(tl.float16)
+        qs = ((127 + e) << 23).to(tl.float32, bitcast=True) * base
+    else:
+        q16 = q
+        qs = tl.full([q.shape[0]], 1.0, tl.float32) * base
+    return q16, qs
+
+
 @triton.jit
 def _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale, qpos, slope,
                  WIN_LEFT, WIN_RIGHT, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, ROW_LEFT: tl.constexpr,
-                 ROW_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr, ks=1.0, vs=1.0, KV_SCALE: tl.constexpr = 0):
+                 ROW_RIGHT: tl.constexpr, DOT_PREC: tl.constexpr, ks=1.0, vs=1.0, KV_SCALE: tl.constexpr = 0,
+                 qs=1.0):
     """One online-softmax step over a tile of BLOCK_N keys: load K at ``k_ptrs`` and V at
     ``v_ptrs`` (``[BLOCK_N, BLOCK_D]`` pointer tiles; keys ``tok`` with ``kmask`` False are masked,
     columns with ``dmask`` False are head-dim padding), update the running row max ``m_i`` (log2
@@ -323,23 +356,29 @@ def _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, 
 
     KV_SCALE (fp8 e4m3 K/V, :mod:`xoffload.kernels.fp8`): 0 = none (16-bit K/V, the code above
     unchanged); 1 = one scale per tile (``ks``, ``vs`` fp32 scalars: the tile lies in one page);
-    2 = a scale per key (``ks``, ``vs`` fp32 ``[BLOCK_N]``). The e4m3 tiles are converted to q's
-    dtype (exact: every e4m3 value is an fp16 and a bf16 value), so ``tl.dot`` keeps 16-bit
-    operands; the K scale multiplies the fp32 scores (``q.k * ks``), the V scale is folded into p
-    (per key: ``p * vs / max(vs)`` before the cast, ``* max(vs)`` after the dot, so p keeps its
-    range in fp16) or into the dot's fp32 result (per tile)."""
+    2 = a scale per key (``ks``, ``vs`` fp32 ``[BLOCK_N]``). q and ``qs`` are then
+    :func:`_fp8_query`'s fp16 operand and row factors, so the scores are
+    ``(q16 . codes) * (qs * ks)`` (with SOFTCAP ``tanh`` of that, times ``qk_scale``; ``cap_scale``
+    unused). The e4m3 tiles convert to fp16 exactly (two codes per instruction on
+    sm_89+), whatever q's dtype. p is kept ``2^_P_SHIFT`` times larger (``m_i`` stores the row max
+    minus _P_SHIFT; ``m + log2(l)`` and ``acc / l`` are unchanged) so its fp16 copy loses no weight
+    above ``2^-38``. The V scale multiplies the dot's fp32 result (per tile) or is folded into p
+    (per key: ``p * vs / max(vs)`` before the cast, ``* max(vs)`` after the dot)."""
     k = tl.load(k_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0)
-    if KV_SCALE != 0:
-        k = k.to(q.dtype)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
-    if KV_SCALE == 1:
-        s = s * ks
-    elif KV_SCALE == 2:
-        s = s * ks[None, :]
-    if SOFTCAP:
-        s = _tanh(s * cap_scale) * qk_scale  # log2 units
+    if KV_SCALE == 0:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if SOFTCAP:
+            s = _tanh(s * cap_scale) * qk_scale  # log2 units
+        else:
+            s = s * qk_scale  # log2 units
     else:
-        s = s * qk_scale  # log2 units
+        s = tl.dot(q, tl.trans(k.to(tl.float16)), input_precision=DOT_PREC)
+        if KV_SCALE == 1:
+            s = s * (qs * ks)[:, None]
+        else:
+            s = s * qs[:, None] * ks[None, :]
+        if SOFTCAP:
+            s = _tanh(s) * qk_scale  # log2 units
     if ALIBI:
         s = s - slope[:, None] * tl.abs(qpos[:, None] - tok[None, :]).to(tl.float32)
     valid = kmask[None, :]
@@ -348,7 +387,10 @@ def _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, 
     if ROW_RIGHT:
         valid = valid & (tok[None, :] <= (qpos + WIN_RIGHT)[:, None])
     s = tl.where(valid, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    if KV_SCALE == 0:
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+    else:
+        m_new = tl.maximum(m_i, tl.max(s, 1) - _P_SHIFT)
     if ROW_LEFT or ROW_RIGHT:
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with no key yet: keep 0s
     else:
@@ -360,12 +402,12 @@ def _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, 
     if KV_SCALE == 0:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     elif KV_SCALE == 1:
-        acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC) * vs
+        acc = acc * alpha[:, None] + tl.dot(p.to(tl.float16), v.to(tl.float16), input_precision=DOT_PREC) * vs
     else:
         vmax = tl.max(vs, 0)
         vmax = tl.where(vmax > 0.0, vmax, 1.0)
         pv = p * (vs / vmax)[None, :]
-        acc = acc * alpha[:, None] + tl.dot(pv.to(q.dtype), v.to(q.dtype), input_precision=DOT_PREC) * vmax
+        acc = acc * alpha[:, None] + tl.dot(pv.to(tl.float16), v.to(tl.float16), input_precision=DOT_PREC) * vmax
     return m_new, l_i, acc
 
 
@@ -435,6 +477,10 @@ def _decode_split_kernel(
     if ALIBI:
         slope = tl.load(Slopes + b * s_ab + hq, mask=mmask, other=0.0) * 1.4426950408889634
 
+    qs = 1.0
+    if KV_FP8 != 0:
+        q, qs = _fp8_query(q, qk_scale, cap_scale, SOFTCAP)
+
     lo64 = lo.to(tl.int64)
     k_ptrs = K + cb * s_kb + hk * s_kh + lo64 * s_kn + offs_n[:, None] * s_kn + offs_d[None, :]
     v_ptrs = V + cb * s_vb + hk * s_vh + lo64 * s_vn + offs_n[:, None] * s_vn + offs_d[None, :]
@@ -456,14 +502,14 @@ def _decode_split_kernel(
             vs = tl.load(VS + cb * s_vsb + (start // SPAGE) * s_vss + hk * s_vsh)
             m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
                                          qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
-                                         DOT_PREC, ks, vs, 1)
+                                         DOT_PREC, ks, vs, 1, qs)
         else:
             sidx = (tok // SPAGE).to(tl.int64)
             ksv = tl.load(KS + cb * s_ksb + sidx * s_kss + hk * s_ksh, mask=kmask, other=0.0)
             vsv = tl.load(VS + cb * s_vsb + sidx * s_vss + hk * s_vsh, mask=kmask, other=0.0)
             m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
                                          qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
-                                         DOT_PREC, ksv, vsv, 2)
+                                         DOT_PREC, ksv, vsv, 2, qs)
         k_ptrs += BLOCK_N * s_kn
         v_ptrs += BLOCK_N * s_vn
 
@@ -548,8 +594,19 @@ def _block_m(rows: int) -> int:
     return min(max(16, next_pow2(rows)), 64)
 
 
-def _default_config(d: int, dtype) -> dict:
+def _default_config(d: int, dtype, kv_fp8: bool = False) -> dict:
+    """Tiles of the split kernels: ``block_n`` keys per loop iteration, warps, pipeline stages.
+    ``kv_fp8`` (the paged kernel over an e4m3 store): e4m3 tiles hold half the bytes of 16-bit
+    ones, so they take twice the keys (128 at D <= 128): the per-tile work (the softmax's row
+    reductions across warps, q's operand reload, the loop itself) is spread over more keys and
+    twice the bytes are in flight per program (sm_90 SASS of the 8B shape: 34-37 warp-instructions
+    per key against 41-53 at 64 keys; ~198 registers against 140-184, so two programs share an SM
+    where 64-key tiles fit two or three, with 64 KiB of tiles in flight against 32-48;
+    ``tools/diag_fp8_decode_sass.py``). The contiguous kernel keeps 64-key tiles for fp8 caches
+    (at 128 it needs 253-255 registers and spills)."""
     block_d = max(16, next_pow2(d))
+    if kv_fp8:
+        return dict(block_n=128 if block_d <= 128 else 64, num_warps=4, num_stages=3)
     if dtype == torch.float32:
         return dict(block_n=32 if block_d > 128 else 64, num_warps=4, num_stages=2)
     if block_d > 128:

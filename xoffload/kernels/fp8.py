@@ -18,9 +18,11 @@ mantissa bits' ulp, relative; 2^-10: half the subnormal spacing 2^-9). The Trito
 rounding itself in fp32 integer/float arithmetic and casts only exact e4m3 values (Triton's
 interpreter rounds its own fp32 -> fp8 casts differently: ties away from zero, wrong subnormals,
 NaN past 448), so the kernel equals the torch reference bit for bit on the GPU and under the
-interpreter. (One exception, on the GPU only: Triton's libdevice division flushes fp32 subnormals
-to zero, so in a group whose absolute maximum is below ~5e-33, inputs below 2^-126 may become 0
-where the reference keeps a small code.)
+interpreter. On sm_90 both divisions compile to IEEE ``div.rn.f32`` (no approximate division, no
+flush to zero), the one fused multiply-add contracts an exact power-of-two product, and the final
+cast is ``cvt.rn.satfinite.e4m3x2.f32`` of exact values (``test_compile_sm90`` checks the PTX).
+The reference divides by a tensor, never by the number 448 (PyTorch's CUDA division by a Python
+number multiplies by its reciprocal: :func:`reference.fp8_scale_from_amax`).
 
 Layouts (those of :func:`~xoffload.kernels.paged_decode.paged_decode_attn_with_lse`'s stores):
 a row store ``[T, Hkv, D]`` whose pages are ``page_size`` consecutive rows (the last may be
@@ -29,8 +31,9 @@ partial; page scales ``[ceil(T / page_size), Hkv]``, token scales ``[T, Hkv]``) 
 ``[num_pages, page_size, Hkv]``).
 
 Dequantization happens where the values are used: the decode kernels (paged and contiguous,
-``k_scale`` / ``v_scale``) load e4m3 tiles, convert them to q's dtype (exact: every e4m3 value is
-an fp16 and a bf16 value) and apply the scales in fp32 around their two ``tl.dot`` s;
+``k_scale`` / ``v_scale``) load e4m3 tiles, convert them to fp16 (exact: every e4m3 value is an
+fp16 value; two codes per ``cvt.rn.f16x2.e4m3x2``), take a bf16 q as fp16 rows scaled by powers
+of two, and apply the scales in fp32 around their two ``tl.dot`` s (``decode._attend_tile``);
 :func:`dequantize_kv_fp8` (torch) serves the CPU and the tests.
 """
 from __future__ import annotations

@@ -26,8 +26,9 @@ soft-capping, ALiBi, left padding) are the same constexpr-gated code in both ker
 
 fp8 stores (:mod:`xoffload.kernels.fp8`): k/v pages in ``float8_e4m3fn`` with fp32 scales per
 (page, KV head) or (token, KV head) beside them (``k_scale`` / ``v_scale``); the kernel reads one
-byte per element, converts the tiles to q's dtype in registers and applies the scales in fp32
-(``decode._attend_tile``'s KV_SCALE branch, a constexpr: the 16-bit path compiles as before).
+byte per element in tiles of 128 keys, converts them to fp16 in registers (q too, a bf16 q as rows
+scaled by powers of two) and applies the scales in fp32 (``decode._attend_tile``'s KV_SCALE
+branch, a constexpr: the 16-bit path compiles as before).
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from .checks import (
     next_pow2, use_triton, SUPPORTED_DTYPES,
 )
 from .decode import (
-    _attend_tile, _block_m, _default_config, _key_range, _program_rows, _sm_count, _store_split_state,
+    _attend_tile, _block_m, _default_config, _fp8_query, _key_range, _program_rows, _sm_count, _store_split_state,
     check_num_splits, decode_options, default_num_splits, empty_outputs, option_args, reduce_splits, split_buffers,
 )
 
@@ -322,6 +323,10 @@ def _paged_split_kernel(
     if ALIBI:
         slope = tl.load(Slopes + b * s_ab + hq, mask=mmask, other=0.0) * 1.4426950408889634
 
+    qs = 1.0
+    if KV_FP8 != 0:
+        q, qs = _fp8_query(q, qk_scale, cap_scale, SOFTCAP)
+
     t_row = T + b * s_tb + hk.to(tl.int64) * s_th
     k_base = K + hk * s_kh + offs_d[None, :]
     v_base = V + hk * s_vh + offs_d[None, :]
@@ -353,7 +358,7 @@ def _paged_split_kernel(
             vs = tl.load(VS + (entry // SCALE_DIV) * s_vse + hk * s_vsh)
             m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
                                          qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
-                                         DOT_PREC, ks, vs, 1)
+                                         DOT_PREC, ks, vs, 1, qs)
         else:  # a scale per key row
             if SCALE_TOKEN:
                 ks_off = entry * s_kse + in_page * s_ksr + hk * s_ksh
@@ -365,7 +370,7 @@ def _paged_split_kernel(
             vsv = tl.load(VS + vs_off, mask=kmask, other=0.0)
             m_i, l_i, acc = _attend_tile(q, k_ptrs, v_ptrs, tok, kmask, dmask, m_i, l_i, acc, qk_scale, cap_scale,
                                          qpos, slope, WIN_LEFT, WIN_RIGHT, SOFTCAP, ALIBI, ROW_LEFT, HAS_RIGHT,
-                                         DOT_PREC, ksv, vsv, 2)
+                                         DOT_PREC, ksv, vsv, 2, qs)
 
     _store_split_state(O, L, acc, m_i, l_i, split, b, s_row, hq, offs_d, mmask, dmask,
                        s_os, s_ob, s_osq, s_oh, s_ls, s_lb, s_lsq, s_lh)
@@ -398,7 +403,8 @@ def _scale_args(k_pages, k_scale, v_scale, page_size, blocked, block_n):
 def _paged_triton(q, k_pages, v_pages, page_table, seqlens, page_size, scale, num_splits, config=None, *,
                   opts=None, cache_leftpad=None, k_scale=None, v_scale=None):
     """Launch the paged split kernel and the shared reduce kernel (when num_splits > 1).
-    ``config`` (block_n, num_warps, num_stages) overrides the default tiles (benchmarks sweep it);
+    ``config`` (block_n, num_warps, num_stages; optional maxnreg, ptxas' register cap per thread)
+    overrides the default tiles (benchmarks sweep it);
     ``opts`` the :class:`~xoffload.kernels.decode.DecodeOptions` (default: none). A 4-D
     ``k_pages`` is a block store (entries are block indices); ``k_scale`` / ``v_scale`` the fp32
     scales of a ``float8_e4m3fn`` store (checked by the caller)."""
@@ -412,7 +418,7 @@ def _paged_triton(q, k_pages, v_pages, page_table, seqlens, page_size, scale, nu
     block_m = _block_m(group * sq)
     m_blocks = -(-(group * sq) // block_m)
     block_d = max(16, next_pow2(d))
-    cfg = dict(_default_config(d, q.dtype))
+    cfg = dict(_default_config(d, q.dtype, k_scale is not None))
     if config:
         cfg.update(config)
     kv_fp8, scale_token, scale_div, kss, vss = _scale_args(k_pages, k_scale, v_scale, page_size, blocked,
@@ -447,6 +453,7 @@ def _paged_triton(q, k_pages, v_pages, page_table, seqlens, page_size, scale, nu
         PAGE=page_size, BLOCK_M=block_m, BLOCK_N=cfg["block_n"], BLOCK_D=block_d, DOT_PREC=prec,
         LEFTPAD=cache_leftpad is not None, KV_FP8=kv_fp8, SCALE_TOKEN=scale_token, SCALE_DIV=scale_div, **flags,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["maxnreg"]} if cfg.get("maxnreg") else {}),
     )
     reduce_splits(o_dst, l_dst, out, lse, num_splits)
     return out, lse

@@ -668,8 +668,13 @@ FP8_SCALE_MIN = 2.0 ** -126  # the smallest normal fp32: the floor of a scale (a
 def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
     """fp32 scales of e4m3 groups from their fp32 absolute maxima: ``amax / 448`` (correctly
     rounded), at least ``FP8_SCALE_MIN`` (a subnormal or zero quotient would make ``x / scale``
-    overflow), and 1 for an all-zero group (its codes are all 0)."""
-    s = (amax / FP8_E4M3_MAX).clamp_min(FP8_SCALE_MIN)
+    overflow), and 1 for an all-zero group (its codes are all 0).
+
+    The divisor is a tensor of amax's shape, not the Python number: on a CUDA tensor PyTorch
+    computes ``t / number`` as ``t * (1 / number)`` (one rounding more; for 448, whose reciprocal is
+    not a binary fraction, about half of all maxima then get a scale one ulp off the quotient),
+    while an elementwise tensor division is IEEE-rounded on every device."""
+    s = (amax / torch.full_like(amax, FP8_E4M3_MAX)).clamp_min(FP8_SCALE_MIN)
     return torch.where(amax > 0, s, torch.ones_like(s))
 
 
