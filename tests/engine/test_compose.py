@@ -25,12 +25,8 @@ DECODES = {"dense": None,
                                    exact_channels=4, bound_scale=0.25)}
 
 #: (mode, decode, max_num_seqs, prefix_caching) -> the words the refusal must contain
-REFUSED = {}
-for _dec, _n in itertools.product(DECODES, (1, 4)):
-    if _n == 1:
-        REFUSED[("resident", _dec, 1, True)] = "needs max_num_seqs > 1"
-    elif _dec != "dense":
-        REFUSED[("resident", _dec, 4, True)] = "needs dense decode"
+REFUSED = {("resident", _dec, _n, True): "needs dense decode"
+           for _dec, _n in itertools.product(DECODES, (1, 4)) if _dec != "dense"}
 
 
 def _prompts():

@@ -49,10 +49,11 @@ class EngineConfig:
             fastest on an H200 — else ours), ``"cudnn"``, ``"xoffload"`` (our Triton
             ``flash_attn_with_lse``) or ``"sdpa"`` (PyTorch's own backend choice).
         seed: default sampling seed of requests without one.
-        cuda_graph: with a capturable KV store on CUDA (resident, and offload with
-            ``offload_decode="direct"``), capture one decode step in a CUDA graph per request and
-            replay it per token (default True; removes the host's per-kernel launch cost). False:
-            the eager loop. Ignored with the ring and on the CPU. Both give the same tokens.
+        cuda_graph: with a capturable KV store on CUDA (the batched stores; a per-request store
+            of ``max_num_seqs=1`` that is capturable), capture one decode step in a CUDA graph per
+            batch-size bucket (per request for a per-request store) and replay it per token
+            (default True; removes the host's per-kernel launch cost). False: the eager loop.
+            Ignored with the ring and on the CPU. Both give the same tokens.
         sparse_decode: the decode policy — None (every step reads all of the prompt's KV), ``"quest"``,
             ``"quest-ch"`` (Quest with 16 exact key channels, fitted to the model) or a
             :class:`xoffload.sparse.QuestDecode` (each step reads, per KV head, the pages that
@@ -69,12 +70,12 @@ class EngineConfig:
             ``sparse_decode`` the same as ``"direct"``) or ``"ring"`` (the engine copies each layer
             into a ring of ``num_kv_buffers`` GPU buffers ahead of its compute; eager; dense only).
         max_num_seqs: most sequences decoded together by the engine's step loop (default 1:
-            requests are served one after another, each with its own KV store and CUDA graph).
-            Above 1 a scheduler admits them in submission order while they fit, one decode step
-            serves every running sequence, a finished one leaves and a waiting one is prefilled
-            and joins the next step (continuous batching), with one attention launch per layer
-            for the whole batch and a CUDA graph per batch-size bucket (1, 2, 4, ...) in
-            ``resident`` mode and ``offload`` (dense or Quest decode).
+            requests are served one after another; a single request is a batch of one). A
+            scheduler admits them in submission order while they fit, one decode step serves
+            every running sequence, a finished one leaves and a waiting one is prefilled and joins
+            the next step (continuous batching), with one attention launch per layer for the
+            whole batch and a CUDA graph per batch-size bucket (1, 2, 4, ...) in ``resident`` mode
+            (dense decode) and ``offload`` (dense or Quest decode).
         max_num_batched_tokens: most prompt tokens prefilled between two decode steps (default
             ``max_model_len``; a longer prompt still runs, alone in its step); with chunked
             prefill, the most tokens of one long prompt prefilled per step (default
@@ -82,7 +83,7 @@ class EngineConfig:
         enable_chunked_prefill: prefill a prompt longer than ``max_num_batched_tokens`` in chunks
             over several engine steps, the running sequences decoding between them and short
             prompts prefilled first (vLLM's chunked prefill). True needs a store that supports it
-            (``offload`` with ``max_num_seqs > 1``, dense prefill, one device; elsewhere
+            (``offload`` with direct or uva decode, dense prefill, one device; elsewhere
             ValueError). None / False (default): off -- on the H200 conversation load (8B, eight
             32K documents) it cost throughput and did not lower the follow-ups' TTFT
             (docs/CHANGELOG.md, chunked prefill).
@@ -95,20 +96,19 @@ class EngineConfig:
             needs one process per rank (``torchrun --nproc-per-node N``): attention / KV heads,
             MLP and vocabulary split across the ranks, each with its own KV store (its pinned
             pool and ring hold ``num_kv_heads / N`` heads); see :mod:`xoffload.models.parallel`.
-        prefix_caching: offload mode (batched: dense decode, or Quest decode through the batched
-            Quest store) — a request (or a session's first
-            turn) whose leading tokens equal KV already in the pool (blocks of earlier requests
-            and closed sessions, matched by a chained hash of each block's token ids as vLLM's
-            automatic prefix caching) shares those blocks and prefills only the rest, attending to
-            the reused prefix as a session attends to its history (with Quest decode the reused
+        prefix_caching: offload mode (dense decode, or Quest decode through the batched Quest
+            store) — a request (a session's turn is one) whose leading tokens equal KV already in
+            the pool (blocks of earlier requests, matched by a chained hash of each block's token
+            ids as vLLM's automatic prefix caching) shares those blocks and prefills only the
+            rest, its queries attending to the reused prefix (with Quest decode the reused
             pages' summaries, exact channels, resident sink / recent tokens and GPU dense-layer
             rows are built from the whole prompt, the prefix read back from the pool, as a fresh
             prefill builds them); blocks are reference-counted,
             a shared partly filled block is copied before it is written, and cached blocks no live
             sequence holds are evicted (LRU, leaf first) when the pool runs short
-            (:class:`xoffload.runtime.PrefixCache`). Resident mode with ``max_num_seqs > 1`` and
-            dense decode: the same within one batched ``generate`` call, over its GPU pool (the
-            prompts of a call share their common prefixes;
+            (:class:`xoffload.runtime.PrefixCache`). Resident mode with dense decode: the same
+            while the engine is busy, over its store's GPU pool (the requests of one store epoch
+            share their common prefixes;
             :mod:`xoffload.kv.resident_prefix`). Default False.
     """
 
@@ -182,10 +182,9 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} holds less than one KV block "
                                  f"(kv_block_size={self.kv_block_size}): use at least {self.kv_block_size}")
         b = self.kv_block_size
-        if (self.max_num_seqs > 1 and self.mode == "resident" and self.sparse_decode is None
-                and (b < 16 or b & (b - 1))):
-            raise ValueError(f"kv_block_size must be a power of two >= 16 for batched resident decode "
-                             f"(max_num_seqs > 1: the page of the paged KV pool), got {b}")
+        if self.mode == "resident" and self.sparse_decode is None and (b < 16 or b & (b - 1)):
+            raise ValueError(f"kv_block_size must be a power of two >= 16 for resident dense decode "
+                             f"(the page of the paged KV pool), got {b}")
         self.seed = int(self.seed)
         self.tensor_parallel_size = _positive("tensor_parallel_size", self.tensor_parallel_size)
         check_bool("prefix_caching", self.prefix_caching)
@@ -196,30 +195,25 @@ class EngineConfig:
 
     def _prefix_caching_refusal(self) -> str | None:
         """Why this config cannot cache prefixes (one clause naming the value), or None: it needs
-        one device, and either ``offload`` with ``direct`` / ``uva`` decode (batched: no decode
-        policy, or a :class:`~xoffload.sparse.QuestDecode` the batched Quest store serves: no
-        ``prefetch``, and exact channels when ``bound_scale < 1``; other policies run one
-        per-request store per sequence, which does not share blocks) or ``resident`` with
-        ``max_num_seqs > 1`` and no decode policy."""
+        one device, and either ``offload`` with ``direct`` / ``uva`` decode (no decode policy, or a
+        :class:`~xoffload.sparse.QuestDecode` the batched Quest store serves: no ``prefetch``, and
+        exact channels when ``bound_scale < 1``; other policies run one per-request store per
+        sequence, which does not share blocks) or ``resident`` with no decode policy (the GPU pool
+        of :class:`~xoffload.kv.resident_prefix.ResidentPrefixBatchKV`), for any ``max_num_seqs``."""
         pol = None if self.sparse_decode is None else type(self.sparse_decode).__name__
         if self.tensor_parallel_size != 1:
             return f"it needs one device, got tensor_parallel_size={self.tensor_parallel_size}"
         if self.mode == "offload":
             if self.offload_decode == "ring":
                 return "mode='offload' needs offload_decode 'direct' or 'uva', got 'ring'"
-            if self.max_num_seqs > 1 and pol:
-                return self._batched_offload_refusal()
-            return None
-        if self.max_num_seqs == 1:
-            return (f"mode={self.mode!r} shares blocks between the prompts of one batched call: it needs "
-                    f"max_num_seqs > 1, got max_num_seqs=1 (or mode='offload')")
+            return self._batched_offload_refusal() if pol else None
         if pol:
             return f"mode={self.mode!r} needs dense decode: no decode policy, got sparse_decode={pol}"
         return None
 
     def _batched_offload_refusal(self) -> str | None:
-        """Batched offload with a decode policy: None where the batched Quest store serves it (the
-        store table of :func:`~xoffload.kv.table.batch_store_class`), else why not."""
+        """Offload with a decode policy: None where the batched Quest store serves it (the store
+        table of :func:`~xoffload.kv.table.batch_store_class`), else why not."""
         from ..sparse.quest import QuestDecode
 
         pol, n = self.sparse_decode, self.max_num_seqs
@@ -273,7 +267,7 @@ class EngineConfig:
         can = bool(getattr(store_cls, "chunked_prefill", False)) and self.policy.dense and tp is None
         if self.enable_chunked_prefill and not can:
             raise ValueError(f"enable_chunked_prefill=True needs a store that prefills in chunks (offload mode with "
-                             f"max_num_seqs > 1, direct or uva decode, dense prefill, one device); this configuration "
+                             f"direct or uva decode, dense prefill, one device); this configuration "
                              f"uses {store_cls.__name__}")
         on = bool(self.enable_chunked_prefill)
         n = self.max_num_batched_tokens or (DEFAULT_CHUNK_TOKENS if on else self.max_model_len)

@@ -39,9 +39,13 @@ Stores (one module each):
   sequence (:mod:`~xoffload.kv.page_cache`) when it fits; per layer one batched score
   launch, one topk, one cache lookup + fill and one paged launch for the whole batch.
 
-- :class:`~.kv_batch_serial.SerialBatchKV`: ``max_num_seqs=1`` and every other store (Quest
-  resident, Quest with prefetch, the ring): one one-request store per sequence, the model step
-  shared (one read of the weights for all rows), attention one sequence at a time.
+- :class:`~xoffload.engine.kv_batch_serial.SerialBatchKV`: every configuration the stores above
+  do not serve (Quest resident, Quest with prefetch, the ring): one one-request store per
+  sequence, the model step shared (one read of the weights for all rows), attention one sequence
+  at a time.
+
+The stores above serve every ``max_num_seqs``: a single request is a batch of one (buckets
+``(1,)``, one CUDA graph per bucket).
 
 The two offload stores cache prefixes (``prefix_caching``: ``open(..., prefix_cache=)``,
 ``takes_prefix_cache``). :func:`batch_store_class` is the table that picks the store.

@@ -1,4 +1,4 @@
-"""``offload`` with ``max_num_seqs > 1`` and dense decode: :class:`OffloadBatchKV`, prompts read in
+"""``offload``, dense decode (any ``max_num_seqs``): :class:`OffloadBatchKV`, prompts read in
 place from the pinned pool, generated tokens in a GPU tail (see :mod:`.base`)."""
 from __future__ import annotations
 
