@@ -65,8 +65,8 @@ OTHER = {
     "model.json": ("e2e", "python benchmarks/bench_llm.py"),
     "needle_quest.json": ("needle", "python benchmarks/bench_needle_sparse.py"),
     "needle_dense_h200.json": ("needle", "xoffload needle --lengths 1k,2k,4k,8k --num-depths 10"),
-    "session_turns.json": ("session", "python benchmarks/bench_session.py --part profile,turns (a session "
-                           "holding its own history store; sessions now run over the prefix cache)"),
+    "session_turns.json": ("session", "python benchmarks/bench_session.py --part profile,turns (measured a "
+                           "session that stored its own history; its parts record turn2_dense and turn3_sparse)"),
 }
 
 # file -> (benchmark, command that wrote it)
