@@ -65,6 +65,8 @@ OTHER = {
     "model.json": ("e2e", "python benchmarks/bench_llm.py"),
     "needle_quest.json": ("needle", "python benchmarks/bench_needle_sparse.py"),
     "needle_dense_h200.json": ("needle", "xoffload needle --lengths 1k,2k,4k,8k --num-depths 10"),
+    "session_turns.json": ("session", "python benchmarks/bench_session.py --part profile,turns (measured a "
+                           "session that stored its own history; its parts record turn2_dense and turn3_sparse)"),
 }
 
 # file -> (benchmark, command that wrote it)
@@ -76,7 +78,6 @@ SOURCES = {
     "ruler_smollm2_session.json": ("ruler", None),
     "ruler_smollm2_fp32_hf.json": ("ruler", None),
     "ruler_smollm2_reuse.json": ("ruler", None),
-    "session_turns.json": ("session", "python benchmarks/bench_session.py --part profile,turns"),
     "session_prefix_batch.json": ("session", "python benchmarks/bench_session.py --part prefix_batch"),
     "batch_cap_b16_allsparse.json": ("batch", "python benchmarks/bench_batch.py --part cap --no-peers "
                                      "--cap-batches 16 --cap-resident 1 --new 32 --dense-layers none"),
@@ -295,14 +296,6 @@ def sec_ruler() -> str:
 
 
 def sec_session() -> str:
-    name = "session_turns.json"
-    t = load(name)["results"]["turns"]
-    dense, sparse = t["turn2_dense"], t["turn3_sparse"]
-    rows = [[headline("session-ttft", f"{dense['ttft_ms']:.0f}", f"{sparse['ttft_ms']:.0f}")
-             + "dense history (every block once)", f"{dense['ttft_ms']:.0f}",
-             f"{dense['history_h2d_bytes'] / GB:.2f}", f"{dense['ratio_to_turn1']:.3f}×"],
-            [f"sparse history, {sparse['history_budget']} tokens per KV head", f"{sparse['ttft_ms']:.0f}",
-             f"{sparse['history_h2d_bytes'] / GB:.2f}", f"{sparse['ratio_to_turn1']:.3f}×"]]
     name2 = "session_prefix_batch.json"
     pb = load(name2)["results"]["prefix_batch"]
     pc, nr = pb["prefix_caching"], pb["no_reuse"]
@@ -310,13 +303,7 @@ def sec_session() -> str:
               f"{pc['one_s']:.2f}", f"{pc['all_s']:.2f}", f"{pc['ratio_all_to_one']:.2f}×"],
              ["no reuse", f"{nr['one_s']:.2f}", f"{nr['all_s']:.2f}", f"{nr['ratio_all_to_one']:.2f}×"]]
     return "\n\n".join([
-        "## Sessions and prefix caching, Llama-3.1-8B shape", provenance(name),
-        f"One `offload` session with Quest decode: turn one appends a {t['history_tokens']}-token document "
-        f"({t['history_bytes'] / GB:.1f} GB of KV; prefill {t['turn1']['prefill_ms'] / 1000:.2f} s), then a "
-        f"{t['question_tokens']}-token question. TTFT by CUDA events; the PCIe floor of reading the whole history "
-        f"is {t['floor_ms']:.0f} ms.",
-        table(["second turn", "TTFT ms", "GB read from the pool", "÷ turn one's prefill"], rows),
-        provenance(name2),
+        "## Prefix caching, Llama-3.1-8B shape", provenance(name2),
         f"`resident`, `max_num_seqs={pb['max_num_seqs']}`: {pb['questions']} questions of {pb['question_tokens']} "
         f"tokens over one {pb['doc_tokens'] // 1024}K document, {pb['new_tokens']} new tokens each; all of them "
         "against one alone.",

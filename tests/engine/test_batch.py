@@ -188,9 +188,32 @@ def test_batch_options_are_checked():
         LLM(m, kv_cache_tokens=-1)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         LLM(m, max_num_batched_tokens=0)
-    with pytest.raises(ValueError, match="kv_block_size must be a power of two.*batched resident.*100"):
-        LLM(m, max_num_seqs=2, kv_block_size=100)
+    for n in (1, 2):
+        with pytest.raises(ValueError, match="kv_block_size must be a power of two.*resident dense decode.*100"):
+            LLM(m, max_num_seqs=n, kv_block_size=100)
     assert LLM(m, max_model_len=64).config.max_num_batched_tokens == 64  # the default: max_model_len
+
+
+def test_one_request_is_a_batch_of_one():
+    """max_num_seqs=1: the batched store of the mode serves the request with one bucket, (1,) (one
+    CUDA graph per bucket on a GPU; the per-request graph path is only the serial store's); the
+    buckets of larger batches are the powers of two below max_num_seqs and itself."""
+    from xoffload import LLMEngine
+    from xoffload.kv import OffloadBatchKV, ResidentBatchKV
+    from xoffload.kv.base import batch_buckets
+
+    assert [batch_buckets(n) for n in (1, 2, 6, 16)] == [(1,), (1, 2), (1, 2, 4, 6), (1, 2, 4, 8, 16)]
+    m = tiny_random()
+    (p,) = _prompts([40], seed=9)
+    for kw, cls in (({"mode": "gpu"}, ResidentBatchKV), ({"mode": "offload", "kv_block_size": 32}, OffloadBatchKV)):
+        e = LLMEngine(m, max_model_len=128, **SDPA, **kw)
+        e.add_request("a", p, SamplingParams(max_tokens=4, ignore_eos=True))
+        e.step()
+        r = e._runner
+        assert type(r.store) is cls and r.store.buckets == (1,) and not r.per_seq_graphs
+        while e.has_unfinished_requests():
+            e.step()
+        assert e.stats["decode_steps"] and all(x["rows"] == 1 for x in e.stats["decode_steps"])
 
 
 # ------------------------------------------------------------------- teacher forcing (CPU and GPU)

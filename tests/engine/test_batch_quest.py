@@ -1,6 +1,6 @@
 """The batched Quest store (offload + QuestDecode, ``OffloadQuestBatchKV``): every sequence of a batch
-gives the greedy tokens it gives alone through the one-request path (``LLM(max_num_seqs=1)``, same
-policy; CPU fp32: token for token), with prompt lengths shorter than a page, on page and pool-block
+gives the greedy tokens it gives alone through the one-request path (the per-request
+``OffloadPagedKV`` behind ``SerialBatchKV``, same policy; CPU fp32: token for token), with prompt lengths shorter than a page, on page and pool-block
 boundaries and past them, sequences joining mid-batch and finishing after one token, a budget that
 covers the whole context (every page, dense through the same path: teacher-forced logits equal the
 dense resident store's), admission waiting for summary-pool room and refusing what never fits.
@@ -26,7 +26,13 @@ KW = {"mode": "offload", "kv_block_size": 32, "prefill_attn": "sdpa"}
 
 
 def _alone(m, prompts, sps, max_model_len, pol=POL, **kw):
+    """Each prompt alone through the one-request store (``LLM(max_num_seqs=1)`` is a batch of one
+    of the batched store: pinned here to the independent per-request path)."""
+    from xoffload.engine.kv_store import store_class
+
     llm = LLM(m, max_model_len=max_model_len, sparse_decode=pol, **KW, **kw)
+    e = llm.engine
+    e.store_cls, e.store_kw = SerialBatchKV, {"store_cls": store_class(e.config.mode).variant(e.config)}
     sps = sps if isinstance(sps, list) else [sps] * len(prompts)
     return [llm.generate(p, sp)[0] for p, sp in zip(prompts, sps)]
 
@@ -37,17 +43,25 @@ def _batched(m, max_model_len, pol=POL, **kw):
     return llm
 
 
-def test_store_choice():
+@pytest.mark.parametrize("n", [1, 2])
+def test_store_choice(n):
+    """The store table picks the same store for every max_num_seqs (one request is a batch of one);
+    only what no batched store serves goes to the per-request stores."""
+    from xoffload.kv import OffloadBatchKV, ResidentBatchKV
+
     m = tiny_random()
     for pol, cls in ((POL, OffloadQuestBatchKV), (QuestDecode(cache_pages=0), OffloadQuestBatchKV),
                      (QuestDecode(cache_pages=8), OffloadQuestBatchKV), (QuestDecode(prefetch=True), SerialBatchKV),
                      (QuestDecode(cache_pages=0, exact_channels=4), OffloadQuestBatchKV),
                      (QuestDecode(exact_channels=4, bound_scale=0.25), OffloadQuestBatchKV), ("quest-ch", OffloadQuestBatchKV),
                      (QuestDecode(cache_pages=0, bound_scale=0.5), SerialBatchKV)):
-        llm = LLM(m, mode="offload", max_model_len=64, kv_block_size=32, max_num_seqs=2, sparse_decode=pol)
+        llm = LLM(m, mode="offload", max_model_len=64, kv_block_size=32, max_num_seqs=n, sparse_decode=pol)
         assert batch_store_class(llm.config)[0] is cls, pol
-    llm = LLM(m, mode="gpu", max_model_len=64, kv_block_size=32, max_num_seqs=2, sparse_decode=POL)
-    assert batch_store_class(llm.config) == (OffloadQuestBatchKV, {"pool_placement": "device"})
+    for kw, cls in (({"mode": "gpu", "sparse_decode": POL}, SerialBatchKV), ({"mode": "gpu"}, ResidentBatchKV),
+                    ({"mode": "offload"}, OffloadBatchKV), ({"mode": "offload", "offload_decode": "uva"}, OffloadBatchKV),
+                    ({"mode": "offload", "offload_decode": "ring"}, SerialBatchKV)):
+        llm = LLM(m, max_model_len=64, kv_block_size=32, max_num_seqs=n, **kw)
+        assert batch_store_class(llm.config)[0] is cls, kw
 
 
 @pytest.fixture(params=[None, False], ids=["dense-auto", "dense-in-pool"])

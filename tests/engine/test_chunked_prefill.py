@@ -152,13 +152,13 @@ def test_abort_mid_prefill_frees_its_blocks():
 def test_option_is_resolved_per_store():
     """Default: off (the budget then defaults to max_model_len); True on a batched offload store:
     4096-token chunks unless max_num_batched_tokens says otherwise; True where the store cannot
-    chunk is refused; False: one prefill per prompt."""
+    chunk is refused; False: one prefill per prompt; max_num_seqs=1 chunks as a batch of one."""
     m = tiny_random()
     c = LLMEngine(m, mode="offload", max_num_seqs=2, max_model_len=256).config
     assert c.enable_chunked_prefill is False and c.max_num_batched_tokens == 256
     c = LLMEngine(m, mode="offload", max_num_seqs=2, max_model_len=256, enable_chunked_prefill=True).config
     assert c.enable_chunked_prefill is True and c.max_num_batched_tokens == DEFAULT_CHUNK_TOKENS
-    for kw in ({"mode": "resident", "max_num_seqs": 2}, {"mode": "offload", "max_num_seqs": 1}):
+    for kw in ({"mode": "resident", "max_num_seqs": 2}, {"mode": "offload", "offload_decode": "ring"}):
         c = LLMEngine(m, max_model_len=256, **kw).config
         assert c.enable_chunked_prefill is False and c.max_num_batched_tokens == 256
         with pytest.raises(ValueError, match="enable_chunked_prefill=True needs a store that prefills in chunks"):
@@ -170,6 +170,10 @@ def test_option_is_resolved_per_store():
     e.add_request("a", pa, SP)
     assert _run(e)["a"].token_ids == _alone([pa])[0]
     assert [x["tokens"] for x in e.stats["prefills"]] == [150]
+    e = _engine(chunk=40, max_num_seqs=1)  # a batch of one chunks its prefill too
+    e.add_request("a", pa, SP)
+    assert _run(e)["a"].token_ids == _alone([pa])[0]
+    assert [x["tokens"] for x in e.stats["prefills"]] == [40, 40, 40, 30]
 
 
 def _common(a, b):

@@ -25,9 +25,8 @@ DECODES = {"dense": None,
                                    exact_channels=4, bound_scale=0.25)}
 
 #: (mode, decode, max_num_seqs, prefix_caching) -> the words the refusal must contain
+#: combinations refused at construction (none: every one composes)
 REFUSED = {}
-for _dec in DECODES:
-    REFUSED[("resident", _dec, 1, True)] = "needs max_num_seqs > 1"
 
 
 def _prompts():

@@ -66,6 +66,24 @@ def test_eight_questions_over_one_document(monkeypatch):
     assert llm.prefix_cache is None  # resident: the cache is the call's
 
 
+def test_one_sequence_at_a_time_reuses_the_store_epochs_blocks(monkeypatch):
+    """max_num_seqs=1 (a batch of one): the prompts of one call run one after another in one store
+    epoch, and each after the first reuses the document's blocks the earlier ones left in the
+    pool; the tokens of each prompt alone without caching; the pool's books balance."""
+    seen = _store_spy(monkeypatch)
+    m = tiny_random()
+    doc = _prompts([300], seed=73)[0]
+    prompts = [doc + q for q in _prompts([20, 25, 31], seed=74)]
+    alone = LLM(m, mode="resident", max_model_len=1024, **SDPA)
+    want = [alone.generate(p, SP)[0].token_ids for p in prompts]
+    llm = LLM(m, mode="resident", kv_block_size=32, max_model_len=1024, prefix_caching=True, **SDPA)
+    outs = llm.generate(prompts, SP)
+    assert [o.token_ids for o in outs] == want
+    assert [o.timings.get("prefix_reused_tokens", 0) for o in outs] == [0, 300, 300]
+    assert llm.batch_stats["max_running"] == 1 and llm.batch_stats["store"]["store"] == "ResidentPrefixBatchKV"
+    assert len(seen) == 1 and seen[0]["seq_blocks"] == 0 and seen[0]["hits"] >= 2 * 300
+
+
 def test_partial_blocks_repeats_and_a_small_pool_that_evicts(monkeypatch):
     """Prefixes ending inside a block (its copy-on-write), exact repeats, and a pool of 8 blocks
     for 2 sequences at a time (cached blocks evicted to admit the next): the tokens of the run
@@ -164,8 +182,13 @@ def test_refused_configurations():
     with pytest.raises(ValueError, match="needs bound_scale=1.0 without exact channels, got bound_scale=0.5$"):
         LLM(m, mode="offload", prefix_caching=True, max_num_seqs=2, max_model_len=256, kv_block_size=16,
             sparse_decode=QuestDecode(token_budget=64, page_size=16, bound_scale=0.5))
-    LLM(m, mode="offload", prefix_caching=True, max_num_seqs=2, max_model_len=256, kv_block_size=16,
-        sparse_decode=QuestDecode(token_budget=64, page_size=16))  # the batched Quest store caches prefixes
+    with pytest.raises(ValueError, match="batched offload .max_num_seqs=1. with QuestDecode needs prefetch=False"):
+        LLM(m, mode="offload", prefix_caching=True, max_model_len=256, kv_block_size=16,
+            sparse_decode=QuestDecode(token_budget=64, page_size=16, prefetch=True))
+    for n in (1, 2):  # the batched Quest store caches prefixes; resident dense caches them at any max_num_seqs
+        LLM(m, mode="offload", prefix_caching=True, max_num_seqs=n, max_model_len=256, kv_block_size=16,
+            sparse_decode=QuestDecode(token_budget=64, page_size=16))
+        LLM(m, mode="resident", prefix_caching=True, max_num_seqs=n, max_model_len=256)
 
 
 def test_prefix_cached_teacher_forced_logits_equal_alone_cpu(monkeypatch):

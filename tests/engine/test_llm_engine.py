@@ -1,8 +1,8 @@
 """The step loop (xoffload.engine.llm_engine.LLMEngine): requests join and leave between steps and
 give the tokens they give alone; step outputs stream each request's tokens; abort frees a request's
-KV at once; submission from several threads; bad input leaves the engine serving; a long mixed
-run (requests, aborts, session turns) leaks no block. CPU, tiny random model, greedy: token for
-token."""
+KV at once; submission from several threads (requests and session turns); bad input leaves the
+engine serving; a long mixed run (requests, aborts, session turns) leaks no block. CPU, tiny
+random model, greedy: token for token."""
 import random
 import threading
 
@@ -73,25 +73,35 @@ def test_requests_join_mid_run_and_stream(mode, kw):
     assert most == 3
 
 
+@pytest.mark.parametrize("n", [1, 2])
 @pytest.mark.parametrize("mode,kw", MODES)
-def test_abort_mid_decode_frees_blocks_at_once(mode, kw):
-    e = LLMEngine(tiny_random(), mode=mode, max_model_len=512, max_num_seqs=2, **SDPA, **kw)
+def test_abort_mid_decode_frees_blocks_at_once(mode, kw, n):
+    """A request aborted mid-decode between steps, from the thread that drives the loop, gives its
+    blocks back at once: alone (max_num_seqs=1) the free blocks return to what they were before it
+    (the pinned pool's, offload; the open store's whole GPU pool, resident); beside another
+    request (2) they grow and the other one gives its one-request tokens."""
+    e = LLMEngine(tiny_random(), mode=mode, max_model_len=512, max_num_seqs=n, **SDPA, **kw)
     p = _prompts([100, 70], seed=2)
-    e.add_request("keep", p[1], SP)
+    start = e.num_free_blocks
+    if n > 1:
+        e.add_request("keep", p[1], SP)
     e.add_request("x", p[0], SamplingParams(max_tokens=50, ignore_eos=True))
     e.step()
     e.step()
     free_running = e.num_free_blocks
+    if mode == "gpu":
+        start = e._runner.store.pool.num_blocks  # the store opened for them: all of its pool was free
     e.abort_request("x")  # between steps, from the thread that drives the loop: freed now
+    assert e.num_free_blocks > free_running
+    if n == 1:
+        assert e.num_free_blocks == start
     if mode == "offload":
-        assert e.num_free_blocks > free_running
-        assert len(e.offload.sequences()) == 1
-    else:
-        assert e.num_free_blocks > free_running  # the store's GPU pool
+        assert len(e.offload.sequences()) == n - 1
     e.abort_request(["x", "unknown"])  # finished and unknown ids are ignored
     finals = _run(e)
     assert finals["x"].finish_reason == "abort" and finals["x"].finished
-    assert finals["keep"].token_ids == _alone([p[1]])[0]
+    if n > 1:
+        assert finals["keep"].token_ids == _alone([p[1]])[0]
     if mode == "offload":
         assert e.num_free_blocks == e.offload.allocator.num_blocks and e.offload.sequences() == []
         e.offload.allocator.check()
@@ -122,8 +132,7 @@ def test_abort_a_waiting_request_and_bad_input_leave_the_engine_serving():
 
 
 def test_threads_submit_while_one_loop_drives_the_device():
-    """Four threads add requests (and a session's turns run from two more threads) while the main
-    thread steps; every request gets its one-request tokens."""
+    """Four threads add requests while the main thread steps; every request gets its one-request tokens."""
     e = LLMEngine(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, max_num_seqs=4, **SDPA)
     prompts = _prompts([30 + 7 * i for i in range(16)], seed=5)
     ref = _alone(prompts)
@@ -148,20 +157,22 @@ def test_threads_submit_while_one_loop_drives_the_device():
     assert [finals[f"r{i}"].token_ids for i in range(16)] == ref
 
 
-def test_session_turns_from_threads_equal_serial_turns():
+@pytest.mark.parametrize("n", [1, 3])
+def test_session_turns_from_threads_equal_serial_turns(n):
+    """Three threads each hold a conversation of two turns (its turns plain requests of the loop,
+    the prefix cache giving each follow-up its conversation) while they drive the loop through
+    wait(); every answer equals the conversation run alone without caching, at max_num_seqs 1 and 3;
+    no pool sequence is left and, the cache cleared, every block is free."""
     m = tiny_random()
     p = _prompts([60, 20, 80, 25, 40, 15], seed=6)
-    serial = LLM(m, mode="offload", kv_block_size=32, max_model_len=512, **SDPA)
-    want = []
-    for a, b in ((p[0], p[1]), (p[2], p[3]), (p[4], p[5])):
-        with serial.session() as s:
-            want.append([s.generate(a, SP).token_ids, s.generate(b, SP).token_ids])
-    llm = LLM(m, mode="offload", kv_block_size=32, max_model_len=512, **SDPA)
-    got = [None] * 3
+    want = _serial_conversations([p[0:2], p[2:4], p[4:6]])
+    llm = LLM(m, mode="offload", kv_block_size=32, max_model_len=512, max_num_seqs=n, prefix_caching=True, **SDPA)
+    got, cached = [None] * 3, [None] * 3
 
     def talk(i):
         with llm.session() as s:
-            got[i] = [s.generate(p[2 * i], SP).token_ids, s.generate(p[2 * i + 1], SP).token_ids]
+            a, b = s.generate(p[2 * i], SP), s.generate(p[2 * i + 1], SP)
+            got[i], cached[i] = [a.token_ids, b.token_ids], b.num_cached_tokens
 
     threads = [threading.Thread(target=talk, args=(i,)) for i in range(3)]
     for t in threads:
@@ -169,7 +180,10 @@ def test_session_turns_from_threads_equal_serial_turns():
     for t in threads:
         t.join()
     assert got == want
-    assert llm.offload.sequences() == [] and llm.offload.num_free_blocks == llm.offload.allocator.num_blocks
+    assert cached == [60, 80, 40]  # each follow-up found its first turn's prompt
+    assert llm.offload.sequences() == []
+    llm.prefix_cache.clear()
+    assert llm.offload.num_free_blocks == llm.offload.allocator.num_blocks
 
 
 def _serial_conversations(convs, sp=SP):
@@ -242,8 +256,8 @@ def test_200_mixed_requests_aborts_and_turns_leak_nothing():
     m = tiny_random()
     e = LLMEngine(m, mode="offload", kv_block_size=32, max_model_len=256, kv_cache_tokens=2048,
                   max_num_seqs=4, prefix_caching=True, **SDPA)
-    from xoffload.engine.session_prefix import PrefixSession
-    convs = [PrefixSession(e) for _ in range(3)]
+    from xoffload.engine.session import Session
+    convs = [Session(e) for _ in range(3)]
     prompts = _prompts([rnd.randint(1, 150) for _ in range(200)], seed=8)
     sps = [SamplingParams(max_tokens=rnd.randint(1, 8), ignore_eos=True) for _ in range(200)]
     aborted, finals, turns = set(), {}, set()
@@ -317,10 +331,10 @@ def test_wait_keeps_only_other_requests_latest_outputs():
     assert all(o.request_id == "mine" for o in kept) and len(kept) == 1
 
 
-def test_a_queued_turn_does_not_pin_its_session_and_aborted_turns_stay():
-    """A session whose turn only waits in the queue can still be evicted for the turn ahead of
-    it (its own turn then prefills the conversation again); an aborted turn after its prefill
-    keeps its prompt and partial answer in both kinds of session."""
+def test_queued_turns_through_a_small_pool_and_aborted_turns_stay():
+    """Turns of two sessions queued together through a pool that holds one conversation at a time
+    both complete; an aborted turn after its prefill keeps its prompt and partial answer in the
+    conversation, at max_num_seqs 1 and 4."""
     llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, max_num_seqs=1,
               kv_cache_tokens=128, **SDPA)
     e, a, b = llm.engine, llm.session(), llm.session()
@@ -330,7 +344,7 @@ def test_a_queued_turn_does_not_pin_its_session_and_aborted_turns_stay():
     assert e.wait(ra).error is None and e.wait(rb).error is None
     for n in (1, 4):
         llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=512, max_num_seqs=n,
-                  prefix_caching=n > 1, **SDPA)
+                  prefix_caching=True, **SDPA)
         e, s = llm.engine, llm.session()
         s.generate(list(range(1, 40)), SP)
         rid = s.submit(list(range(50, 70)), SamplingParams(max_tokens=50, ignore_eos=True))

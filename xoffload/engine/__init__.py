@@ -3,12 +3,11 @@
 - :mod:`.llm_engine`: :class:`LLMEngine` (``add_request`` / ``step`` / ``abort_request``,
   continuous batching; every client below runs on it);
 - :mod:`.llm`: :class:`LLM` (offline lists of prompts), :mod:`.session`: :class:`Session`
-  (conversations whose KV stays stored between turns);
+  (conversations: each turn a request carrying the whole conversation, found by the prefix cache);
 - :mod:`.runner`: :class:`StepRunner` (one store epoch: prefill, decode step, retire),
   :mod:`.scheduler` (:class:`Sequence`, :class:`Scheduler`: queues and admission);
 - :mod:`xoffload.kv`: the KV layer (stores, the table that picks one); :class:`SerialBatchKV`;
-  :mod:`.kv_store`, :mod:`.kv_paged`: the one-request stores the
-  serial store wraps; :mod:`.kv_history`: a session turn's prefill sink;
+  :mod:`.kv_store`, :mod:`.kv_paged`: the one-request stores the serial store wraps;
 - :mod:`.config` (:class:`EngineConfig`), :mod:`.sampling`, :mod:`.request`, :mod:`.inputs`,
   :mod:`.cuda_graph`.
 

@@ -49,10 +49,11 @@ class EngineConfig:
             fastest on an H200 — else ours), ``"cudnn"``, ``"xoffload"`` (our Triton
             ``flash_attn_with_lse``) or ``"sdpa"`` (PyTorch's own backend choice).
         seed: default sampling seed of requests without one.
-        cuda_graph: with a capturable KV store on CUDA (resident, and offload with
-            ``offload_decode="direct"``), capture one decode step in a CUDA graph per request and
-            replay it per token (default True; removes the host's per-kernel launch cost). False:
-            the eager loop. Ignored with the ring and on the CPU. Both give the same tokens.
+        cuda_graph: with a capturable KV store on CUDA (the batched stores; a per-request store
+            of ``max_num_seqs=1`` that is capturable), capture one decode step in a CUDA graph per
+            batch-size bucket (per request for a per-request store) and replay it per token
+            (default True; removes the host's per-kernel launch cost). False: the eager loop.
+            Ignored with the ring and on the CPU. Both give the same tokens.
         sparse_decode: the decode policy — None (every step reads all of the prompt's KV), ``"quest"``,
             ``"quest-ch"`` (Quest with 16 exact key channels, fitted to the model) or a
             :class:`xoffload.sparse.QuestDecode` (each step reads, per KV head, the pages that
@@ -70,12 +71,12 @@ class EngineConfig:
             ``sparse_decode`` the same as ``"direct"``) or ``"ring"`` (the engine copies each layer
             into a ring of ``num_kv_buffers`` GPU buffers ahead of its compute; eager; dense only).
         max_num_seqs: most sequences decoded together by the engine's step loop (default 1:
-            requests are served one after another, each with its own KV store and CUDA graph).
-            Above 1 a scheduler admits them in submission order while they fit, one decode step
-            serves every running sequence, a finished one leaves and a waiting one is prefilled
-            and joins the next step (continuous batching), with one attention launch per layer
-            for the whole batch and a CUDA graph per batch-size bucket (1, 2, 4, ...) in
-            ``resident`` mode and ``offload`` (dense or Quest decode).
+            requests are served one after another; a single request is a batch of one). A
+            scheduler admits them in submission order while they fit, one decode step serves
+            every running sequence, a finished one leaves and a waiting one is prefilled and joins
+            the next step (continuous batching), with one attention launch per layer for the
+            whole batch and a CUDA graph per batch-size bucket (1, 2, 4, ...) in ``resident`` mode
+            (dense decode) and ``offload`` (dense or Quest decode).
         max_num_batched_tokens: most prompt tokens prefilled between two decode steps (default
             ``max_model_len``; a longer prompt still runs, alone in its step); with chunked
             prefill, the most tokens of one long prompt prefilled per step (default
@@ -99,12 +100,11 @@ class EngineConfig:
             needs one process per rank (``torchrun --nproc-per-node N``): attention / KV heads,
             MLP and vocabulary split across the ranks, each with its own KV store (its pinned
             pool and ring hold ``num_kv_heads / N`` heads); see :mod:`xoffload.models.parallel`.
-        prefix_caching: offload mode (batched: dense decode, or Quest decode through the batched
-            Quest store) — a request (or a session's first
-            turn) whose leading tokens equal KV already in the pool (blocks of earlier requests
-            and closed sessions, matched by a chained hash of each block's token ids as vLLM's
-            automatic prefix caching) shares those blocks and prefills only the rest, attending to
-            the reused prefix as a session attends to its history (with Quest decode the reused
+        prefix_caching: offload mode (dense decode, or Quest decode through the batched Quest
+            store) — a request (a session's turn is one) whose leading tokens equal KV already in
+            the pool (blocks of earlier requests, matched by a chained hash of each block's token
+            ids as vLLM's automatic prefix caching) shares those blocks and prefills only the
+            rest, its queries attending to the reused prefix (with Quest decode the reused
             pages' summaries, exact channels, resident sink / recent tokens and GPU dense-layer
             rows are built from the whole prompt, the prefix read back from the pool, as a fresh
             prefill builds them); blocks are reference-counted,
@@ -189,10 +189,9 @@ class EngineConfig:
                 raise ValueError(f"kv_cache_tokens={self.kv_cache_tokens} holds less than one KV block "
                                  f"(kv_block_size={self.kv_block_size}): use at least {self.kv_block_size}")
         b = self.kv_block_size
-        if (self.max_num_seqs > 1 and self.mode == "resident" and self.sparse_decode is None
-                and (b < 16 or b & (b - 1))):
-            raise ValueError(f"kv_block_size must be a power of two >= 16 for batched resident decode "
-                             f"(max_num_seqs > 1: the page of the paged KV pool), got {b}")
+        if self.mode == "resident" and self.sparse_decode is None and (b < 16 or b & (b - 1)):
+            raise ValueError(f"kv_block_size must be a power of two >= 16 for resident dense decode "
+                             f"(the page of the paged KV pool), got {b}")
         self.seed = int(self.seed)
         self.tensor_parallel_size = _positive("tensor_parallel_size", self.tensor_parallel_size)
         check_bool("prefix_caching", self.prefix_caching)
@@ -215,12 +214,7 @@ class EngineConfig:
         if self.mode == "offload":
             if self.offload_decode == "ring":
                 return "mode='offload' needs offload_decode 'direct' or 'uva', got 'ring'"
-            if self.max_num_seqs > 1 and pol:
-                return self._batched_offload_refusal()
-            return None
-        if self.max_num_seqs == 1:
-            return (f"mode={self.mode!r} shares blocks between the prompts of one batched call: it needs "
-                    f"max_num_seqs > 1, got max_num_seqs=1 (or mode='offload')")
+            return self._batched_offload_refusal() if pol else None
         if pol:
             return self._batched_offload_refusal()
         return None

@@ -1,4 +1,5 @@
-"""Every other configuration, and ``max_num_seqs=1``: :class:`SerialBatchKV`, one one-request store
+"""Every configuration no batched store serves (the ring, resident with a decode policy, Quest
+decode the batched Quest store does not serve): :class:`SerialBatchKV`, one one-request store
 (:mod:`.kv_store`, :mod:`.kv_paged`) per sequence behind the step loop's store interface (see
 :mod:`xoffload.kv`)."""
 from __future__ import annotations
@@ -14,7 +15,11 @@ class SerialBatchKV(BatchKV):
     every row (the weights are read once for the batch) and each sequence's attention through its
     own store, one after another. Eager (not captured). Admission reserves ``final_len`` tokens
     (in blocks of ``kv_block_size``) against the offload runtime's pool when the store shares one,
-    else against ``kv_cache_tokens`` (unlimited when not given)."""
+    else against ``kv_cache_tokens`` (unlimited when not given). At ``max_num_seqs=1`` the runner
+    replays each sequence's own CUDA graph when its store is capturable (``per_request_stores``)."""
+
+    #: one one-request store per sequence (the runner's per-sequence graph path serves these)
+    per_request_stores = True
 
     def __init__(self, model, config, shared, seqs, store_cls=None):
         super().__init__(model, config, shared, seqs)
@@ -40,10 +45,7 @@ class SerialBatchKV(BatchKV):
         return cls(model, config, shared, seqs, store_cls)
 
     def _need(self, seq) -> int:
-        # a sequence with its own prefill (a session's turn) holds KV its session reserved; a
-        # paged offload store keeps the new tokens in a GPU tail, the ring appends them to the pool
-        if seq.prefill_hook is not None:
-            return 0
+        # a paged offload store keeps the new tokens in a GPU tail, the ring appends them to the pool
         return _blocks(seq.prompt_len if self._prompt_only else seq.final_len, self.block)
 
     def check(self, seq):
@@ -56,8 +58,7 @@ class SerialBatchKV(BatchKV):
         return self.cap_blocks is None or self._reserved + self._need(seq) <= self.cap_blocks
 
     def admit(self, seq):
-        if seq.prefill_hook is None:  # else the hook sets the sequence's decode store
-            seq.kv = self.store_cls.for_request(self.m, self.shared, seq.req, self.config)
+        seq.kv = self.store_cls.for_request(self.m, self.shared, seq.req, self.config)
         self._reserved += self._need(seq)
         self._admitted.append(seq)
 

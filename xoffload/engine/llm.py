@@ -70,19 +70,16 @@ class LLM:
         return inputs.decode(self.model, ids)
 
     # ------------------------------------------------------------------ generation
-    def session(self, *, history_budget: int | None = None, dense_layers=None, recent_pages: int = 4):
-        """A conversation whose KV stays stored between turns (:class:`~.session.Session`):
-        ``s.generate(prompt, params)`` / ``s.chat(message, params)`` prefill only the new tokens
-        against the stored history (dense, or the Quest-chosen pages of it with
-        ``history_budget`` tokens per KV head) and answer; ``s.close()`` frees the KV. With
-        ``max_num_seqs > 1`` a :class:`~.session_prefix.PrefixSession`: turns of many
-        conversations share decode steps, their KV kept by the prefix cache. Raises ValueError
-        for the ring offload store and bad options."""
+    def session(self, *, history_budget=None):
+        """A conversation (:class:`~.session.Session`): ``s.generate(prompt, params)`` /
+        ``s.chat(message, params)`` answer a turn, a plain request carrying the whole
+        conversation, of which the prefix cache (``prefix_caching=True``) finds what earlier turns
+        computed, so only the new tokens are prefilled (without it every turn prefills the whole
+        conversation); ``s.close()`` forgets it. Raises ValueError for a ``history_budget`` (the
+        history is read whole) and ``tensor_parallel_size > 1``."""
         from .session import Session
-        from .session_prefix import PrefixSession
 
-        cls = Session if self.config.max_num_seqs == 1 else PrefixSession
-        return cls(self.engine, history_budget=history_budget, dense_layers=dense_layers, recent_pages=recent_pages)
+        return Session(self.engine, history_budget=history_budget)
 
     def generate(self, prompts, sampling_params=None, *, use_tqdm: bool = False,
                  length_warning: str = "warn") -> list:
@@ -159,8 +156,6 @@ class LLM:
 
     def _add(self, rid: str, index: int, ids: list, sp) -> str:  # named ``index`` in messages
         e = self.engine
-        if e.prefix_cache is not None and self.config.max_num_seqs == 1:
-            return e.add_request(rid, ids, sp)
         if e.closed:
             raise ValueError("this LLM was closed; create a new one")
         seq = Sequence(index, _request(e, ids, sp), key=next(e._keys), request_id=rid)

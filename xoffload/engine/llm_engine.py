@@ -1,7 +1,8 @@
 """``LLMEngine``: the one step loop. Requests join with :meth:`~LLMEngine.add_request`, each
 :meth:`~LLMEngine.step` admits, prefills and decodes one step for every running request and
 returns the outputs that progressed, :meth:`~LLMEngine.abort_request` frees a request's KV at
-once. ``LLM.generate`` and sessions are thin clients of this loop (vLLM's names).
+once. ``LLM.generate`` and sessions (each turn a plain request) are thin clients of this loop
+(vLLM's names).
 
 Threads: :meth:`add_request` and :meth:`abort_request` may be called from any thread (they queue
 the work under a lock; an abort from the thread that drives the loop, between steps, is applied at
@@ -31,7 +32,6 @@ from ..kernels import cpu_backend
 from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_dtype_device
 from .config import EngineConfig
-from .eviction import make_room
 from .inputs import decode, prompt_ids
 from ..kv.table import batch_store_class
 from .kv_store import store_class
@@ -63,8 +63,9 @@ class LLMEngine:
 
     Attributes: ``model``, ``config`` (bound), ``offload`` (the runtime's
     :class:`~xoffload.runtime.OffloadRuntime`: pinned pool + ring; None in resident mode),
-    ``prefix_cache``, ``sessions`` (live sessions by id), ``stats`` (the last store epoch's
-    figures: decode steps, prefills, tok/s, max running, captured graph buckets, the store).
+    ``prefix_cache``, ``sessions`` (open sessions by id: :meth:`close` closes them), ``stats``
+    (the last store epoch's figures: decode steps, prefills, tok/s, max running, captured graph
+    buckets, the store).
 
     Raises ValueError / TypeError on bad options, FileNotFoundError when the model is missing.
     """
@@ -112,15 +113,15 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id, prompt, sampling_params: SamplingParams | None = None, *,
-                    prefill_hook=None, on_finish=None) -> str:
+                    on_finish=None) -> str:
         """Queue a request; it joins the running batch at a later :meth:`step`.
 
         Args:
             request_id: its name (str; unique among the unfinished requests).
             prompt: a string (tokenized as it is) or token ids.
             sampling_params: default greedy, 64 tokens.
-            prefill_hook, on_finish: for clients built on the loop (sessions): ``hook(seq) ->
-                logits`` prefills the request itself; ``on_finish(output)`` sees its final output.
+            on_finish: for clients built on the loop (sessions): ``on_finish(output)`` sees the
+                request's final output (called by the thread that steps, before it is returned).
         Returns: ``request_id``.
         Raises:
             ValueError / TypeError: a bad prompt or parameters, a duplicate id, a closed engine, a
@@ -137,15 +138,10 @@ class LLMEngine:
         ids = prompt_ids(self.model, cfg.max_model_len, request_id, prompt)
         req = Request.make(ids, sp, max_model_len=cfg.max_model_len, seed=cfg.seed, stop_ids=self.stop_ids,
                            device=self.model.device)
-        if prefill_hook is None:
-            self._check_capacity(request_id, req)
+        self._check_capacity(request_id, req)
         if self._holds(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
-        if prefill_hook is None and self.prefix_cache is not None and cfg.max_num_seqs == 1:
-            from .session import Session  # one store of one-request stores: reuse through a one-turn session
-
-            return Session(self).submit(ids, sp, request_id=request_id, close_after=True)
-        seq = Sequence(request_id, req, key=next(self._keys), request_id=request_id, prefill_hook=prefill_hook)
+        seq = Sequence(request_id, req, key=next(self._keys), request_id=request_id)
         seq.on_finish = on_finish
         return self._submit(seq)
 
@@ -384,11 +380,6 @@ class LLMEngine:
             raise
 
     def _open_store(self, seqs: list) -> bool:
-        plain = [s for s in seqs if s.prefill_hook is None]  # a session's turn makes its own room
-        if self.offload is not None and self.sessions and plain:  # idle sessions give way to requests
-            B = self.offload.block_size
-            n = max(s.req.final_len if self.config.offload_decode == "ring" else len(s.req.ids) for s in plain)
-            make_room(self, -(-n // B))
         if self.model.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.model.device)
         kw = dict(self.store_kw)

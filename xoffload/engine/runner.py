@@ -6,16 +6,13 @@ its :class:`~.scheduler.Scheduler` and its CUDA graphs, and runs what one engine
 admit what fits (:meth:`Scheduler.admit`), prefill the admitted sequences (layerwise, into their
 KV) and sample each one's first token; then one decode step for every running sequence (rows
 padded to a batch-size bucket, replayed from that bucket's CUDA graph on a GPU,
-:class:`~.cuda_graph.BatchGraphs`; a store of one sequence at a time replays that sequence's own
-graph, :class:`~.cuda_graph.GraphDecode`), each row sampled with its own :class:`SamplingParams`
+:class:`~.cuda_graph.BatchGraphs`, a single request being a batch of one; a store of per-request
+stores, ``SerialBatchKV`` at ``max_num_seqs=1``, replays that sequence's own graph,
+:class:`~.cuda_graph.GraphDecode`), each row sampled with its own :class:`SamplingParams`
 and generator. A sequence leaves the batch as soon as it has ``max_tokens`` tokens (known on the
 host by counting) or the host has read a stop id among them (on a GPU read ``EOS_LAG`` steps late,
 so the host never waits on the step it just launched); its KV is released and the next admission
 fills its place: continuous batching.
-
-A sequence may bring its own prefill (``seq.prefill_hook``: a session's turn, whose chunk attends
-to the conversation's stored KV); the hook returns the logits of the chunk's last token and sets
-the sequence's decode store (``seq.kv``).
 
 Prefill groups (a store with ``batch_prefill``: the resident ones; dense prefill, one device):
 the admitted sequences are taken in submission order and each one's tokens to prefill are counted
@@ -147,8 +144,9 @@ class StepRunner:
                                store)
         self.filling: list = []  # admitted, prefill not finished (chunked prefill)
         self.graphs = BatchGraphs(model, store, config.cuda_graph)
-        # a store of one sequence at a time decodes through that sequence's own graph
-        self.per_seq_graphs = self.cuda and config.cuda_graph and store.max_num_seqs == 1 and not store.capturable
+        # per-request stores (SerialBatchKV) of one sequence at a time: that sequence's own graph
+        self.per_seq_graphs = (self.cuda and config.cuda_graph and store.max_num_seqs == 1
+                               and getattr(store, "per_request_stores", False))
         self.log = BatchTokenLog(self.cuda)
         self.lag = EOS_LAG if self.cuda else 0
         self.steps, self.prefills, self.calls = [], [], 0
@@ -282,8 +280,8 @@ class StepRunner:
         return any(len(p.req.ids) >= e and p.req.ids[a:e] == ids[a:e] and p.req.ids[:a] == ids[:a] for p in group)
 
     def _prefill_guarded(self, s: Sequence, started: bool = False) -> None:
-        """:meth:`_prefill`; a ValueError / TypeError / MemoryError from it (a session's pool too
-        small, bad input found late) finishes only ``s``, with ``error`` set."""
+        """:meth:`_prefill`; a ValueError / TypeError / MemoryError from it (bad input found late,
+        a pool allocation that failed) finishes only ``s``, with ``error`` set."""
         try:
             self._prefill(s, started)
         except (ValueError, TypeError, MemoryError) as e:
@@ -306,17 +304,14 @@ class StepRunner:
         a = clock.mark()
         s.marks.setdefault("t0", a)  # a prompt prefilled in chunks started at its first chunk
         s.densities = None if cfg.policy.dense else []
-        if s.prefill_hook is not None:
-            logits, start = s.prefill_hook(s), 0
-        else:
-            if not started:
-                s.reused = self.store.prefill_start(s)  # a reused prefix
-            start = s.reused if s.filled is None else s.filled
-            if start != s.reused:  # the last chunk: the pool holds the chunks before it
-                s.kv["start"] = start
-            ids_t = _device_ids(s.req.ids[start:], m.device)
-            logits = m.prefill(ids_t, self.store.sink(s), chunk=cfg.prefill_chunk, policy=cfg.policy,
-                               densities=s.densities, attn_backend=cfg.prefill_attn, start=start)
+        if not started:
+            s.reused = self.store.prefill_start(s)  # a reused prefix
+        start = s.reused if s.filled is None else s.filled
+        if start != s.reused:  # the last chunk: the pool holds the chunks before it
+            s.kv["start"] = start
+        ids_t = _device_ids(s.req.ids[start:], m.device)
+        logits = m.prefill(ids_t, self.store.sink(s), chunk=cfg.prefill_chunk, policy=cfg.policy,
+                           densities=s.densities, attn_backend=cfg.prefill_attn, start=start)
         s.marks["prefill"] = b = clock.mark()
         tok = sample(logits, s.req.sp, s.req.gen)
         s.marks["first"] = clock.mark()

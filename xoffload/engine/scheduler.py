@@ -53,11 +53,9 @@ class Sequence:
         kv: what the KV store keeps for this sequence (the store's own record).
         key: an int unique in the engine (the store's key); ``index`` names it in messages.
         request_id: the engine's name of the request.
-        prefill_hook: None, or ``hook(seq) -> logits [1, V]`` that prefills the sequence itself
-            (a session's turn) and sets ``kv`` to its decode store.
         reused, filled: prompt tokens taken from a cached prefix; the prompt tokens in its KV so
             far while it is prefilled in chunks (None before its first chunk).
-        graph: its own CUDA graph (a store of one sequence at a time), else None.
+        graph: its own CUDA graph (a store of per-request stores at ``max_num_seqs=1``), else None.
         error: the exception that ended it (``finish_reason == "error"``), else None.
         sent: tokens already returned by the engine's step outputs.
         marks, steps, densities, h2d, stats: timestamps (:class:`~xoffload.engine.request.Clock`
@@ -66,12 +64,10 @@ class Sequence:
             timings.
     """
 
-    def __init__(self, index, req: Request, *, key: int | None = None, request_id: str | None = None,
-                 prefill_hook=None):
+    def __init__(self, index, req: Request, *, key: int | None = None, request_id: str | None = None):
         self.index, self.req = index, req
         self.key = index if key is None else key
         self.request_id = str(index) if request_id is None else request_id
-        self.prefill_hook = prefill_hook
         self.status = WAITING
         self.checked = False
         self.reused = 0

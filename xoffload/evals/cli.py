@@ -62,8 +62,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "(offload+quest@512/softmax) and its dense layers as /dense=I.J.K "
                         "(offload+quest@512/dense=0.1.18), exact key channels, bound scale and page size as "
                         "/ch=R, /alpha=A, /page=P, /reuse=B, /cache=C (offload+quest@512/ch=8/alpha=0.25), a :session suffix to ask each prompt as the "
-                        "second turn of a session whose first turn gave the context (offload:session; "
-                        ":session@N: sparse history of N tokens), "
+                        "second turn of a session whose first turn gave the context (offload:session, prefix "
+                        "caching on where the mode takes it), "
                         "both (= resident,offload; default), or hf: transformers' own "
                         "model (SDPA, greedy generate; every other mode's answers are also compared with it); "
                         "the first is the reference for answer agreement")

@@ -1,5 +1,5 @@
 """Mode names of ``xoffload eval``: what ``resident``, ``offload+quest-ch@512/reuse=1``,
-``offload:session@512`` ... mean as LLM keyword arguments (:func:`mode_options`), what a name
+``offload:session`` ... mean as LLM keyword arguments (:func:`mode_options`), what a name
 resolves to today (:func:`mode_config`, stored with every record so that ``--resume`` reruns a
 mode whose meaning changed) and the parsing of a ``--modes`` list. Errors are :class:`ArgError`
 (a ValueError the command line prints as one line)."""
@@ -39,7 +39,10 @@ def mode_options(name: str) -> dict:
     mode list itself is comma-separated), its exact channels ``/ch=R``, bound scale ``/alpha=A``
     and page size ``/page=P`` (``offload+quest@512/ch=8/alpha=0.25``; each suffix at most once;
     ``/ch=`` also turns off the named policy's fitting of its channels to the model,
-    ``QuestDecode.fit_channels``). Raises ValueError naming the known names or the bad suffix."""
+    ``QuestDecode.fit_channels``). A ``:session`` suffix (``offload:session``) asks each prompt as
+    a session's second turn (``kw["session"] == {}``), with ``prefix_caching=True`` where the
+    configuration caches prefixes (the second turn then prefills only the question). Raises
+    ValueError naming the known names or the bad suffix."""
     from xoffload.engine.modes import configurations
 
     from .hf_peer import HF_MODE
@@ -50,25 +53,19 @@ def mode_options(name: str) -> dict:
     name, sep, sess = name.partition(":session")
     session = None
     if sep:
-        sess, slash, dense = sess.partition("/dense=")
-        if sess and not (sess.startswith("@") and sess[1:].isascii() and sess[1:].isdigit() and int(sess[1:]) > 0):
-            raise _ArgError(f"--mode {name + sep + sess!r}: :session takes an optional @HISTORY_BUDGET (a positive "
-                            f"integer) and /dense=I.J.K (its dense layers), e.g. offload:session@1024/dense=0.1.18")
+        if sess:
+            raise _ArgError(f"--mode {name + sep + sess!r}: :session takes no suffix (no @HISTORY_BUDGET, no /dense=): "
+                            f"a session's history is read whole through the prefix cache and the decode policy "
+                            f"chooses what each decode step reads; use {name + sep!r}")
         if name == HF_MODE:
             raise _ArgError(f"--mode {HF_MODE}:session: the transformers peer cannot run as a session")
-        session = {"history_budget": int(sess[1:]) if sess else None}
-        if slash:
-            ids = dense.split(".") if dense else []
-            if not all(x.isascii() and x.isdigit() for x in ids):
-                raise _ArgError(f"--mode {name + sep + sess + slash + dense!r}: /dense= takes layer indices joined "
-                                f"by '.'")
-            session["dense_layers"] = tuple(int(x) for x in ids)
+        session = {}
     base, at, budget = name.partition("@")
     base = "resident" if base == "gpu" else base.replace("gpu+", "resident+")
     if base not in confs:
         raise _ArgError(f"unknown --mode {name!r}; known: both, gpu, {', '.join(confs)}, {HF_MODE} "
                         f"(decode policies take @BUDGET[/GROUP][/dense=I.J][/ch=R][/alpha=A][/page=P][/reuse=B][/cache=C]; any engine "
-                        f"mode :session[@N])")
+                        f"mode :session)")
     kw = dict(confs[base])
     if at:
         budget, slash, group = budget.partition("/")
@@ -114,21 +111,20 @@ def mode_options(name: str) -> dict:
             except (TypeError, ValueError) as e:
                 raise _ArgError(f"--mode {name!r}: {e}") from None
     if session is not None:
-        hb = session["history_budget"]
-        if hb is not None:  # the session's check (Session.history_budget), before any model is loaded
-            from xoffload.engine.session import HISTORY_PAGE
-            from xoffload.sparse.policy import resolve_decode
+        kw["session"] = session
+        if "prefix_caching" not in kw:  # the second turn finds the first one's KV where the mode caches prefixes
+            from xoffload.engine.config import EngineConfig
 
             try:
-                pol = resolve_decode(kw.get("sparse_decode"), kw.get("token_budget"))
-            except (TypeError, ValueError) as e:
-                raise _ArgError(f"--mode {name + sep + sess!r}: {e}") from None
-            page = getattr(pol, "page_size", None) or HISTORY_PAGE
-            if hb % page or hb < 2 * page:
-                raise _ArgError(f"--mode {name + sep + sess!r}: the history budget must be a multiple of the page "
-                                f"size {page} and at least 2 pages ({2 * page} tokens), got {hb}")
-        kw["session"] = session
+                kw["prefix_caching"] = EngineConfig(**kw_engine(kw))._prefix_caching_refusal() is None
+            except (TypeError, ValueError):  # the LLM itself names what is wrong
+                pass
     return kw
+
+
+def kw_engine(kw: dict) -> dict:
+    """The LLM keyword arguments of :func:`mode_options`'s result (without its ``session`` key)."""
+    return {k: v for k, v in kw.items() if k != "session"}
 
 
 def mode_config(name: str) -> str:

@@ -370,7 +370,7 @@ def _run_block(llm, label, todo, tokenizer, max_new_tokens, bar, on_record, mode
         if session is None:
             o = llm.generate(s.token_ids, sp)[0]
         else:
-            o = ask_in_session(llm, s, tokenizer, sp, **session)
+            o = ask_in_session(llm, s, tokenizer, sp)
         on_record(_record(label, k, s, mt, o, tokenizer, mode_config))
         if bar is not None:
             bar.update(1)
@@ -397,13 +397,14 @@ def question_start(sample, tokenizer) -> int:
     return max(1, len(ids) - 64)
 
 
-def ask_in_session(llm, sample, tokenizer, sp, history_budget=None, dense_layers=None):
-    """Ask ``sample`` as the second turn of a session (``history_budget`` / ``dense_layers``: its
-    sparse history, :meth:`~xoffload.engine.llm.LLM.session`): turn one appends the prompt up to
-    the question (:meth:`~xoffload.engine.session.Session.append`), turn two asks the rest (the
-    same tokens as the one-shot prompt). Returns the second turn's RequestOutput."""
+def ask_in_session(llm, sample, tokenizer, sp):
+    """Ask ``sample`` as the second turn of a session (:meth:`~xoffload.engine.llm.LLM.session`):
+    turn one appends the prompt up to the question
+    (:meth:`~xoffload.engine.session.Session.append`), turn two asks the rest (the same tokens as
+    the one-shot prompt; with prefix caching it prefills only them). Returns the second turn's
+    RequestOutput."""
     j = question_start(sample, tokenizer)
-    with llm.session(history_budget=history_budget, dense_layers=dense_layers) as sess:
+    with llm.session() as sess:
         sess.append(sample.token_ids[:j])
         return sess.generate(sample.token_ids[j:], sp)
 

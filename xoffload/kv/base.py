@@ -42,10 +42,13 @@ Stores (one module each):
   ``resident`` + QuestDecode, over a runtime whose pool is on the model's device
   (:mod:`~xoffload.kv.device_runtime`: no page cache, no dense pool, no host bytes).
 
-- :class:`~.kv_batch_serial.SerialBatchKV`: ``max_num_seqs=1`` and every other store (Quest
-  with ``bound_scale < 1`` and no exact channels, offload Quest with prefetch, the ring): one
-  one-request store per sequence, the model step shared (one read of the weights for all rows),
-  attention one sequence at a time.
+- :class:`~xoffload.engine.kv_batch_serial.SerialBatchKV`: every configuration the stores above
+  do not serve (Quest resident, Quest with prefetch, the ring): one one-request store per
+  sequence, the model step shared (one read of the weights for all rows), attention one sequence
+  at a time.
+
+The stores above serve every ``max_num_seqs``: a single request is a batch of one (buckets
+``(1,)``, one CUDA graph per bucket).
 
 The two offload stores (the Quest one in either placement) cache prefixes (``prefix_caching``:
 ``open(..., prefix_cache=)``, ``takes_prefix_cache``). :func:`batch_store_class` is the table that picks the store.

@@ -1,4 +1,4 @@
-"""``offload`` with ``max_num_seqs > 1`` and Quest decode: :class:`OffloadQuestBatchKV` (see
+"""``offload``, Quest decode (any ``max_num_seqs``): :class:`OffloadQuestBatchKV` (see
 :mod:`.base` for the store interface)."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""``resident`` with ``max_num_seqs > 1``: :class:`ResidentBatchKV`, one paged KV pool on the model's
-device for every running sequence (see :mod:`.base` for the store interface)."""
+"""``resident``, dense decode (any ``max_num_seqs``): :class:`ResidentBatchKV`, one paged KV pool on
+the model's device for every running sequence (see :mod:`.base` for the store interface)."""
 from __future__ import annotations
 
 import torch

@@ -19,8 +19,9 @@ Decode writes the new tokens after the prompt: into the sequence's own blocks, o
 the registered tokens of its prompt's partly filled last block, which no other holder reads (a
 sequence sharing that block copies it before writing, and reads only the registered rows).
 
-The cache lives as long as the call's pool (one ``generate``); reuse across calls is the offload
-mode's (its pool persists in the LLM) and the sessions' (:mod:`xoffload.engine.session`).
+The cache lives as long as the store's pool (one store epoch: while the engine is busy, e.g. one
+``generate`` call, at any ``max_num_seqs``); reuse across epochs is the offload mode's (its pool
+persists in the LLM).
 """
 from __future__ import annotations
 

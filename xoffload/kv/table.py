@@ -11,8 +11,6 @@ def batch_store_class(config):
     ======================================  =====================================================
     configuration                           store
     ======================================  =====================================================
-    ``max_num_seqs == 1``                   :class:`SerialBatchKV` around the mode's one-request
-                                            store (its own CUDA graph per sequence)
     ``resident``, dense decode              :class:`ResidentBatchKV` (with ``prefix_caching``:
                                             :class:`~.kv_batch_prefix.ResidentPrefixBatchKV`)
     ``offload`` direct/uva, dense decode    :class:`OffloadBatchKV`
@@ -38,8 +36,6 @@ def batch_store_class(config):
 
     store_cls = store_class(config.mode).variant(config)
     pol = config.decode_policy
-    if config.max_num_seqs == 1:
-        return SerialBatchKV, {"store_cls": store_cls}
     if store_cls is ResidentKV:
         if config.prefix_caching:
             from .resident_prefix import ResidentPrefixBatchKV
