@@ -176,7 +176,7 @@ def test_join_mid_batch_and_finish_after_one_token(dense_on_gpu):
     outs = llm.generate(prompts, sps)
     assert [o.token_ids for o in outs] == [r.token_ids for r in ref]
     assert [len(o.token_ids) for o in outs] == [14, 1, 4, 6] and outs[1].timings["decode_steps"] == 0
-    keys = ("cache_hit_rate", "prefetch_share", "cache_slots")  # the page cache's figures, as alone
+    keys = ("cache_hit_rate", "cache_slots")  # the page cache's figures, as alone
     assert [[o.timings.get(k, "absent") for k in keys] for o in outs] == \
         [[r.timings.get(k, "absent") for k in keys] for r in ref]
     seqs = [x["seqs"] for x in llm.batch_stats["decode_steps"]]
@@ -212,7 +212,7 @@ def test_page_cache_with_reuse_bias_equals_alone():
     sps = [SamplingParams(max_tokens=1), sp]
     ref = _alone(m, prompts[1:3], sps, 300, pol=pol)
     outs = _batched(m, 300, pol=pol, max_num_seqs=2).generate(prompts[1:3], sps)
-    keys = ("cache_hit_rate", "prefetch_share", "cache_slots")
+    keys = ("cache_hit_rate", "cache_slots")
     assert ref[0].timings["cache_hit_rate"] is None and ref[0].timings["cache_slots"] == 4
     assert [[o.timings[k] for k in keys] for o in outs] == [[r.timings[k] for k in keys] for r in ref]
 

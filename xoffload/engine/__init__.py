@@ -6,22 +6,17 @@
   (conversations: each turn a request carrying the whole conversation, found by the prefix cache);
 - :mod:`.runner`: :class:`StepRunner` (one store epoch: prefill, decode step, retire),
   :mod:`.scheduler` (:class:`Sequence`, :class:`Scheduler`: queues and admission);
-- :mod:`xoffload.kv`: the KV layer (stores, the table that picks one); :class:`SerialBatchKV`;
-  :mod:`.kv_store`, :mod:`.kv_paged`: the one-request stores the serial store wraps;
+- :mod:`xoffload.kv`: the KV layer (the stores, their contracts, the table that picks one);
 - :mod:`.config` (:class:`EngineConfig`), :mod:`.sampling`, :mod:`.request`, :mod:`.inputs`,
   :mod:`.cuda_graph`.
 
-Layering: kernels -> runtime | sparse -> models -> engine -> integrations / cli.
+Layering: kernels -> runtime | sparse -> models -> kv -> engine -> serve / evals / integrations / cli.
 """
 from __future__ import annotations
 
-from .config import EngineConfig
-from .cuda_graph import BatchGraphs, GraphDecode
-from .kv_store import (MODE_ALIASES, STORES, KVStore, OffloadKV, ResidentKV, Splits, canonical_mode,
-                       register_store, store_class)
-from .kv_paged import OffloadPagedKV, PagedKV, ResidentPagedKV
 from ..kv import BatchKV, OffloadBatchKV, OffloadQuestBatchKV, ResidentBatchKV, batch_store_class
-from .kv_batch_serial import SerialBatchKV
+from .config import MODE_ALIASES, MODES, EngineConfig, canonical_mode
+from .cuda_graph import BatchGraphs
 from .llm import LLM
 from .llm_engine import LLMEngine
 from .request import Clock, Request, RequestOutput
@@ -29,7 +24,6 @@ from .runner import StepRunner
 from .sampling import SamplingParams, sample
 from .scheduler import Scheduler, Sequence
 
-__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "KVStore", "ResidentKV", "OffloadKV",
-           "Splits", "PagedKV", "OffloadPagedKV", "ResidentPagedKV", "STORES", "MODE_ALIASES", "register_store", "canonical_mode", "store_class", "GraphDecode",
-           "Clock", "Request", "sample", "BatchGraphs", "BatchKV", "ResidentBatchKV", "OffloadBatchKV",
-           "OffloadQuestBatchKV", "SerialBatchKV", "batch_store_class", "StepRunner", "Scheduler", "Sequence"]
+__all__ = ["LLM", "LLMEngine", "EngineConfig", "SamplingParams", "RequestOutput", "MODES", "MODE_ALIASES",
+           "canonical_mode", "Clock", "Request", "sample", "BatchGraphs", "BatchKV", "ResidentBatchKV", "OffloadBatchKV",
+           "OffloadQuestBatchKV", "batch_store_class", "StepRunner", "Scheduler", "Sequence"]

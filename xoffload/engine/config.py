@@ -8,14 +8,28 @@ from dataclasses import dataclass
 from ..kernels.checks import check_bool, check_int, is_int
 from ..models.loader import resolve_dtype_device
 from ..sparse.policy import DecodePolicy, PrefillPolicy, resolve_decode, resolve_prefill
-from .kv_store import canonical_mode
 
-__all__ = ["EngineConfig", "OFFLOAD_DECODES", "PREFILL_ATTN"]
+__all__ = ["EngineConfig", "OFFLOAD_DECODES", "PREFILL_ATTN", "MODES", "MODE_ALIASES", "canonical_mode"]
+
+#: where the KV lives: the modes of :class:`EngineConfig` (the store table, :mod:`xoffload.kv.table`,
+#: picks a store for each)
+MODES = ("resident", "offload")
+#: accepted alias -> mode
+MODE_ALIASES = {"gpu": "resident"}
+
+
+def canonical_mode(mode) -> str:
+    """The canonical name of ``mode`` (an alias resolved). Raises ValueError for an unknown mode."""
+    m = MODE_ALIASES.get(mode, mode) if isinstance(mode, str) else mode
+    if m not in MODES:
+        alias = ", ".join(f"{a!r} = {c!r}" for a, c in sorted(MODE_ALIASES.items()))
+        raise ValueError(f"mode must be one of {', '.join(map(repr, MODES))} (aliases: {alias}), got {mode!r}")
+    return m
 
 #: dense causal attention choices of the prefill (see :func:`xoffload.kernels.causal_attention`)
 PREFILL_ATTN = ("auto", "cudnn", "xoffload", "sdpa")
 #: values of ``EngineConfig.offload_decode``
-OFFLOAD_DECODES = ("direct", "uva", "ring")
+OFFLOAD_DECODES = ("direct", "uva")
 
 #: keyword arguments of earlier versions, with what replaces them
 _REMOVED = {
@@ -24,6 +38,7 @@ _REMOVED = {
     "sparse_block_size": "sparse=XAttentionPrefill(block_size=...)",
     "sparse_kwargs": "sparse=XAttentionPrefill(<option>=...)",
     "dense_layers": "sparse=XAttentionPrefill(dense_layers=...)",
+    "num_kv_buffers": "nothing: offload decode stages each layer through two GPU buffers (offload_decode='direct')",
 }
 
 
@@ -33,10 +48,9 @@ class EngineConfig:
 
     Args:
         mode: where the KV lives — ``"resident"`` (on the model's device; ``"gpu"`` is an alias) or
-            ``"offload"`` (layerwise prefill, KV in pinned CPU memory, decode through the offload
-            engine's ring of ``num_kv_buffers`` GPU layer buffers); any name registered with
-            :func:`xoffload.engine.kv_store.register_store`. Stored as the canonical name.
-        num_kv_buffers, kv_block_size: ring buffers and pool block size (offload mode).
+            ``"offload"`` (layerwise prefill, the prompt's KV in the runtime's pinned CPU pool,
+            generated tokens on the GPU; see ``offload_decode``). Stored as the canonical name.
+        kv_block_size: tokens per block of the KV pool (offload; resident with a decode policy).
         max_model_len: longest sequence (prompt + generated); default the model's context length.
         dtype, device: default bf16 on CUDA, fp32 on the CPU.
         sparse: the prefill policy — a :class:`xoffload.sparse.PrefillPolicy` (e.g.
@@ -49,11 +63,9 @@ class EngineConfig:
             fastest on an H200 — else ours), ``"cudnn"``, ``"xoffload"`` (our Triton
             ``flash_attn_with_lse``) or ``"sdpa"`` (PyTorch's own backend choice).
         seed: default sampling seed of requests without one.
-        cuda_graph: with a capturable KV store on CUDA (the batched stores; a per-request store
-            of ``max_num_seqs=1`` that is capturable), capture one decode step in a CUDA graph per
-            batch-size bucket (per request for a per-request store) and replay it per token
-            (default True; removes the host's per-kernel launch cost). False: the eager loop.
-            Ignored with the ring and on the CPU. Both give the same tokens.
+        cuda_graph: on CUDA, capture one decode step in a CUDA graph per batch-size bucket and
+            replay it per token (default True; removes the host's per-kernel launch cost). False:
+            the eager loop. Ignored on the CPU. Both give the same tokens.
         sparse_decode: the decode policy — None (every step reads all of the prompt's KV), ``"quest"``,
             ``"quest-ch"`` (Quest with 16 exact key channels, fitted to the model) or a
             :class:`xoffload.sparse.QuestDecode` (each step reads, per KV head, the pages that
@@ -62,14 +74,15 @@ class EngineConfig:
             Resolved once by :func:`xoffload.sparse.resolve_decode`.
         token_budget: tokens a sparse layer attends to per step (sink + recent + chosen pages);
             alone it means ``sparse_decode="quest"`` with this budget.
-        offload_decode: how offload-mode decode reads the pool, the whole step in one CUDA graph
-            except with the ring — ``"direct"`` (default: dense decode copies each layer's pages
+        offload_decode: how offload-mode decode reads the pool, the whole step in one CUDA
+            graph — ``"direct"`` (default: dense decode copies each layer's pages
             into one of two GPU buffers on a copy stream while the layer before computes, or reads
             them in place when the buffers for ``max_num_seqs`` rows do not fit the GPU; sparse
             decode copies the chosen pages it does not have cached), ``"uva"`` (dense decode's
             attention kernel reads the pages in place over PCIe, serialised with the compute; with
-            ``sparse_decode`` the same as ``"direct"``) or ``"ring"`` (the engine copies each layer
-            into a ring of ``num_kv_buffers`` GPU buffers ahead of its compute; eager; dense only).
+            ``sparse_decode`` the same as ``"direct"``). ``"ring"`` (a copy-engine ring of whole
+            layers, eager) is not offered: ``"direct"`` streams each layer through two GPU buffers
+            inside the step's graph, without the ring's per-layer host work.
         max_num_seqs: most sequences decoded together by the engine's step loop (default 1:
             requests are served one after another; a single request is a batch of one). A
             scheduler admits them in submission order while they fit, one decode step serves
@@ -118,7 +131,6 @@ class EngineConfig:
     """
 
     mode: str = "resident"
-    num_kv_buffers: int = 4
     kv_block_size: int = 1024
     max_model_len: int | None = None
     dtype: object = None
@@ -155,16 +167,16 @@ class EngineConfig:
         if self.token_budget is not None:
             check_int("token_budget", self.token_budget, 1)
         self.sparse_decode = resolve_decode(self.sparse_decode, self.token_budget)
+        if self.offload_decode == "ring":
+            raise ValueError("offload_decode='ring' is not offered: 'direct' streams each layer through two GPU buffers "
+                             "on a copy stream inside the step's CUDA graph (the ring's job without its per-layer host work)")
         if self.offload_decode not in OFFLOAD_DECODES:
             raise ValueError(f"offload_decode must be one of {OFFLOAD_DECODES}, got {self.offload_decode!r}")
-        if self.offload_decode == "ring" and self.sparse_decode is not None:
-            raise ValueError("offload_decode='ring' reads whole layers; sparse_decode needs offload_decode='direct'")
         b = self.kv_block_size
-        direct = self.mode == "offload" and self.offload_decode != "ring"
+        direct = self.mode == "offload"
         if direct and is_int(b) and (b < 16 or b & (b - 1)):
             raise ValueError(f"kv_block_size must be a power of two >= 16 for offload_decode={self.offload_decode!r}, got {b}")
-        batched = is_int(self.max_num_seqs) and self.max_num_seqs > 1  # resident: the batched Quest store's pool
-        if direct or (self.mode == "resident" and batched):
+        if direct or self.mode == "resident":  # resident + a decode policy: the Quest store's device pool
             p = getattr(self.sparse_decode, "page_size", None)
             if p is not None and is_int(b) and b % p:
                 raise ValueError(f"kv_block_size {b} must be a multiple of the decode policy's page_size {p}")
@@ -176,7 +188,6 @@ class EngineConfig:
         if self.prefill_attn not in PREFILL_ATTN:
             raise ValueError(f"prefill_attn must be one of {', '.join(map(repr, PREFILL_ATTN))}, "
                              f"got {self.prefill_attn!r}")
-        check_int("num_kv_buffers", self.num_kv_buffers, 1)
         check_int("kv_block_size", self.kv_block_size, 1)
         self.max_num_seqs = _positive("max_num_seqs", self.max_num_seqs)
         if self.max_num_batched_tokens is not None:
@@ -201,38 +212,10 @@ class EngineConfig:
                 raise ValueError(f"prefix_caching reuses KV blocks of a pool: {why}")
 
     def _prefix_caching_refusal(self) -> str | None:
-        """Why this config cannot cache prefixes (one clause naming the value), or None: it needs
-        one device, and either ``offload`` with ``direct`` / ``uva`` decode (batched: no decode
-        policy, or a :class:`~xoffload.sparse.QuestDecode` the batched Quest store serves: no
-        ``prefetch``, and exact channels when ``bound_scale < 1``; other policies run one
-        per-request store per sequence, which does not share blocks) or ``resident`` with
-        ``max_num_seqs > 1`` and no decode policy or such a QuestDecode (``prefetch`` allowed:
-        the store's device pool has no page cache to prefetch into)."""
-        pol = None if self.sparse_decode is None else type(self.sparse_decode).__name__
+        """Why this config cannot cache prefixes (one clause naming the value), or None: the prefix
+        cache shares blocks of one device's pool, so it needs ``tensor_parallel_size=1``."""
         if self.tensor_parallel_size != 1:
             return f"it needs one device, got tensor_parallel_size={self.tensor_parallel_size}"
-        if self.mode == "offload":
-            if self.offload_decode == "ring":
-                return "mode='offload' needs offload_decode 'direct' or 'uva', got 'ring'"
-            return self._batched_offload_refusal() if pol else None
-        if pol:
-            return self._batched_offload_refusal()
-        return None
-
-    def _batched_offload_refusal(self) -> str | None:
-        """Batched offload or resident with a decode policy: None where the batched Quest store
-        serves it (the store table of :func:`~xoffload.kv.table.batch_store_class`), else why not."""
-        from ..sparse.quest import QuestDecode
-
-        pol, n, mode = self.sparse_decode, self.max_num_seqs, self.mode
-        if not isinstance(pol, QuestDecode):
-            return (f"batched {mode} (max_num_seqs={n}) needs dense decode or QuestDecode, got "
-                    f"sparse_decode={type(pol).__name__}")
-        if pol.prefetch and mode == "offload":
-            return f"batched offload (max_num_seqs={n}) with QuestDecode needs prefetch=False, got prefetch=True"
-        if not pol.exact_channels and pol.bound_scale != 1.0:
-            return (f"batched {mode} (max_num_seqs={n}) with QuestDecode needs bound_scale=1.0 without exact "
-                    f"channels, got bound_scale={pol.bound_scale}")
         return None
 
     @property

@@ -33,23 +33,13 @@ from ..models.llama import LlamaModel
 from ..models.loader import load_model, resolve_dtype_device
 from .config import EngineConfig
 from .inputs import decode, prompt_ids
-from ..kv.table import batch_store_class
-from .kv_store import store_class
+from ..kv.table import batch_store_class, open_runtime
 from .request import Clock, Request, RequestOutput, request_timings
 from .runner import StepRunner, headroom
 from .sampling import SamplingParams
 from .scheduler import FINISHED, Sequence
 
 __all__ = ["LLMEngine"]
-
-
-def _shared_runtime(model, cfg, store_kw):
-    """The engine's OffloadRuntime or None: over a pool on the model's device where the store table
-    asks (``pool_placement="device"``: resident + QuestDecode), else the mode's (offload: pinned)."""
-    if store_kw.get("pool_placement") == "device":
-        from ..kv.device_runtime import open_device_runtime
-        return open_device_runtime(model, cfg)
-    return store_class(cfg.mode).variant(cfg).open_shared(model, cfg)
 
 
 class LLMEngine:
@@ -62,7 +52,7 @@ class LLMEngine:
         **options: the fields of :class:`~xoffload.engine.config.EngineConfig`.
 
     Attributes: ``model``, ``config`` (bound), ``offload`` (the runtime's
-    :class:`~xoffload.runtime.OffloadRuntime`: pinned pool + ring; None in resident mode),
+    :class:`~xoffload.runtime.OffloadRuntime`: the pinned pool, or a device pool for resident + Quest; else None),
     ``prefix_cache``, ``sessions`` (open sessions by id: :meth:`close` closes them), ``stats``
     (the last store epoch's figures: decode steps, prefills, tok/s, max running, captured graph
     buckets, the store).
@@ -85,7 +75,7 @@ class LLMEngine:
         cfg = cfg.bind(m)
         self.store_cls, self.store_kw = batch_store_class(cfg)
         self.config = cfg = cfg.resolve_chunked_prefill(self.store_cls, m.tp)
-        self.offload = _shared_runtime(m, cfg, self.store_kw)
+        self.offload = open_runtime(m, cfg, self.store_kw)
         self.prefix_cache = None
         if cfg.prefix_caching and self.offload is not None:
             from ..runtime import PrefixCache
@@ -161,7 +151,7 @@ class LLMEngine:
         cfg = self.config
         if self.offload is not None:
             B, total = self.offload.block_size, self.offload.allocator.num_blocks
-            n = req.final_len if cfg.offload_decode == "ring" else len(req.ids)
+            n = len(req.ids)
             if -(-n // B) > total:
                 p = len(req.ids)
                 what = f"{p} prompt + {n - p} new tokens" if n > p else f"{p} prompt tokens"

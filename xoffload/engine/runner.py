@@ -6,9 +6,8 @@ its :class:`~.scheduler.Scheduler` and its CUDA graphs, and runs what one engine
 admit what fits (:meth:`Scheduler.admit`), prefill the admitted sequences (layerwise, into their
 KV) and sample each one's first token; then one decode step for every running sequence (rows
 padded to a batch-size bucket, replayed from that bucket's CUDA graph on a GPU,
-:class:`~.cuda_graph.BatchGraphs`, a single request being a batch of one; a store of per-request
-stores, ``SerialBatchKV`` at ``max_num_seqs=1``, replays that sequence's own graph,
-:class:`~.cuda_graph.GraphDecode`), each row sampled with its own :class:`SamplingParams`
+:class:`~.cuda_graph.BatchGraphs`, a single request being a batch of one), each row sampled
+with its own :class:`SamplingParams`
 and generator. A sequence leaves the batch as soon as it has ``max_tokens`` tokens (known on the
 host by counting) or the host has read a stop id among them (on a GPU read ``EOS_LAG`` steps late,
 so the host never waits on the step it just launched); its KV is released and the next admission
@@ -37,7 +36,7 @@ from collections import deque
 
 import torch
 
-from .cuda_graph import BatchGraphs, GraphDecode
+from .cuda_graph import BatchGraphs
 from ..kv.base import _to_device
 from ..kv.batch_prefill import GROUP_PREFILL_MAX_TOKENS
 from .request import EOS_LAG, Clock
@@ -144,9 +143,6 @@ class StepRunner:
                                store)
         self.filling: list = []  # admitted, prefill not finished (chunked prefill)
         self.graphs = BatchGraphs(model, store, config.cuda_graph)
-        # per-request stores (SerialBatchKV) of one sequence at a time: that sequence's own graph
-        self.per_seq_graphs = (self.cuda and config.cuda_graph and store.max_num_seqs == 1
-                               and getattr(store, "per_request_stores", False))
         self.log = BatchTokenLog(self.cuda)
         self.lag = EOS_LAG if self.cuda else 0
         self.steps, self.prefills, self.calls = [], [], 0
@@ -178,23 +174,15 @@ class StepRunner:
 
     def _decode(self, running: list) -> None:
         clock = self.clock
-        if self.per_seq_graphs and running[0].kv is not None and running[0].kv.capturable:
-            s = running[0]
-            if s.graph is None:
-                s.graph = GraphDecode(self.m, s.kv, s.pos)
-            a = clock.mark()
-            logits = s.graph.step(s.last_tok)
-            rows = 1
+        if running != self._batch:  # the batch changed: new rows, inputs from each sequence
+            self._rows = self.store.set_batch(running)
+            tokens = torch.cat([s.last_tok for s in running])
+            self._batch = running
         else:
-            if running != self._batch:  # the batch changed: new rows, inputs from each sequence
-                self._rows = self.store.set_batch(running)
-                tokens = torch.cat([s.last_tok for s in running])
-                self._batch = running
-            else:
-                tokens = self._prev
-            rows = self._rows
-            a = clock.mark()
-            logits = self.graphs.step(rows, tokens)
+            tokens = self._prev
+        rows = self._rows
+        a = clock.mark()
+        logits = self.graphs.step(rows, tokens)
         toks = sample_rows(logits, running)
         e = clock.mark()
         self.steps.append((len(running), rows, a, e))
@@ -220,11 +208,8 @@ class StepRunner:
         return out
 
     def finish(self, s: Sequence, reason: str) -> None:
-        """``s`` leaves (``reason``: ``stop``, ``length``, ``abort`` or ``error``): its graph and KV
+        """``s`` leaves (``reason``: ``stop``, ``length``, ``abort`` or ``error``): its KV
         are released at once; a waiting one is just dropped."""
-        if s.graph is not None:
-            s.graph.close()
-            s.graph = None
         if "first" in s.marks:  # an abort after its prefill: its timings end here
             s.marks.setdefault("end", self.clock.mark())
         self.sched.finish(s, reason)

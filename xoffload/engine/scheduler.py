@@ -55,7 +55,6 @@ class Sequence:
         request_id: the engine's name of the request.
         reused, filled: prompt tokens taken from a cached prefix; the prompt tokens in its KV so
             far while it is prefilled in chunks (None before its first chunk).
-        graph: its own CUDA graph (a store of per-request stores at ``max_num_seqs=1``), else None.
         error: the exception that ended it (``finish_reason == "error"``), else None.
         sent: tokens already returned by the engine's step outputs.
         marks, steps, densities, h2d, stats: timestamps (:class:`~xoffload.engine.request.Clock`
@@ -72,7 +71,6 @@ class Sequence:
         self.checked = False
         self.reused = 0
         self.filled = None
-        self.graph = None
         self.error = None
         self.sent = 0
         self.on_finish = None

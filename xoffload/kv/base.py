@@ -34,7 +34,7 @@ Stores (one module each):
   in place over PCIe (a page table of pool blocks per row); generated tokens in a paged GPU tail
   pool (a second launch); the two merged by LSE.
 - :class:`~.quest.OffloadQuestBatchKV` (``offload`` + :class:`~xoffload.sparse.QuestDecode`, direct
-  decode, no prefetch asked for): prompts in the pinned pool, every admitted sequence's page
+  decode): prompts in the pinned pool, every admitted sequence's page
   summaries in one shared GPU summary pool, sink + recent + generated tokens in the paged GPU tail
   pool, the dense layers on the GPU when they fit (else read in place), a GPU page cache per
   sequence (:mod:`~xoffload.kv.page_cache`) when it fits; per layer one batched score
@@ -42,16 +42,12 @@ Stores (one module each):
   ``resident`` + QuestDecode, over a runtime whose pool is on the model's device
   (:mod:`~xoffload.kv.device_runtime`: no page cache, no dense pool, no host bytes).
 
-- :class:`~xoffload.engine.kv_batch_serial.SerialBatchKV`: every configuration the stores above
-  do not serve (Quest resident, Quest with prefetch, the ring): one one-request store per
-  sequence, the model step shared (one read of the weights for all rows), attention one sequence
-  at a time.
-
-The stores above serve every ``max_num_seqs``: a single request is a batch of one (buckets
+The stores serve every ``max_num_seqs``: a single request is a batch of one (buckets
 ``(1,)``, one CUDA graph per bucket).
 
 The two offload stores (the Quest one in either placement) cache prefixes (``prefix_caching``:
-``open(..., prefix_cache=)``, ``takes_prefix_cache``). :func:`batch_store_class` is the table that picks the store.
+``open(..., prefix_cache=)``, ``takes_prefix_cache``). :func:`~.table.batch_store_class` is the
+table that picks the store; :mod:`.protocols` writes the contracts down.
 """
 from __future__ import annotations
 

@@ -67,4 +67,4 @@ def open_device_runtime(model, config) -> OffloadRuntime:
             f"set kv_cache_tokens, or lower max_model_len or max_num_seqs")
     return OffloadRuntime(c.num_layers, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=str(model.device),
                           max_tokens=config.max_model_len, block_size=config.kv_block_size,
-                          num_buffers=config.num_kv_buffers, num_blocks=blocks, placement="device")
+                          num_blocks=blocks, placement="device")

@@ -76,10 +76,6 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         self.cache = prefix_cache
         pol = self.policy = config.decode_policy
         self.r, self.alpha = int(pol.exact_channels), float(pol.bound_scale)
-        if not self.r and self.alpha != 1.0:
-            raise ValueError(f"OffloadQuestBatchKV scores a bound_scale below 1 only with exact channels; this "
-                             f"policy has exact_channels=0, bound_scale={pol.bound_scale} (batch_store_class routes "
-                             f"it to SerialBatchKV)")
         P = self.page = int(pol.page_size)
         if self.block % P:
             raise ValueError(f"QuestDecode.page_size {P} must divide the pool's block size {self.block}")
@@ -323,17 +319,15 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         return int((looks - hits) * page_bytes / steps) + dense
 
     def decode_stats(self, seq) -> dict:
-        """With the page cache, the one-request store's keys: ``cache_hit_rate`` (None before a
-        lookup), ``prefetch_share`` (no prefetch in a batch: 0.0 once a page was copied, else
-        None), ``cache_slots`` (this sequence's), ``cache_bytes`` (its slot of the call's caches)."""
+        """With the page cache: ``cache_hit_rate`` (None before a lookup), ``cache_slots`` (this
+        sequence's), ``cache_bytes`` (its slot of the epoch's caches)."""
         kv = seq.kv
         want = self._want_c(kv["plan"]) if kv is not None else 0
         if not want or self.pcache is None or kv.get("cslot") is None:  # alone: no cache either (or cut)
             return {}
         hits, looks = self.pcache.counts(kv["cslot"])
         c = min(want, self.pcache.C)
-        return {"cache_hit_rate": hits / looks if looks else None, "prefetch_share": 0.0 if looks > hits else None,
-                "cache_slots": c, "cache_bytes": self.pcache.nbytes // self.pcache.S}
+        return {"cache_hit_rate": hits / looks if looks else None, "cache_slots": c, "cache_bytes": self.pcache.nbytes // self.pcache.S}
 
     def _want_c(self, plan) -> int:
         """Cache slots a sequence with ``plan`` has alone (0: none)."""

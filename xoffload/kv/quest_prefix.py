@@ -35,7 +35,7 @@ class WholeLayer:
 
     Args:
         eng: the :class:`~xoffload.runtime.OffloadRuntime`; stage: the store's
-            :class:`~xoffload.engine.kv_store.PrefillStaging`; sid: the sequence's pool id;
+            :class:`~xoffload.kv.staging.PrefillStaging`; sid: the sequence's pool id;
             start: reused tokens; T: the prompt's tokens; scale: the softmax scale.
     """
 

@@ -1,53 +1,69 @@
-"""The store table: the one place a configuration's KV store is chosen."""
+"""The store table: the one place a configuration's KV store is chosen, and the runtime it needs."""
 from __future__ import annotations
 
-__all__ = ["batch_store_class"]
+from ..runtime import OffloadRuntime
+
+__all__ = ["batch_store_class", "open_runtime"]
 
 
 def batch_store_class(config):
-    """The store table: ``(batched store class, open keyword arguments)`` that serves ``config``
-    (the one place a configuration's store is chosen).
+    """The store that serves ``config`` (an :class:`~xoffload.engine.config.EngineConfig`), for
+    every ``max_num_seqs`` (a single request is a batch of one): ``(store class, open keyword
+    arguments)``.
 
-    ======================================  =====================================================
-    configuration                           store
-    ======================================  =====================================================
-    ``resident``, dense decode              :class:`ResidentBatchKV` (with ``prefix_caching``:
-                                            :class:`~.kv_batch_prefix.ResidentPrefixBatchKV`)
-    ``offload`` direct/uva, dense decode    :class:`OffloadBatchKV`
-    ``offload`` direct/uva + QuestDecode    :class:`OffloadQuestBatchKV` (not with ``prefetch``,
-                                            nor ``bound_scale < 1`` without exact channels)
-    ``resident`` + QuestDecode              :class:`OffloadQuestBatchKV` over a runtime whose pool
-                                            is on the model's device (``pool_placement=
-                                            "device"``: no page cache, no host bytes; not with
-                                            ``bound_scale < 1`` without exact channels)
-    anything else                           :class:`SerialBatchKV` around the one-request store
-    ======================================  =====================================================
+    ===================================  ========================================================
+    configuration                        store
+    ===================================  ========================================================
+    ``resident``, dense decode           :class:`~.resident.ResidentBatchKV` (with
+                                         ``prefix_caching``: :class:`~.resident_prefix.
+                                         ResidentPrefixBatchKV`)
+    ``offload``, dense decode            :class:`~.offload.OffloadBatchKV` (``direct``: staged
+                                         through two GPU buffers; ``uva``: read in place)
+    ``offload`` + QuestDecode            :class:`~.quest.OffloadQuestBatchKV` over the pinned pool
+    ``resident`` + QuestDecode           :class:`~.quest.OffloadQuestBatchKV` over a pool on the
+                                         model's device (``pool_placement="device"``: no page
+                                         cache, no host bytes)
+    ===================================  ========================================================
 
-    The open keyword ``pool_placement`` (``"host"`` when absent) is also where the engine's
-    runtime keeps the pool: the engine opens a device pool for ``"device"``.
+    Raises:
+        ValueError: a decode policy no store reads (the stores read the pages a
+            :class:`~xoffload.sparse.QuestDecode` chooses).
     """
     from ..sparse.quest import QuestDecode
     from .offload import OffloadBatchKV
     from .quest import OffloadQuestBatchKV
     from .resident import ResidentBatchKV
-    from ..engine.kv_batch_serial import SerialBatchKV
-    from ..engine.kv_paged import OffloadPagedKV
-    from ..engine.kv_store import ResidentKV, store_class
+    from .resident_prefix import ResidentPrefixBatchKV
 
-    store_cls = store_class(config.mode).variant(config)
     pol = config.decode_policy
-    if store_cls is ResidentKV:
-        if config.prefix_caching:
-            from .resident_prefix import ResidentPrefixBatchKV
+    if pol is None:
+        if config.mode == "offload":
+            return OffloadBatchKV, {}
+        return (ResidentPrefixBatchKV if config.prefix_caching else ResidentBatchKV), {}
+    if not isinstance(pol, QuestDecode):
+        raise ValueError(f"no KV store reads the pages of sparse_decode={type(pol).__name__}: the stores serve "
+                         f"dense decode and QuestDecode")
+    return OffloadQuestBatchKV, ({"pool_placement": "device"} if config.mode == "resident" else {})
 
-            return ResidentPrefixBatchKV, {}
-        return ResidentBatchKV, {}
-    if store_cls is OffloadPagedKV and pol is None:
-        return OffloadBatchKV, {}
-    served = isinstance(pol, QuestDecode) and (pol.exact_channels or pol.bound_scale == 1.0)
-    if store_cls is OffloadPagedKV and served and not pol.prefetch:
-        return OffloadQuestBatchKV, {}
-    if config.mode == "resident" and served:  # (prefetch only feeds a page cache: none on the device)
-        return OffloadQuestBatchKV, {"pool_placement": "device"}
-    return SerialBatchKV, {"store_cls": store_cls}
 
+def open_runtime(model, config, store_kw: dict) -> OffloadRuntime | None:
+    """The engine's :class:`~xoffload.runtime.OffloadRuntime` for the store the table chose: a pinned
+    host pool of ``kv_cache_tokens`` tokens (default ``max_num_seqs * max_model_len``) in offload
+    mode, a pool on the model's device for ``pool_placement="device"``
+    (:func:`~.device_runtime.open_device_runtime`), None for the resident dense stores (their GPU
+    pool is opened per store epoch).
+
+    Raises:
+        PoolAllocationError (a MemoryError): the pool cannot be allocated (sizes named).
+    """
+    if store_kw.get("pool_placement") == "device":
+        from .device_runtime import open_device_runtime
+
+        return open_device_runtime(model, config)
+    if config.mode != "offload":
+        return None
+    c = model.cfg
+    tokens = config.kv_cache_tokens or config.max_num_seqs * config.max_model_len
+    return OffloadRuntime(c.num_layers, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=str(model.device),
+                          max_tokens=config.max_model_len, block_size=config.kv_block_size,
+                          num_blocks=-(-tokens // config.kv_block_size))

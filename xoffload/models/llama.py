@@ -3,9 +3,9 @@
 
 The model knows nothing about where KV lives. Prefill writes each layer's K/V through a *sink*
 (``buffers(layer, T) -> (k, v)`` to fill, ``done(layer, k, v)`` once filled); decode reads it through
-a *KV store* (``attend(layer, q, k_new, v_new) -> out``). :mod:`xoffload.engine.kv_store` provides
-the resident (KV on the model's device) and offloaded versions; which attention a prefill layer runs
-is a :class:`xoffload.sparse.PrefillPolicy`'s choice.
+a *KV store* (``attend(layer, q, k_new, v_new) -> out``); :mod:`xoffload.kv` provides them (its
+contracts: :mod:`xoffload.kv.protocols`); which attention a prefill layer runs is a
+:class:`xoffload.sparse.PrefillPolicy`'s choice.
 
 Prefill is layerwise: all prompt tokens pass layer ``l`` before layer ``l+1`` starts. Inside a layer,
 pass 1 runs norm + QKV projection + RoPE over token chunks into the whole layer's q and K/V; the
@@ -431,10 +431,7 @@ class LlamaModel:
                 :meth:`rope_tables` first, they are not grown here.
             kv: object with ``attend(layer, q [B, Hq, D], k_new [B, Hkv, D], v_new) -> out`` (``[B,
                 Hq, D]``, or ``[Hq, D]`` for ``B = 1``) that appends each row's new K/V to its
-                sequence and attends over all of it. If it has a non-empty ``lookahead`` set of
-                layers, each such layer ``l`` gets ``kv.prefetch(l, q_est)`` during layer ``l - 1``,
-                before its attention, with ``q_est`` (``[B, Hq, D]``) layer ``l``'s query projected
-                from layer ``l - 1``'s input (InfiniGen's estimate of the next layer's query).
+                sequence and attends over all of it (:class:`xoffload.kv.protocols.DecodeStore`).
         Returns:
             fp32 logits ``[B, V]``.
         Raises:
@@ -454,12 +451,9 @@ class LlamaModel:
         else:
             self.rope_tables(pos + 1)
         h = self._embed(token)  # [B, hidden]
-        look = getattr(kv, "lookahead", ())
         layers = self.w.layers
         for li, lw in enumerate(layers):
             q, k, v = self._qkv(lw, h, pos)
-            if li + 1 in look:
-                kv.prefetch(li + 1, self._qkv(layers[li + 1], h, pos)[0])
             o = kv.attend(li, q, k, v)
             self._add_proj(h, o.reshape(B, -1).to(self.dtype), lw.wo)
             self._mlp_residual(lw, h)

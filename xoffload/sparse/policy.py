@@ -141,7 +141,7 @@ class DecodePolicy:
     pages a step reads (``plan(prompt_len)``), and which layers select at all
     (``sparse_layers(num_layers)``); the selection itself is a device tensor of page rows that the
     KV store's paged attention consumes without a host round trip
-    (:class:`xoffload.engine.kv_paged.PagedKV`). Implementation: :class:`xoffload.sparse.quest.QuestDecode`.
+    (:class:`xoffload.kv.quest.OffloadQuestBatchKV`). Implementation: :class:`xoffload.sparse.quest.QuestDecode`.
     """
 
     def plan(self, prompt_len: int):

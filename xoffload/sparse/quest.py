@@ -125,7 +125,8 @@ class QuestDecode(DecodePolicy):
             0 (default): Quest's summaries alone. At most 64 and below ``head_dim``.
         bound_scale: ``alpha`` in ``[0, 1]``, the weight of the page's key range on the channels
             scored from the summary: page score = exact part + ``q·mid + alpha·|q|·radius``.
-            1 (default): Quest's upper bound; smaller estimates the page's best key instead.
+            1 (default): Quest's upper bound; smaller estimates the page's best key instead (with
+            ``exact_channels > 0`` only).
         fit_channels: ``exact_channels`` is a ceiling the model may lower: :meth:`for_model` keeps
             ``min(exact_channels, head_dim // 2)`` channels (at most half of a key's channels stored
             exactly) instead of refusing a model whose ``head_dim`` is not above them. The named
@@ -143,14 +144,6 @@ class QuestDecode(DecodePolicy):
             ``group_score="max"`` (raw ``q·k`` scores). Chosen from measurements on the H200 and
             SmolLM2 (docs/DESIGN.md): at 8 the 8B shape decodes 32K at 0.98x and 128K
             at 0.73x resident dense, RULER-style accuracy unchanged against 2.
-        prefetch: offload with the page cache only — while layer ``l`` computes, layer ``l+1``'s
-            pages are chosen from an estimate of its query (layer ``l+1``'s projection of layer
-            ``l``'s input, as InfiniGen, Lee et al. 2024, predicts the next layer's attention) and
-            copied into its cache on a copy stream; layer ``l+1``'s exact selection then copies
-            only what the estimate missed. Wrong guesses cost PCIe bytes, never accuracy (the
-            exact selection decides what is attended). Default False: on the random-weight 8B shape
-            the estimate raised the hit rate (14% -> 64% at 128K) but moved more bytes in all
-            (280 vs 197 MB/token) and was slower (12.9 vs 10.5 ms/token).
 
     Raises:
         TypeError / ValueError on a bad value (named in the message).
@@ -165,7 +158,6 @@ class QuestDecode(DecodePolicy):
     cache_pages: int | None = None
     cache_bytes: int = 2 << 30
     reuse_bias: float | None = None
-    prefetch: bool = False
     exact_channels: int = 0
     bound_scale: float = 1.0
     fit_channels: bool = False
@@ -194,10 +186,6 @@ class QuestDecode(DecodePolicy):
             object.__setattr__(self, "reuse_bias", float(self.reuse_bias))
             if self.reuse_bias != 1.0 and self.group_score != "max":
                 raise ValueError(f"reuse_bias={self.reuse_bias} needs group_score='max', got {self.group_score!r}")
-        if not isinstance(self.prefetch, bool):
-            raise TypeError(f"prefetch must be a bool, got {self.prefetch!r}")
-        if self.prefetch and self.cache_pages == 0:
-            raise ValueError("prefetch=True copies into the GPU page cache; it needs cache_pages != 0")
         check_int("exact_channels", self.exact_channels, 0)
         if self.exact_channels > 64:
             raise ValueError(f"exact_channels must be <= 64, got {self.exact_channels}")
@@ -210,6 +198,9 @@ class QuestDecode(DecodePolicy):
         if not 0.0 <= float(self.bound_scale) <= 1.0:
             raise ValueError(f"bound_scale must be in [0, 1], got {self.bound_scale!r}")
         object.__setattr__(self, "bound_scale", float(self.bound_scale))
+        if self.bound_scale != 1.0 and not self.exact_channels:
+            raise ValueError(f"bound_scale={self.bound_scale} weighs the key range on the channels not scored "
+                             f"exactly; it needs exact_channels > 0 (without them the score is Quest's bound: 1.0)")
 
     def for_model(self, cfg) -> "QuestDecode":
         """This policy for a model of config ``cfg`` (``num_layers``, ``head_dim``): with
