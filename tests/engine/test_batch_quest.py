@@ -1,6 +1,6 @@
 """The batched Quest store (offload + QuestDecode, ``OffloadQuestBatchKV``): every sequence of a batch
-gives the greedy tokens it gives alone through the one-request path (the per-request
-``OffloadPagedKV`` behind ``SerialBatchKV``, same policy; CPU fp32: token for token), with prompt lengths shorter than a page, on page and pool-block
+gives the greedy tokens it gives alone (``max_num_seqs=1``: a batch of one of the same store, same
+policy; CPU fp32: token for token), with prompt lengths shorter than a page, on page and pool-block
 boundaries and past them, sequences joining mid-batch and finishing after one token, a budget that
 covers the whole context (every page, dense through the same path: teacher-forced logits equal the
 dense resident store's), admission waiting for summary-pool room and refusing what never fits.
@@ -13,7 +13,6 @@ import torch
 from xoffload.engine import LLM, SamplingParams
 from xoffload.kv.table import batch_store_class
 from xoffload.kv.quest import OffloadQuestBatchKV
-from xoffload.engine.kv_batch_serial import SerialBatchKV
 from xoffload.models import random_model
 from xoffload.sparse import QuestDecode
 
@@ -26,13 +25,9 @@ KW = {"mode": "offload", "kv_block_size": 32, "prefill_attn": "sdpa"}
 
 
 def _alone(m, prompts, sps, max_model_len, pol=POL, **kw):
-    """Each prompt alone through the one-request store (``LLM(max_num_seqs=1)`` is a batch of one
-    of the batched store: pinned here to the independent per-request path)."""
-    from xoffload.engine.kv_store import store_class
-
+    """Each prompt alone (``LLM(max_num_seqs=1)``: a batch of one of the same store)."""
     llm = LLM(m, max_model_len=max_model_len, sparse_decode=pol, **KW, **kw)
-    e = llm.engine
-    e.store_cls, e.store_kw = SerialBatchKV, {"store_cls": store_class(e.config.mode).variant(e.config)}
+    assert llm.config.max_num_seqs == 1
     sps = sps if isinstance(sps, list) else [sps] * len(prompts)
     return [llm.generate(p, sp)[0] for p, sp in zip(prompts, sps)]
 
@@ -45,23 +40,22 @@ def _batched(m, max_model_len, pol=POL, **kw):
 
 @pytest.mark.parametrize("n", [1, 2])
 def test_store_choice(n):
-    """The store table picks the same store for every max_num_seqs (one request is a batch of one);
-    only what no batched store serves goes to the per-request stores."""
+    """The store table picks the same store for every max_num_seqs (one request is a batch of one)."""
     from xoffload.kv import OffloadBatchKV, ResidentBatchKV
 
     m = tiny_random()
     for pol, cls in ((POL, OffloadQuestBatchKV), (QuestDecode(cache_pages=0), OffloadQuestBatchKV),
-                     (QuestDecode(cache_pages=8), OffloadQuestBatchKV), (QuestDecode(prefetch=True), SerialBatchKV),
+                     (QuestDecode(cache_pages=8), OffloadQuestBatchKV),
                      (QuestDecode(cache_pages=0, exact_channels=4), OffloadQuestBatchKV),
-                     (QuestDecode(exact_channels=4, bound_scale=0.25), OffloadQuestBatchKV), ("quest-ch", OffloadQuestBatchKV),
-                     (QuestDecode(cache_pages=0, bound_scale=0.5), SerialBatchKV)):
+                     (QuestDecode(exact_channels=4, bound_scale=0.25), OffloadQuestBatchKV), ("quest-ch", OffloadQuestBatchKV)):
         llm = LLM(m, mode="offload", max_model_len=64, kv_block_size=32, max_num_seqs=n, sparse_decode=pol)
         assert batch_store_class(llm.config)[0] is cls, pol
-    for kw, cls in (({"mode": "gpu", "sparse_decode": POL}, SerialBatchKV), ({"mode": "gpu"}, ResidentBatchKV),
-                    ({"mode": "offload"}, OffloadBatchKV), ({"mode": "offload", "offload_decode": "uva"}, OffloadBatchKV),
-                    ({"mode": "offload", "offload_decode": "ring"}, SerialBatchKV)):
+    for kw, cls in (({"mode": "gpu", "sparse_decode": POL}, OffloadQuestBatchKV), ({"mode": "gpu"}, ResidentBatchKV),
+                    ({"mode": "offload"}, OffloadBatchKV), ({"mode": "offload", "offload_decode": "uva"}, OffloadBatchKV)):
         llm = LLM(m, max_model_len=64, kv_block_size=32, max_num_seqs=n, **kw)
         assert batch_store_class(llm.config)[0] is cls, kw
+    with pytest.raises(ValueError, match="offload_decode='ring' is not offered"):
+        LLM(m, mode="offload", offload_decode="ring", max_model_len=64, max_num_seqs=n)
 
 
 @pytest.fixture(params=[None, False], ids=["dense-auto", "dense-in-pool"])
@@ -75,8 +69,8 @@ def dense_on_gpu(request, monkeypatch):
 def test_lengths_around_pages_and_blocks_equal_alone(dense_on_gpu):
     """Prompts of 1 and 15 (under a page: no candidates), 16, 17, 31, 32, 33 (page and block
     edges), 100, 129, 200, 263 (k pages of many candidates; each row its own plan): each sequence's
-    greedy tokens equal its one-request run; h2d per token counts the selected pages of the sparse
-    layers and (read in place) every candidate page of the dense one."""
+    greedy tokens equal its run alone (a batch of one); h2d per token counts the selected pages of
+    the sparse layers and (read in place) every candidate page of the dense one, as alone."""
     m = tiny_random()
     lens = [1, 15, 16, 17, 31, 32, 33, 100, 129, 200, 263]
     prompts = _prompts(lens, seed=11)
@@ -91,7 +85,7 @@ def test_lengths_around_pages_and_blocks_equal_alone(dense_on_gpu):
     for n, o, r in zip(lens, outs, ref):  # the sparse layers' misses (each row's cache evolves as alone)
         p = POL.plan(n)
         dense = 0 if dense_on_gpu else p.num_candidates * 16 * tok_layer
-        assert o.timings["h2d_bytes_per_token"] == r.timings["h2d_bytes_per_token"] + dense, n
+        assert o.timings["h2d_bytes_per_token"] == r.timings["h2d_bytes_per_token"] >= dense, n
         if p.pages_per_step:
             assert o.timings["cache_hit_rate"] == r.timings["cache_hit_rate"], n
     assert any((o.timings.get("cache_hit_rate") or 0) > 0 for o in outs)

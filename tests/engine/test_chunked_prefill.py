@@ -158,7 +158,7 @@ def test_option_is_resolved_per_store():
     assert c.enable_chunked_prefill is False and c.max_num_batched_tokens == 256
     c = LLMEngine(m, mode="offload", max_num_seqs=2, max_model_len=256, enable_chunked_prefill=True).config
     assert c.enable_chunked_prefill is True and c.max_num_batched_tokens == DEFAULT_CHUNK_TOKENS
-    for kw in ({"mode": "resident", "max_num_seqs": 2}, {"mode": "offload", "offload_decode": "ring"}):
+    for kw in ({"mode": "resident", "max_num_seqs": 2}, {"mode": "offload", "sparse": "xattn"}):
         c = LLMEngine(m, max_model_len=256, **kw).config
         assert c.enable_chunked_prefill is False and c.max_num_batched_tokens == 256
         with pytest.raises(ValueError, match="enable_chunked_prefill=True needs a store that prefills in chunks"):

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from xoffload.engine import LLM, EngineConfig, SamplingParams
-from xoffload.sparse import DensePrefill, XAttentionPrefill
+from xoffload.sparse import DensePrefill, QuestDecode, XAttentionPrefill
 
 from .llm_helpers import tiny_random
 
@@ -54,7 +54,8 @@ def test_from_kwargs_by_field_name():
     (dict(mode="disk"), ValueError, "mode.*disk"),
     (dict(sparse="bogus"), ValueError, "sparse.*bogus"),
     (dict(sparse=0.5), TypeError, "sparse.*0.5"),
-    (dict(num_kv_buffers=0), ValueError, "num_kv_buffers"),
+    (dict(num_kv_buffers=4), TypeError, "num_kv_buffers.*was removed"),
+    (dict(mode="offload", offload_decode="ring"), ValueError, "offload_decode='ring' is not offered"),
     (dict(kv_block_size="big"), TypeError, "kv_block_size"),
 ])
 def test_bad_options_name_the_value(kw, err, match):
@@ -77,3 +78,13 @@ def test_kv_cache_tokens_below_one_block_is_refused():
     with pytest.raises(ValueError, match=r"kv_cache_tokens=512 holds less than one KV block \(kv_block_size=1024\)"):
         EngineConfig.from_kwargs(max_num_seqs=4, kv_cache_tokens=512)
     assert EngineConfig.from_kwargs(max_num_seqs=4, kv_cache_tokens=1024).kv_cache_tokens == 1024
+
+
+def test_removed_decode_variants_are_refused_at_construction():
+    """A bound below 1 without exact channels has nothing to weigh it against: refused when the
+    policy is made, naming the value; the removed next-layer prefetch is an unknown field."""
+    with pytest.raises(ValueError, match="bound_scale=0.5 .*needs exact_channels > 0"):
+        QuestDecode(bound_scale=0.5)
+    with pytest.raises(TypeError, match="prefetch"):
+        QuestDecode(prefetch=True)
+    assert QuestDecode(bound_scale=0.5, exact_channels=4).bound_scale == 0.5

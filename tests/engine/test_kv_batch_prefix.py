@@ -161,34 +161,20 @@ def test_token_budget_counts_the_tokens_to_prefill(mode):
         assert [x["seqs"] for x in llm.batch_stats["decode_steps"]] == [4, 4, 4]
 
 
-def test_refused_configurations():
-    """Each refusal is one line naming the value that is wrong (not every condition at once)."""
+def test_prefix_caching_composes_and_its_one_refusal():
+    """Prefix caching runs in every mode and decode policy at every max_num_seqs; the one refusal
+    is tensor parallelism (the cache shares blocks of one device's pool), named in one line."""
+    from xoffload.engine import EngineConfig
+
+    with pytest.raises(ValueError, match="prefix_caching .*needs one device, got tensor_parallel_size=2$"):
+        EngineConfig.from_kwargs(prefix_caching=True, tensor_parallel_size=2)
     m = tiny_random()
-    with pytest.raises(ValueError, match="needs max_num_seqs > 1, got max_num_seqs=1") as e:
-        LLM(m, mode="resident", prefix_caching=True, max_model_len=256)
-    assert "\n" not in str(e.value) and "sparse_decode" not in str(e.value)
-    with pytest.raises(ValueError, match="batched resident .max_num_seqs=2. with QuestDecode needs bound_scale=1.0 "
-                                         "without exact channels, got bound_scale=0.5$"):
-        LLM(m, mode="resident", prefix_caching=True, max_num_seqs=2, max_model_len=256,
-            sparse_decode=QuestDecode(token_budget=64, page_size=16, bound_scale=0.5))
-    LLM(m, mode="resident", prefix_caching=True, max_num_seqs=2, max_model_len=256,
-        sparse_decode=QuestDecode(token_budget=64, page_size=16, prefetch=True))  # the batched Quest store, on the device
-    with pytest.raises(ValueError, match="offload_decode 'direct' or 'uva', got 'ring'"):
-        LLM(m, mode="offload", offload_decode="ring", prefix_caching=True, max_model_len=256)
-    with pytest.raises(ValueError, match="batched offload .max_num_seqs=2. with QuestDecode needs prefetch=False, "
-                                         "got prefetch=True$"):
-        LLM(m, mode="offload", prefix_caching=True, max_num_seqs=2, max_model_len=256, kv_block_size=16,
-            sparse_decode=QuestDecode(token_budget=64, page_size=16, prefetch=True))
-    with pytest.raises(ValueError, match="needs bound_scale=1.0 without exact channels, got bound_scale=0.5$"):
-        LLM(m, mode="offload", prefix_caching=True, max_num_seqs=2, max_model_len=256, kv_block_size=16,
-            sparse_decode=QuestDecode(token_budget=64, page_size=16, bound_scale=0.5))
-    with pytest.raises(ValueError, match="batched offload .max_num_seqs=1. with QuestDecode needs prefetch=False"):
-        LLM(m, mode="offload", prefix_caching=True, max_model_len=256, kv_block_size=16,
-            sparse_decode=QuestDecode(token_budget=64, page_size=16, prefetch=True))
-    for n in (1, 2):  # the batched Quest store caches prefixes; resident dense caches them at any max_num_seqs
-        LLM(m, mode="offload", prefix_caching=True, max_num_seqs=n, max_model_len=256, kv_block_size=16,
-            sparse_decode=QuestDecode(token_budget=64, page_size=16))
-        LLM(m, mode="resident", prefix_caching=True, max_num_seqs=n, max_model_len=256)
+    for n in (1, 2):
+        for mode in ("offload", "resident"):
+            for pol in (None, QuestDecode(token_budget=64, page_size=16)):
+                llm = LLM(m, mode=mode, prefix_caching=True, max_num_seqs=n, max_model_len=256, kv_block_size=16,
+                          sparse_decode=pol)
+                assert llm.engine.prefix_cache is not None or (mode == "resident" and pol is None)
 
 
 def test_prefix_cached_teacher_forced_logits_equal_alone_cpu(monkeypatch):

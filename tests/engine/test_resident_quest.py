@@ -1,8 +1,9 @@
 """``mode="resident"`` + QuestDecode through the batched Quest store (``OffloadQuestBatchKV``) over a
 runtime whose pool is on the model's device (``DeviceKVPool``): the store table's route, the
 pool's sizing and refusals, and tokens (CPU fp32: token for token) -- equal to resident dense
-decode when the budget covers the context, equal to the one-request store (``ResidentPagedKV``,
-``LLM(max_num_seqs=1)``) at a real budget, with ``max_num_seqs`` 1 (the route forced) and N;
+decode when the budget covers the context, equal to the same policy over the pinned pool (offload,
+no page cache: the same selection in the other placement) at a real budget, with ``max_num_seqs``
+1 and N;
 prefix caching over the device pool gives the same tokens as without it; nothing is left in the
 pool once the engine is idle. GPU tests (marked) compare graphs with eager and bf16 tracking."""
 import dataclasses
@@ -27,21 +28,6 @@ KW = {"mode": "resident", "kv_block_size": 32, "prefill_attn": "sdpa"}
 SP = SamplingParams(max_tokens=6, ignore_eos=True)
 
 
-def _force_batched_at_one(monkeypatch):
-    """Route resident + QuestDecode with ``max_num_seqs=1`` to the batched store too (the table
-    keeps the one-request store there for now)."""
-    import xoffload.engine.llm_engine as le
-
-    table = le.batch_store_class
-
-    def forced(cfg):
-        if cfg.mode == "resident" and cfg.max_num_seqs == 1 and cfg.decode_policy is not None:
-            return OffloadQuestBatchKV, {"pool_placement": "device"}
-        return table(cfg)
-
-    monkeypatch.setattr(le, "batch_store_class", forced)
-
-
 def _idle_and_whole(llm):
     """The engine is idle: no pool sequence left; every block free except those only the prefix
     cache holds; the allocator's books balance."""
@@ -57,17 +43,12 @@ def _idle_and_whole(llm):
 
 
 def test_store_table_routes_resident_quest_to_the_device_pool():
-    """resident + QuestDecode with max_num_seqs > 1: the batched Quest store over a device-pool
-    runtime (prefetch too: it only feeds a page cache); bound_scale < 1 without exact channels and
-    max_num_seqs=1 keep the one-request store; the device pool's blocks hold what the engine can
-    run: max_num_seqs sequences of max_model_len (the CPU) or kv_cache_tokens."""
-    from xoffload.engine.kv_batch_serial import SerialBatchKV
-
+    """resident + QuestDecode at every max_num_seqs: the batched Quest store over a device-pool
+    runtime; the device pool's blocks hold what the engine can run: max_num_seqs sequences of
+    max_model_len (the CPU) or kv_cache_tokens."""
     m = tiny_random()
     batched = OffloadQuestBatchKV
-    for pol, n, want in ((POL, 2, batched), (CH, 3, batched), ("quest-ch", 2, batched),
-                         (dataclasses.replace(POL, prefetch=True), 2, batched),
-                         (dataclasses.replace(POL, bound_scale=0.5), 2, SerialBatchKV), (POL, 1, SerialBatchKV)):
+    for pol, n, want in ((POL, 2, batched), (CH, 3, batched), ("quest-ch", 2, batched), (POL, 1, batched)):
         llm = LLM(m, max_model_len=100, max_num_seqs=n, sparse_decode=pol, **KW)
         cls, kw = batch_store_class(llm.config)
         assert cls is want, (pol, n)
@@ -84,7 +65,7 @@ def test_store_table_routes_resident_quest_to_the_device_pool():
 
 
 @pytest.mark.parametrize("n", [1, 4])
-def test_budget_covering_the_context_equals_resident_dense(n, monkeypatch):
+def test_budget_covering_the_context_equals_resident_dense(n):
     """A budget that covers every page (and None): greedy tokens equal resident dense decode, one
     request at a time; fed the same tokens, each batch row's logits equal the dense store's to
     float rounding; h2d is 0 and no page cache is made."""
@@ -92,8 +73,6 @@ def test_budget_covering_the_context_equals_resident_dense(n, monkeypatch):
     prompts = _prompts([5, 48, 90, 177, 263], seed=13)
     dense = LLM(m, mode="resident", max_model_len=300, prefill_attn="sdpa")
     want = [dense.generate(p, SP)[0].token_ids for p in prompts]
-    if n == 1:
-        _force_batched_at_one(monkeypatch)
     for budget in (None, 4096):
         pol = QuestDecode(token_budget=budget, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(1,))
         llm = LLM(m, max_model_len=300, max_num_seqs=n, sparse_decode=pol, **KW)
@@ -112,21 +91,19 @@ def test_budget_covering_the_context_equals_resident_dense(n, monkeypatch):
 
 @pytest.mark.parametrize("n", [1, 3, 16])
 @pytest.mark.parametrize("pol", [POL, CH], ids=["quest", "quest-ch"])
-def test_real_budget_equals_the_one_request_store(n, pol, monkeypatch):
+def test_real_budget_equals_the_same_selection_over_the_pinned_pool(n, pol):
     """Budget 96 (some rows select 2-3 of up to 15 pages), prompt lengths under a page, on page and
     block edges and past them, sequences joining mid-batch (n=3) and finishing after one token:
-    each sequence's greedy tokens equal the one-request resident store's (ResidentPagedKV, through
-    LLM(max_num_seqs=1)); max_num_seqs=1 forced onto the batched store gives them too."""
+    each sequence's greedy tokens equal those of the same policy over the pinned pool (offload, no
+    page cache: the pages are chosen by the same scores), one request at a time."""
     m = tiny_random()
     lens = [1, 15, 16, 17, 31, 32, 33, 100, 129, 200, 263]
     prompts = _prompts(lens, seed=11)
     sps = [SP] * len(lens)
     sps[3] = SamplingParams(max_tokens=1)
-    one = LLM(m, max_model_len=300, sparse_decode=pol, **KW)
-    assert batch_store_class(one.config)[1]["store_cls"].__name__ == "ResidentPagedKV"
+    one = LLM(m, max_model_len=300, sparse_decode=dataclasses.replace(pol, cache_pages=0),
+              **{**KW, "mode": "offload"})
     ref = [one.generate(p, sp)[0].token_ids for p, sp in zip(prompts, sps)]
-    if n == 1:
-        _force_batched_at_one(monkeypatch)
     llm = LLM(m, max_model_len=300, max_num_seqs=n, max_num_batched_tokens=4096, sparse_decode=pol, **KW)
     outs = llm.generate(prompts, sps)
     assert [o.token_ids for o in outs] == ref

@@ -297,8 +297,8 @@ def test_prefix_cache_evicted_when_the_pool_runs_short():
     ref = LLM(m, mode="offload", kv_block_size=32, max_model_len=256, **SDPA)
     assert [llm.generate(p, SP)[0].token_ids for p in ps] == [ref.generate(p, SP)[0].token_ids for p in ps]
     assert llm.prefix_cache.stats().evictions > 0
-    with pytest.raises(ValueError, match="needs dense decode"):
-        LLM(m, mode="gpu", prefix_caching=True, sparse_decode=QUEST, kv_block_size=32)
+    assert LLM(m, mode="gpu", prefix_caching=True, sparse_decode=QUEST, kv_block_size=32,
+               max_model_len=256).engine.prefix_cache is not None  # resident + Quest: over its device pool
 
 
 def test_prefix_caching_in_a_batch():
@@ -323,8 +323,6 @@ def test_prefix_caching_in_a_batch():
     llm.prefix_cache.clear()
     assert eng.num_free_blocks == eng.allocator.num_blocks
     eng.allocator.check()
-    with pytest.raises(ValueError, match="needs prefetch=False"):  # one per-request store per sequence
-        LLM(m, prefix_caching=True, sparse_decode=dataclasses.replace(QUEST, prefetch=True), **kw)
 
 
 def test_prefix_caching_in_a_batch_with_a_small_pool_and_repeats():

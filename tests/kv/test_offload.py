@@ -23,21 +23,6 @@ def _prompts(lens, seed=0, vocab=256):
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lens]
 
 
-def _route_to_batch_store(monkeypatch):
-    """max_num_seqs=1 with offload dense decode served by OffloadBatchKV (a bucket of one) instead
-    of the one-request store the table still picks."""
-    from xoffload.engine import llm_engine
-
-    table = llm_engine.batch_store_class
-
-    def route(config):
-        if config.mode == "offload" and config.offload_decode != "ring" and config.decode_policy is None:
-            return OffloadBatchKV, {}
-        return table(config)
-
-    monkeypatch.setattr(llm_engine, "batch_store_class", route)
-
-
 def _generate(m, prompts, sps, **kw):
     llm = LLM(m, **kw)
     outs = llm.generate(prompts, sps)
@@ -50,7 +35,6 @@ def test_greedy_tokens_staged_equal_in_place_equal_resident(max_num_seqs, monkey
     count (batches shrink and grow: buckets 3, 2, 1): offload direct (staged) == offload uva (in
     place) == resident dense one at a time, token for token; the H2D figure of a staged sequence is
     its whole blocks, in place its tokens."""
-    _route_to_batch_store(monkeypatch)
     m = tiny_random()
     prompts = _prompts([33, 1, 90, 16, 47], seed=11)
     sps = [SamplingParams(max_tokens=n, ignore_eos=True) for n in (7, 3, 9, 5, 6)]
@@ -166,7 +150,6 @@ def test_gpu_staged_tracks_in_place_and_graphs_equal_eager(max_num_seqs, monkeyp
     (1) for direct (staged) and uva (in place), the CUDA-graph steps give the eager steps' tokens
     exactly; (2) fed the same tokens, staged and in-place logits stay within bf16 rounding (one
     eps of the logit scale per layer; the two read the same pages through different tables)."""
-    _route_to_batch_store(monkeypatch)
     m = random_model("llama-3.2-1b", dtype=torch.bfloat16, device="cuda", seed=0, std=0.02)
     prompts = _prompts([1, 1023, 1025, 3000], vocab=m.cfg.vocab_size)
     sp = SamplingParams(max_tokens=12, ignore_eos=True)

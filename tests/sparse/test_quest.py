@@ -201,9 +201,7 @@ def test_softmax_group_score():
 
 
 
-def test_prefetch_needs_the_cache():
-    with pytest.raises(ValueError, match="needs cache_pages != 0"):
-        QuestDecode(cache_pages=0, prefetch=True)
+def test_cache_options():
     with pytest.raises(ValueError, match="cache_pages"):
         QuestDecode(cache_pages=-1)
     assert QuestDecode(cache_pages=0).cache_slots(QuestDecode().plan(4096)) == 0
@@ -329,7 +327,9 @@ def test_exact_channel_policy_values():
                          (dict(bound_scale="0.5"), TypeError, "bound_scale")]:
         with pytest.raises(exc, match=msg):
             QuestDecode(**kw)
-    assert QuestDecode(bound_scale=0).bound_scale == 0.0
+    assert QuestDecode(bound_scale=0, exact_channels=4).bound_scale == 0.0
+    with pytest.raises(ValueError, match="bound_scale=0.0 .*needs exact_channels > 0"):
+        QuestDecode(bound_scale=0)
     with pytest.raises(ValueError, match="head_dim"):
         PageSummaries(1, 1, 8, 2, 16, torch.float32, "cpu", exact_channels=8)
 
