@@ -50,7 +50,7 @@ CAP_MAX = 524288
 PARTS = ("8b", "cap", "qwen", "smollm2", "stall")  # the order they run in
 PART_KEYS = {"8b": "8b_part", "cap": "cap_24GiB", "qwen": "qwen3_8b_part", "smollm2": "smollm2_part",
              "stall": "stall"}  # where each part's outcome goes in res["results"]
-VARIANTS = ("offload+quest-nocache", "offload+quest-prefetch", "offload+quest-cache2x")
+VARIANTS = ("offload+quest-nocache", "offload+quest-cache2x")
 VARIANT_LENGTHS = (32768, 131072)
 CAP_TARGETS = {"resident": {"mode": "resident"}, "offload": {"mode": "offload"},
                "offload+quest": {"mode": "offload", "sparse_decode": "quest"}}
@@ -63,12 +63,11 @@ WEIGHTS_8B = 16060522496  # bytes (e2e_full.json models/8b)
 # ------------------------------------------------------------------------------ what runs where
 def variant_configs() -> dict:
     """The diagnostic variants of offload+quest (:data:`VARIANTS`): without its GPU page cache, with
-    the next-layer prefetch, with a 116-page cache (2x the 8B shape's pages per step). Not part of
+    a 116-page cache (2x the 8B shape's pages per step). Not part of
     section 2: they feed the time split's ``fetch without cache`` and the cache-size study."""
     from xoffload.sparse import QuestDecode
 
     return {"offload+quest-nocache": {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=0)},
-            "offload+quest-prefetch": {"mode": "offload", "sparse_decode": QuestDecode(prefetch=True)},
             "offload+quest-cache2x": {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=116)},
             **reuse_configs()}
 
