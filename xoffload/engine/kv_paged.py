@@ -1,8 +1,5 @@
 """KV stores whose decode reads the prompt's KV in place, page by page: ``PagedKV``.
 
-(Over 450 lines on purpose: one store with its three decode paths — staged dense, pages read in
-place, page cache — which share the tail, the step indices and the first-step setup.)
-
 Prefill writes every layer's K/V into a *row store*: the offload runtime's pinned CPU pool
 (``offload``) or one device tensor (``resident``). Decode then attends, per layer, to
 
@@ -57,17 +54,6 @@ class PagedKV(KVStore):
             GPU buffers on a copy stream while the layer before computes, inside the step's CUDA
             graph, and attention reads the buffer; False: the attention kernel reads the pages in
             place over PCIe (UVA), serialised with the layer's compute.
-        rows: resident only — an existing device row store ``(k, v)``, each ``[L, R, Hkv, D]`` with
-            ``R >= ceil(prompt_len / page) * page`` rows (a session's history), used instead of
-            allocating one; the store never writes into it.
-        summaries: an existing :class:`~xoffload.sparse.quest.PageSummaries` of the prompt's pages
-            (a session keeps them across turns) used instead of building them during prefill.
-        owns_seq: offload only — :meth:`close` frees the engine sequence (False: the caller keeps
-            it, e.g. a session's history).
-
-    A store built over KV that is already stored (``rows``, or an engine sequence holding
-    ``prompt_len`` tokens, with ``summaries`` when the policy reads pages) skips the prefill sink:
-    :meth:`load_from_store` fills its tails from the stored KV, then it decodes as usual.
 
     Attributes:
         capturable: True (a decode step may be captured in a CUDA graph).
@@ -83,7 +69,7 @@ class PagedKV(KVStore):
 
     def __init__(self, cfg, dtype, device, scale: float, *, prompt_len: int, max_new: int,
                  policy: QuestDecode | None = None, engine=None, seq: int | None = None,
-                 stage_dense: bool = True, rows=None, summaries=None, owns_seq: bool = True):
+                 stage_dense: bool = True):
         self.cfg, self.dtype, self.device, self.scale = cfg, dtype, torch.device(device), scale
         self.T, self.policy, self.eng, self.seq = int(prompt_len), policy, engine, seq
         self.capacity = self.T + max_new
@@ -100,18 +86,11 @@ class PagedKV(KVStore):
                                  f"{engine.block_size}")
         self.sparse = frozenset(sparse) if policy is not None else frozenset()
         self.dense = frozenset(range(L)) - self.sparse if policy is not None else frozenset()
-        # the row store of the prompt (resident) or the engine's pool (offload)
-        self._rows = None
-        self.owns_seq = bool(owns_seq)
+        self._rows = None  # the row store of the prompt (resident); offload: the engine's pool
         if engine is None:  # whole pages: the kernel reads a page's rows [entry, entry + page)
             R = -(-T // self.page) * self.page
-            if rows is not None:
-                if rows[0].shape[1] < R or tuple(rows[0].shape[2:]) != (hkv, d) or rows[0].shape[0] != L:
-                    raise ValueError(f"rows must be [{L}, >= {R}, {hkv}, {d}], got {tuple(rows[0].shape)}")
-                self._rows = (rows[0], rows[1])
-            else:
-                self._rows = (torch.zeros(L, R, hkv, d, dtype=dtype, device=self.device),
-                              torch.zeros(L, R, hkv, d, dtype=dtype, device=self.device))
+            self._rows = (torch.zeros(L, R, hkv, d, dtype=dtype, device=self.device),
+                          torch.zeros(L, R, hkv, d, dtype=dtype, device=self.device))
         # tails: [resident prompt tokens | generated tokens], per layer
         p = self.plan
         head = p.resident_prompt_tokens if p is not None else 0
@@ -161,17 +140,8 @@ class PagedKV(KVStore):
                                      device=self.device)
         self._nsplit_pages = splits(max(k * self.page, 1))
         if p is not None and p.num_candidates > 0 and k > 0:
-            if summaries is not None:
-                if summaries.page_size != self.page or summaries.max_pages < T // self.page:
-                    raise ValueError(f"summaries of page {summaries.page_size} x {summaries.max_pages} pages do not "
-                                     f"cover a {T}-token prompt in pages of {self.page}")
-                if summaries.exact_channels != policy.exact_channels:
-                    raise ValueError(f"summaries keep {summaries.exact_channels} exact channels, the policy "
-                                     f"{policy.exact_channels}")
-                self.summaries = summaries
-            else:
-                self.summaries = PageSummaries(L, hkv, d, max(1, T // self.page), self.page, dtype, self.device,
-                                               exact_channels=policy.exact_channels)
+            self.summaries = PageSummaries(L, hkv, d, max(1, T // self.page), self.page, dtype, self.device,
+                                           exact_channels=policy.exact_channels)
         self._pev = {}
         if C:
             tail_cap = head + max_new
@@ -264,37 +234,6 @@ class PagedKV(KVStore):
             self._events.append(ev)
         if layer == self.cfg.num_layers - 1:
             self._stage.clear()
-
-    def load_from_store(self, events=()) -> None:
-        """Instead of a prefill: fill the tails from the prompt's KV already stored (the ``rows``
-        given, or the engine sequence's pool blocks, read with
-        :meth:`~xoffload.runtime.OffloadRuntime.fetch_blocks` on the current stream) — every token
-        of the policy's dense layers, the sink and the recent tokens of its sparse layers; nothing
-        without a policy. ``events``: the stored KV's pending pool writes (the first decode step
-        waits for them on the GPU). Summaries come from the ``summaries`` given at construction."""
-        self._events = list(events)
-        p, T = self.plan, self.T
-        if p is None or T == 0:
-            return
-        B = self.eng.block_size if self.eng is not None else None
-        for layer in range(self.cfg.num_layers):
-            n0 = self._tail_prompt[layer]
-            if n0 == 0:
-                continue
-            spans = [(0, T)] if layer in self.dense else [(0, p.sink_len), (p.tail_start, T)]
-            at = 0
-            for a, e in spans:
-                if e <= a:
-                    continue
-                if self.eng is None:
-                    k, v = self._rows[0][layer, a:e], self._rows[1][layer, a:e]
-                else:
-                    b0, b1 = a // B, -(-e // B)
-                    k, v = self.eng.fetch_blocks(self.seq, layer, list(range(b0, b1)))
-                    k, v = k[a - b0 * B:e - b0 * B], v[a - b0 * B:e - b0 * B]
-                self._tk[layer][at:at + e - a].copy_(k)
-                self._tv[layer][at:at + e - a].copy_(v)
-                at += e - a
 
     # ------------------------------------------------------------------ decode
     def _first_step(self):
@@ -472,15 +411,13 @@ class PagedKV(KVStore):
         self._stage.clear()
         if self.eng is not None and self.seq is not None:
             seq, self.seq = self.seq, None
-            if self.owns_seq:
-                self.eng.free(seq)
+            self.eng.free(seq)
 
     @classmethod
     def _make(cls, model, req, config, engine=None, seq=None) -> "PagedKV":
         T = len(req.ids)
         return cls(model.cfg, model.dtype, model.device, model.scale, prompt_len=T, max_new=req.final_len - T,
-                   policy=config.decode_policy, engine=engine, seq=seq,
-                   stage_dense=config.offload_decode != "uva")
+                   policy=config.decode_policy, engine=engine, seq=seq, stage_dense=config.offload_decode != "uva")
 
 
 class ResidentPagedKV(PagedKV):
