@@ -13,8 +13,8 @@ def _args(*argv):
 @pytest.mark.parametrize("argv,prefix", [
     ([], True),  # offload, batched
     (["--mode", "gpu"], True),  # resident, max_num_seqs 8, dense decode
-    (["--mode", "resident", "--max-num-seqs", "1"], False),  # resident needs a batch to share blocks
-    (["--mode", "resident", "--sparse-decode", "quest"], True),  # batched Quest over a device pool
+    (["--mode", "resident", "--max-num-seqs", "1"], True),  # a batch of one: the store epoch's blocks
+    (["--mode", "resident", "--sparse-decode", "quest"], False),
     (["--no-prefix-caching"], False),
 ])
 def test_prefix_caching_default_where_supported(argv, prefix):
@@ -24,7 +24,7 @@ def test_prefix_caching_default_where_supported(argv, prefix):
 
 
 def test_explicit_prefix_caching_the_mode_refuses_is_one_line(capsys):
-    rc = cli.main(["serve", "tiny-llama", "--mode", "resident", "--max-num-seqs", "1", "--prefix-caching"])
+    rc = cli.main(["serve", "tiny-llama", "--mode", "resident", "--sparse-decode", "quest", "--prefix-caching"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and err.startswith("xoffload serve: error: prefix_caching")
 

@@ -47,7 +47,7 @@ class Session:
 
     Args:
         engine: the :class:`~.llm_engine.LLMEngine`.
-        history_budget: not an option any more (only None): passing a value raises ValueError.
+        history_budget: only None; a value raises ValueError (the history is read whole).
 
     Attributes: ``tokens`` (every token of the conversation so far: the last turn's prompt + its
     answer), ``history_len`` (tokens of the conversation the last turn prefilled or found cached:
