@@ -4,6 +4,8 @@ context served, and the time plan (``bench_e2e.py --plan``) from the figures mea
 
 - :func:`all_configs`, :func:`variant_configs`, :func:`config_lengths`, :func:`warm_runs`,
   :func:`warm_layers`: which configuration runs at which length, and what warms it up first;
+  :func:`measured_configs`: the configurations of a measured run, those the library no longer
+  offers (:data:`RETIRED`) included, for planning that run;
 - :func:`longest_served`: the cap search (probe the lower end, fit peak memory against length,
   start where the fit reaches the cap, gallop, bisect to the grid);
 - :func:`plan`, :func:`plan_seconds`, :func:`print_plan`: estimated seconds per part, by kind.
@@ -19,15 +21,16 @@ decode per length, ``llm_init_s`` (pinning: 0.37 s/GiB, 2.7 GiB/s, where the fir
 constant): a pool's release (0.09 s/GiB, fitted to the cap part), a refused probe's cost (its pool
 and two layers of prefill), each part's remainder ``other`` (8b 23 s, qwen 5 s, smollm2 38 s: the
 model, first-use compilation, host work between requests). With those, ``plan`` of the measured
-commands (``--variants --fresh-pools``, 6 transformers tokens) gives each measured part's seconds
-within 0.3% (tests/benchmarks/test_bench_e2e.py checks 5%). The first plan, 567 s for 660
+commands (``--variants --fresh-pools``, 6 transformers tokens, their configurations through
+:func:`measured_configs`) gives each measured part's seconds within 0.3%
+(tests/benchmarks/test_bench_e2e.py checks 5%). The first plan, 567 s for 660
 measured, had pinning at 10 GiB/s, 0.2 s of host work per point (measured: 0.02 s) and no remainder.
 
 Where the 8b part's 386 s went (measured): 51 points 222 s (TTFT 187, nine 128K prefills of
 11.2 s each among them; decode 34, of which dense offload at 64K-128K 24), pools 54 s (9 x 16 GiB)
 and their release, transformers 47 s (TTFT 37: 24 of it at 128K; decode 10, the offloaded cache's
 828 ms steps 4.1 s at 128K) plus the 10.6 s build, warm-up and the remainder. The default run now:
-the variants opt-in (``--variants``: 3 LLMs, 6 points of 8b, 3 of qwen and smollm2), one pinned
+the variants opt-in (``--variants``: 2 LLMs, 4 points of 8b, 2 of qwen and smollm2), one pinned
 pool per sweep reused (``reuse_pinned_slabs``; ``--fresh-pools`` for the old way), 3 decode steps
 for the transformers offloaded cache (the median step as steady state).
 """
@@ -55,6 +58,17 @@ VARIANT_LENGTHS = (32768, 131072)
 CAP_TARGETS = {"resident": {"mode": "resident"}, "offload": {"mode": "offload"},
                "offload+quest": {"mode": "offload", "sparse_decode": "quest"}}
 CAP_RECORD_128K = ("resident", "offload+quest")  # the 128K decode under the cap (README claims)
+#: Configurations the measured runs (the plan's basis, below) had that the library no longer
+#: offers, each with the keyword arguments of the configuration that stands in for it when such a
+#: run is planned (:func:`measured_configs`: its warm-up view, LLM and pool cost as the stand-in's;
+#: its decode and SmolLM2 figures are its own measured rows, kept in DECODE_MS and SMOLLM2):
+#: ``offload-ring`` (dense offload decode through a ring of whole GPU layers, eager: the engine
+#: now streams each layer through two GPU buffers inside the step's CUDA graph, ``offload``) and
+#: ``offload+quest-prefetch`` (a variant: Quest's next-layer page prefetch, measured slower and
+#: removed). Never run by the benchmark.
+RETIRED = {"offload-ring": {"mode": "offload"},
+           "offload+quest-prefetch": {"mode": "offload", "sparse_decode": "quest"}}
+RETIRED_VARIANTS = ("offload+quest-prefetch",)  # ran as a variant: at VARIANT_LENGTHS only
 HF_CACHES = {"hf_gpu_cache": False, "hf_offloaded_cache": True}  # name -> offloading
 ALL_ON_GPU = ("resident", "hf_gpu_cache")  # KV of every token on the GPU: (cap - weights) / KV bytes bound
 WEIGHTS_8B = 16060522496  # bytes (e2e_full.json models/8b)
@@ -62,9 +76,9 @@ WEIGHTS_8B = 16060522496  # bytes (e2e_full.json models/8b)
 
 # ------------------------------------------------------------------------------ what runs where
 def variant_configs() -> dict:
-    """The diagnostic variants of offload+quest (:data:`VARIANTS`): without its GPU page cache, with
-    a 116-page cache (2x the 8B shape's pages per step). Not part of
-    section 2: they feed the time split's ``fetch without cache`` and the cache-size study."""
+    """The diagnostic variants of offload+quest (:data:`VARIANTS`): without its GPU page cache and
+    with a 116-page cache (2x the 8B shape's pages per step). Not part of section 2: they feed the
+    time split's ``fetch without cache`` and the cache-size study."""
     from xoffload.sparse import QuestDecode
 
     return {"offload+quest-nocache": {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=0)},
@@ -116,11 +130,24 @@ def all_configs(only: str | None = None, variants: bool = False) -> dict:
     return cfgs
 
 
+def measured_configs(names) -> dict:
+    """The configurations ``names`` (comma-separated, or a list) of a measured run, for planning
+    it: :func:`all_configs` of those the library offers, then each retired one (:data:`RETIRED`)
+    as its stand-in's keyword arguments. Never run: only :func:`plan` reads them. ValueError
+    naming a name that is neither."""
+    names = [x for x in (names.split(",") if isinstance(names, str) else names) if x]
+    current = [x for x in names if x not in RETIRED]
+    out = all_configs(",".join(current)) if current else {}
+    out.update({x: dict(RETIRED[x]) for x in names if x in RETIRED})
+    return out
+
+
 def config_lengths(name: str, lengths) -> list:
     """The context lengths configuration ``name`` runs at: all of ``lengths``, except the
-    page-cache variants (:data:`VARIANTS`, there for the time split): 32K and 128K, or the longest
-    length when neither is measured."""
-    if name not in VARIANTS:
+    page-cache variants (:data:`VARIANTS`, there for the time split; a retired one,
+    :data:`RETIRED_VARIANTS`, as it ran): 32K and 128K, or the longest length when neither is
+    measured."""
+    if name not in VARIANTS and name not in RETIRED_VARIANTS:
         return list(lengths)
     return [n for n in lengths if n in VARIANT_LENGTHS] or [max(lengths)]
 
@@ -255,7 +282,8 @@ MEASURED_LENGTHS = (8192, 16384, 32768, 65536, 131072)
 PREFILL_AB = (2.0416e-5, 5.065e-10)
 PREFILL_FACTOR = {"offload+xattn": 1.07}  # its sparse prefill: 1.05-1.10x resident's TTFT at 8K-128K
 #: Steady decode ms/token of the 8B shape at MEASURED_LENGTHS (None: not run there); piecewise
-#: linear in between, linear beyond (e2e_full.json, decode_steady_ms_per_token).
+#: linear in between, linear beyond (e2e_full.json, decode_steady_ms_per_token). The RETIRED
+#: configurations' rows are there for planning the measured runs.
 DECODE_MS = {
     "offload": (26.09, 47.34, 89.83, 174.46, 344.85),
     "offload-ring": (25.32, 38.98, 77.67, 155.12, 310.37),
@@ -310,7 +338,8 @@ PEAK_GIB = {"resident": (25.58, 34.61), "offload": (18.17, 20.26), "offload+ques
 #: 1.13x offload / 1.04x resident (1.10x taken); layers, KV bytes per token.
 SHAPES = {"llama-3.1-8b": (32, 131072, 1.0, 1.0), "qwen3-8b": (36, 147456, 1.04, 1.10)}
 #: SmolLM2-135M per configuration (e2e_rest.json, the mean over 2K-8K): TTFT s, first two steps
-#: beyond two steady s, steady decode ms; a configuration without a row: resident's.
+#: beyond two steady s, steady decode ms; a configuration without a row: resident's (the RETIRED
+#: configurations' rows: for planning the measured runs).
 SMOLLM2 = {"offload": (0.040, 0.086, 3.03), "offload-ring": (0.038, 0.0, 35.32), "offload-uva": (0.040, 0.078, 3.48),
            "offload+xattn": (0.108, 0.087, 3.05), "offload+quest": (0.047, 0.081, 1.77),
            "offload+quest-ch": (0.059, 0.083, 1.86), "resident": (0.030, 0.054, 1.15),

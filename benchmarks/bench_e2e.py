@@ -1,11 +1,10 @@
 """End-to-end benchmark: every engine configuration, every length, peers and bounds in the same run.
 
 Configurations come from the library (:func:`xoffload.engine.modes.configurations`: resident,
-offload (direct decode, dense layers staged on a copy stream), offload-uva, offload-ring,
-offload+xattn, offload+quest (with its GPU page cache), offload+quest-ch, resident+quest,
-resident+quest-ch, and whatever registers later). ``--variants`` adds three diagnostic variants,
-run at 32K and 128K only: offload+quest without its page cache, with the next-layer prefetch and
-with a 116-page cache. They are not part of section 2: they feed the time split's ``fetch without
+offload (direct decode, dense layers staged on a copy stream), offload-uva, offload+xattn,
+offload+quest (with its GPU page cache), offload+quest-ch, resident+quest, resident+quest-ch, and
+whatever the library adds later). ``--variants`` adds two diagnostic variants, run at 32K and 128K
+only: offload+quest without its page cache and with a 116-page cache. They are not part of section 2: they feed the time split's ``fetch without
 cache`` and the cache-size study, and the time split (weights, selection + attention, fetch) is
 derived without them when they are absent. Per configuration and context length, on the same
 random weights and prompts: prefill tok/s, time to first token, decode ms/token in the steady
@@ -53,26 +52,28 @@ Parts (``--part``, comma-separated; default all; run in this order):
 Time plan, one H200 (``--plan`` prints it for any options, no GPU needed; the cost model is in
 ``_e2e_plan.py``, calibrated on the runs of 2026-12-01, commit 9c873dd:
 ``benchmarks/results/e2e_full.json`` and ``e2e_rest.json``; the plan of their commands, ``--variants
---fresh-pools`` with 6 transformers tokens, gives their part seconds within 0.3%: 8b 386, cap 149,
+--fresh-pools`` with 6 transformers tokens and their configurations, the retired ones included
+(:func:`_e2e_plan.measured_configs`), gives their part seconds within 0.3%: 8b 386, cap 149,
 qwen 53.5, smollm2 56.7, stall 9.1 s)::
 
     part      s    of which
     startup    2   env, H2D and HBM measurements
-    8b       282   prefill 153 (45 points: 9 configurations x 5 lengths), decode 33, one pinned
-                   pool 6 (reused by the other 5 offload configurations), warm-up 7, transformers
+    8b       257   prefill 136 (40 points: 8 configurations x 5 lengths), decode 26, one pinned
+                   pool 6 (reused by the other 4 offload configurations), warm-up 7, transformers
                    56 (build 11, TTFT 37), other 23 (model, compilation, host: not broken down)
     cap      149   offload 65 (16K, 240K refused, 224K served: pools of 30 and 28 GiB, a 32 s
                    prefill), offload+quest 70 (128K decode, 16K, 192K served, 208K refused),
                    resident 3, transformers 12
-    qwen      30   9 configurations at 32K
-    smollm2   53   9 configurations, peers; 38 of it not broken down (the GGUF, first-use
+    qwen      27   8 configurations at 32K
+    smollm2   52   8 configurations, peers; 38 of it not broken down (the GGUF, first-use
                    compilation for 64-wide heads, transformers' first calls)
     stall      9
     report     2   summary, plots
-    total    526   (measured 2026-12-01 for the same parts with the variants, fresh pools and 6
-                   transformers tokens: 660 s in two calls)
+    total    497   (measured 2026-12-01 for the same parts with three variants, offload-ring (the
+                   ring decode, since removed), fresh pools and 6 transformers tokens: 660 s in
+                   two calls)
 
-As two calls: ``--part 8b`` (285 s) and ``--part cap,qwen,smollm2,stall`` (256 s: the cap part
+As two calls: ``--part 8b`` (260 s) and ``--part cap,qwen,smollm2,stall`` (251 s: the cap part
 builds its own model and transformers view). The JSON is written after every configuration,
 search and part, marked ``"complete": false`` until the run ends; ``part_seconds`` holds each
 finished part's wall time next to ``plan_seconds``, ``section_s`` every section's, ``llm_init_s``

@@ -324,12 +324,33 @@ def run(quick: bool = False, out_dir=None, peers: bool = True, cap: bool = True)
     return res
 
 
-def diagnose(preset="llama-3.2-1b", lengths=(3000, 33000), out_dir=None, device="cuda") -> dict:
-    """Find where ``offload`` and ``gpu`` modes part: prefill logits through each KV sink, the K/V
-    the engine stored (``host_kv``) against the gpu cache, then decode logits step by step with the
-    same input tokens. Prints and writes ``model_diagnose.json``."""
+def _one_sequence_store(llm, ids, max_new):
+    """The KV store ``llm``'s engine serves its configuration with (the store table,
+    :func:`xoffload.kv.table.batch_store_class`), opened for one sequence of prompt ``ids`` and up
+    to ``max_new`` new tokens, with that sequence admitted: ``(store, sequence)``. Prefill it with
+    ``model.prefill(ids, store.sink(seq))``, then ``store.set_batch([seq])`` and per step
+    ``begin_step``, ``model.decode_step(tok, store.pos[:1], store)``, ``end_step``, ``advance``."""
+    from xoffload import SamplingParams
+    from xoffload.engine.request import Request
+    from xoffload.engine.scheduler import Sequence
+
+    e = llm.engine
+    sp = SamplingParams(max_tokens=max_new, ignore_eos=True)
+    seq = Sequence(0, Request.make(ids, sp, max_model_len=e.config.max_model_len, seed=0, stop_ids=(),
+                                   device=e.model.device))
+    st = e.store_cls.open(e.model, e.config, e.offload, [seq], **e.store_kw)
+    st.admit(seq)
+    return st, seq
+
+
+def diagnose(preset="llama-3.2-1b", lengths=(3000, 33000), out_dir=None, device="cuda", steps=4) -> dict:
+    """Find where ``offload`` and ``gpu`` modes part: the tokens each LLM generates, then the two
+    stores the engine runs them with (``ResidentBatchKV``, ``OffloadBatchKV``: one sequence each,
+    driven by hand): prefill logits through each store's sink, the K/V each stored (the resident
+    pool's rows against the pinned pool's, ``host_kv``), then ``steps`` decode steps' logits with
+    the same input tokens (the resident run's greedy ones). Prints and writes
+    ``model_diagnose.json``; returns the report."""
     from xoffload import LLM, SamplingParams
-    from xoffload.engine.kv_store import OffloadKV, ResidentKV
     from xoffload.models import random_model
 
     model = random_model(preset, dtype=torch.bfloat16 if device == "cuda" else torch.float32, device=device,
@@ -340,68 +361,60 @@ def diagnose(preset="llama-3.2-1b", lengths=(3000, 33000), out_dir=None, device=
         case = {}
         ids = _prompt(n, cfg.vocab_size)
         ids_t = torch.tensor(ids, device=device)
+        g = o = None
+        stores = []
         try:
             sp = SamplingParams(max_tokens=6, ignore_eos=True)
             g = LLM(model, mode="gpu", max_model_len=n + 16)
             o = LLM(model, mode="offload", max_model_len=n + 16)
             case["tokens_gpu"] = g.generate(ids, sp)[0].token_ids
             case["tokens_offload"] = o.generate(ids, sp)[0].token_ids
-            # prefill through both sinks, same model, same input
+            # prefill through both stores, same model, same input
             from xoffload.kernels import cpu_backend
 
             with torch.no_grad(), (cpu_backend("reference") if device == "cpu" else contextlib.nullcontext()):
-                gc_ = ResidentKV(cfg, n + 8, model.dtype, model.device, model.scale)
-                lg = model.prefill(ids_t, gc_, chunk=8192)
-                eng = o.offload
-                seq = eng.add_sequence()
-                okv = OffloadKV(eng, seq, cfg, model.dtype, model.device, model.scale)
-                lo = model.prefill(ids_t, okv, chunk=8192)
+                for x in (g, o):
+                    stores.append(_one_sequence_store(x, ids, steps + 1))
+                (gs, gq), (os_, oq) = stores
+                case["stores"] = [type(gs).__name__, type(os_).__name__]
+                lg = model.prefill(ids_t, gs.sink(gq), chunk=8192)
+                lo = model.prefill(ids_t, os_.sink(oq), chunk=8192)
                 case["prefill_logits_max_abs_diff"] = float((lg - lo).abs().max())
                 case["prefill_logits_nan"] = [bool(lg.isnan().any()), bool(lo.isnan().any())]
                 case["first_token"] = [int(lg.argmax()), int(lo.argmax())]
+                rows = gs.pool.rows(gq.kv["table"], n).to(device)
                 kv_diff = {}
                 for layer in sorted({0, 1, cfg.num_layers // 2, cfg.num_layers - 1}):
-                    hk, hv = eng.host_kv(seq, layer)
-                    kv_diff[layer] = [float((hk.to(device).float() - gc_.k[layer, :n].float()).abs().max()),
-                                      float((hv.to(device).float() - gc_.v[layer, :n].float()).abs().max())]
+                    hk, hv = o.offload.host_kv(oq.kv["sid"], layer)
+                    kv_diff[layer] = [float((hk.to(device).float() - gs.pool.k[layer][rows].float()).abs().max()),
+                                      float((hv.to(device).float() - gs.pool.v[layer][rows].float()).abs().max())]
                 case["stored_kv_max_abs_diff_by_layer"] = kv_diff
-                steps = []
-                tok = lg.argmax(-1)
-                for i in range(4):
-                    pos = n + i
-                    gc_.begin_step(pos)
-                    a = model.decode_step(tok, pos, gc_)
-                    gc_.end_step()
-                    okv.begin_step(pos)
-                    b = model.decode_step(tok, pos, okv)
-                    okv.end_step()
-                    steps.append(float((a - b).abs().max()))
-                    tok = a.argmax(-1)
-                case["decode_logits_max_abs_diff"] = steps
-                eng.free(seq)
-                # a fresh engine whose ring is allocated right after a prefill (LayerRing orders
-                # the load streams after the work that last used that memory): first tokens right?
-                from xoffload.runtime import OffloadRuntime
-
-                raw = OffloadRuntime(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=model.dtype,
-                                    device=str(model.device), max_tokens=n + 16)
-                seq = raw.add_sequence()
-                rkv = OffloadKV(raw, seq, cfg, model.dtype, model.device, model.scale)
-                tok = model.prefill(ids_t, rkv, chunk=8192).argmax(-1)
-                toks = [tok]
-                for i in range(5):
-                    rkv.begin_step(n + i)
-                    tok = model.decode_step(tok, n + i, rkv).argmax(-1)
-                    rkv.end_step()
-                    toks.append(tok)
-                case["tokens_offload_unprimed_engine"] = torch.cat(toks).tolist()
-                raw.free(seq)
-                raw.close()
-            g.close()
-            o.close()
+                for st, seq in stores:
+                    seq.n_out = 1  # the prefill's token: decode starts at position n
+                    st.set_batch([seq])
+                model.rope_tables(n + steps + 1)
+                diffs = []
+                tok = lg.argmax(-1).view(1)
+                for _ in range(steps):
+                    out = []
+                    for st, _seq in stores:
+                        st.begin_step()
+                        out.append(model.decode_step(tok, st.pos[:1], st))
+                        st.end_step()
+                        st.advance()
+                    diffs.append(float((out[0] - out[1]).abs().max()))
+                    tok = out[0].argmax(-1)
+                case["decode_logits_max_abs_diff"] = diffs
         except Exception as e:  # noqa: BLE001
             case["error"] = f"{type(e).__name__}: {e}"
             case["traceback"] = traceback.format_exc()[-2000:]
+        finally:
+            for st, seq in stores:
+                st.release(seq)
+                st.close()
+            for x in (g, o):
+                if x is not None:
+                    x.close()
         rep["cases"][str(n)] = case
         print(n, {k: v for k, v in case.items() if k != "traceback"}, flush=True)
         _free()

@@ -109,7 +109,8 @@ def _run_error(argv, capsys):
     (["--num-depths", "0"], "num-depths"), (["--max-tokens", "0"], "max-tokens"), (["--dtype", "bogus"], "dtype"),
     (["--device", "tpu"], "device"), (["--mode", "bogus"], "mode"), (["--min-accuracy", "2"], "min-accuracy"),
     (["--lengths", "4k", "--max-model-len", "2048"], "max-model-len"),
-    (["--mode", "offload", "--sparse-decode", "quest", "--offload-decode", "ring"], "offload_decode='ring'"),
+    (["--mode", "offload", "--offload-decode", "ring"], "invalid choice: 'ring'"),
+    (["--mode", "resident", "--sparse-decode", "quest", "--kv-block-size", "16"], "page_size 32"),
     (["--mode", "offload", "--kv-block-size", "48"], "power of two"),
 ])
 def test_needle_argument_errors_before_model_load(no_model_load, tmp_path, capsys, args, words):
@@ -125,7 +126,6 @@ def test_needle_argument_errors_before_model_load(no_model_load, tmp_path, capsy
     (["--max-tokens", "-1e3"], "--max-tokens must be an int >= 1, got -1e3"),
     (["--max-tokens", "0"], "--max-tokens must be an int >= 1, got 0"),
     (["--max-tokens", "2.5"], "--max-tokens must be an int >= 1, got 2.5"),
-    (["--num-kv-buffers", "-2"], "--num-kv-buffers must be an int >= 1, got -2"),
     (["--max-model-len", "-.5"], "--max-model-len must be an int >= 1, got -.5"),
     (["--temperature", "-1"], "--temperature must be a number >= 0, got -1"),
     (["--temperature", "nan"], "--temperature must be a number >= 0, got nan"),
@@ -164,9 +164,17 @@ def test_needle_argument_errors_name_the_range(no_model_load, tmp_path, capsys, 
 
 
 def test_generate_engine_option_clash_before_model_load(no_model_load, capsys):
-    line = _run_error(["generate", "--prompt", "hi", "--mode", "offload", "--offload-decode", "ring",
+    line = _run_error(["generate", "--prompt", "hi", "--mode", "offload", "--kv-block-size", "16",
                        "--token-budget", "256"], capsys)
-    assert "offload_decode='ring'" in line
+    assert "kv_block_size 16 must be a multiple of the decode policy's page_size 32" in line
+
+
+@pytest.mark.parametrize("cmd", [["generate", "--prompt", "hi"], ["needle"], ["serve", "smollm2"], ["eval"]])
+def test_num_kv_buffers_is_no_option(no_model_load, capsys, cmd):
+    """The offload ring's buffer count went with the ring: the flag is refused, nothing loads."""
+    with pytest.raises(SystemExit) as e:
+        cli.main([*cmd, "--num-kv-buffers", "4"])
+    assert e.value.code == 2 and "unrecognized arguments: --num-kv-buffers 4" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="needs a machine without CUDA")
@@ -324,7 +332,7 @@ def test_sparse_options_one_place():
     assert cli._sparse_options(ns(sparse="xattn", sparse_threshold=0.8))["sparse"] == XAttentionPrefill(threshold=0.8)
     assert cli._sparse_options(ns(token_budget=512))["sparse_decode"] == QuestDecode(token_budget=512)
     assert cli._sparse_options(ns(sparse_decode="quest"))["sparse_decode"] == QuestDecode()
-    assert cli._sparse_options(ns(offload_decode="ring"))["offload_decode"] == "ring"
+    assert cli._sparse_options(ns(offload_decode="uva"))["offload_decode"] == "uva"
 
 
 def _text_overlaps(fig) -> list:

@@ -1,13 +1,10 @@
-"""Dense offload decode, staged or in place, one store for one sequence or many: decode ms per token
-of the batched store (:class:`~xoffload.kv.OffloadBatchKV`, ``offload_decode`` ``direct`` = staged,
-``uva`` = in place) against the one-request store (``OffloadPagedKV``, what ``max_num_seqs=1``
-runs today) and resident decode, per prompt length and batch size.
+"""Dense offload decode, staged or in place, against resident: decode ms per token of the offload
+store (:class:`~xoffload.kv.OffloadBatchKV`, ``offload_decode`` ``direct`` = staged through two GPU
+buffers, ``uva`` = read in place) and of resident decode, per prompt length and batch size.
 
-At batch 1 the batched store is forced for ``max_num_seqs=1`` (a bucket of one, one CUDA graph),
-as the store table will route it; ``batched / one-request`` of the same ``offload_decode`` is the
-single-request cost of serving one sequence through the batched store (target: <= 1.03). Each
-case runs twice in one LLM (the first compiles and captures); the second's median steady decode
-ms per token is kept, with the store's ``describe()``.
+Each case runs twice in one LLM (the first compiles and captures); the second's median steady decode
+ms per token is kept, with the store's ``describe()``. Per length and batch, each offload row also
+gets ``over_resident`` (its ms / resident's) and the staged row ``over_in_place`` (direct / uva).
 
 Usage::
 
@@ -17,50 +14,29 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 
 import torch
 
 from xoffload.engine import LLM, SamplingParams
-from xoffload.kv import OffloadBatchKV
 from xoffload.models import load_model
 from xoffload.runtime.pool import reuse_pinned_slabs
 
-
-@contextlib.contextmanager
-def batched_at_one(on: bool):
-    """Within the context (when ``on``), LLMs made with offload dense decode use OffloadBatchKV
-    whatever ``max_num_seqs`` is."""
-    from xoffload.engine import llm_engine
-
-    table = llm_engine.batch_store_class
-
-    def route(config):
-        if config.mode == "offload" and config.offload_decode != "ring" and config.decode_policy is None:
-            return OffloadBatchKV, {}
-        return table(config)
-
-    if on:
-        llm_engine.batch_store_class = route
-    try:
-        yield
-    finally:
-        llm_engine.batch_store_class = table
+#: (store, offload_decode) of each case, in the order they run
+CASES = (("resident", None), ("offload", "direct"), ("offload", "uva"))
 
 
 def run_case(model, n_ctx: int, new: int, batch: int, store: str, decode: str | None) -> dict:
-    """One case: ``store`` ``one-request`` / ``batched`` / ``resident``; returns its row."""
+    """One case: ``store`` ``resident`` or ``offload`` (with ``decode``); returns its row."""
     vocab = model.cfg.vocab_size
     prompts = [torch.randint(0, vocab, (n_ctx,), generator=torch.Generator().manual_seed(i)).tolist()
                for i in range(batch)]
-    kw = dict(max_model_len=n_ctx + new + 8, max_num_seqs=batch, mode="offload", offload_decode=decode)
-    if store == "resident":
-        kw.update(mode="resident", offload_decode="direct")
+    kw = dict(max_model_len=n_ctx + new + 8, max_num_seqs=batch, mode=store)
+    if decode is not None:
+        kw["offload_decode"] = decode
     sp = SamplingParams(max_tokens=new, ignore_eos=True)
-    with batched_at_one(store == "batched"):
-        llm = LLM(model, **kw)
+    llm = LLM(model, **kw)
     try:
         llm.generate(prompts, sp)
         outs = llm.generate(prompts, sp)
@@ -70,6 +46,18 @@ def run_case(model, n_ctx: int, new: int, batch: int, store: str, decode: str | 
     ms = statistics.median(o.timings["decode_steady_ms_per_token"] for o in outs)
     return {"ctx": n_ctx, "batch": batch, "store": store, "offload_decode": decode, "ms_per_step": ms,
             "h2d_bytes_per_token": outs[0].timings.get("h2d_bytes_per_token"), "describe": info}
+
+
+def add_ratios(rows: list) -> None:
+    """The rows of one length and batch (:data:`CASES`): ``over_resident`` on each offload row,
+    ``over_in_place`` on the staged one."""
+    res = next(r["ms_per_step"] for r in rows if r["store"] == "resident")
+    by = {r["offload_decode"]: r["ms_per_step"] for r in rows if r["store"] == "offload"}
+    for r in rows:
+        if r["store"] == "offload":
+            r["over_resident"] = r["ms_per_step"] / res
+            if r["offload_decode"] == "direct" and "uva" in by:
+                r["over_in_place"] = r["ms_per_step"] / by["uva"]
 
 
 def main(argv=None) -> dict:
@@ -91,19 +79,13 @@ def main(argv=None) -> dict:
     with reuse_pinned_slabs():
         for n in (int(x) for x in a.lengths.split(",")):
             for b in (int(x) for x in a.batches.split(",")):
-                cases = [("resident", None)] + [("batched", d) for d in ("direct", "uva")]
-                if b == 1:
-                    cases += [("one-request", d) for d in ("direct", "uva")]
-                for store, d in cases:
-                    rows.append(run_case(model, n, a.new, b, store, d))
-                    r = rows[-1]
-                    print(f"ctx {n:>6} batch {b:>2} {store:>11} {d or '':>6}: {r['ms_per_step']:8.3f} ms/step "
-                          f"{r['describe'].get('prompt_read', '')}", flush=True)
-                one = {r["offload_decode"]: r["ms_per_step"] for r in rows[-len(cases):] if r["store"] == "one-request"}
-                for r in rows[-len(cases):]:
-                    if r["store"] == "batched" and r["offload_decode"] in one:
-                        r["over_one_request"] = r["ms_per_step"] / one[r["offload_decode"]]
-                        print(f"  batched / one-request ({r['offload_decode']}): {r['over_one_request']:.3f}")
+                group = [run_case(model, n, a.new, b, store, d) for store, d in CASES]
+                add_ratios(group)
+                for r in group:
+                    ratio = "".join(f" {k} {r[k]:.3f}" for k in ("over_resident", "over_in_place") if k in r)
+                    print(f"ctx {n:>6} batch {b:>2} {r['store']:>8} {r['offload_decode'] or '':>6}: "
+                          f"{r['ms_per_step']:8.3f} ms/step {r['describe'].get('prompt_read', '')}{ratio}", flush=True)
+                rows += group
     out = {"model": a.model if not a.cpu_smoke else "tiny-llama", "new": a.new, "rows": rows}
     if a.out:
         with open(a.out, "w") as f:

@@ -11,11 +11,13 @@
    - lost: the attention mass (of the whole softmax) that falls in unselected pages;
    - needle recall: over (layer, KV head, step) whose heads put >= 5% of their mass on the needle
      span ("retrieval heads"), how often the page holding the most needle mass is selected.
-3. ``check``: whole-model PagedKV checks: Quest with budget >= T equals dense; with a small budget,
+3. ``check`` (``--check``): whole-model checks of the Quest store the engine runs
+   (:class:`StoreKV`: ``OffloadQuestBatchKV``, resident over a pool on the model's device and
+   offload over the pinned pool): Quest with budget >= T gives dense's tokens; with a small budget,
    each sparse layer's output equals attention over sink + independently recomputed selected pages
-   + tail.
+   + tail, and the store selects those pages.
 
-Usage: ``PYTHONPATH=$PWD python tools/diag_quest.py [--length 2048] [--steps 12]``.
+Usage: ``PYTHONPATH=$PWD python tools/diag_quest.py [--length 2048] [--steps 12] [--check]``.
 """
 from __future__ import annotations
 
@@ -305,10 +307,82 @@ if __name__ == "__main__" and "--check" not in sys.argv:
 
 
 # ---------------------------------------------------------------------------------------- whole-model checks
+class StoreKV:
+    """One sequence's KV in the store that ``LLMEngine(model, mode=mode, sparse_decode=policy,
+    max_num_seqs=1)`` serves it with (:func:`xoffload.kv.table.batch_store_class`: the batched
+    Quest store ``OffloadQuestBatchKV``, for ``resident`` over a pool on the model's device, on the
+    CPU the CPU; for ``offload`` over the pinned pool), opened for that sequence alone and driven
+    through the one-sequence interface :func:`greedy` and :class:`RecordKV` share: the prefill
+    sink (``buffers`` / ``done``), then per step ``begin_step(pos)``, ``attend``, ``end_step``.
+
+    Args:
+        model: the LlamaModel.
+        policy: the decode policy (a :class:`~xoffload.sparse.QuestDecode`).
+        ids: the prompt's token ids (the store is sized for them).
+        max_new: tokens generated, the prefill's first one included.
+        mode: ``"resident"`` or ``"offload"``.
+        wrap_store: a function of the engine's store class returning the class to open instead (a
+            subclass: :func:`_make_checked`); None: the engine's.
+        **options: further :class:`~xoffload.engine.LLMEngine` options (``kv_block_size``: default,
+            resident, the multiple of the policy's page size nearest 1024 from below).
+
+    Attributes: ``engine``, ``store``, ``seq``. :meth:`close` releases all three.
+    """
+
+    def __init__(self, model, policy, ids, max_new, mode="resident", wrap_store=None, **options):
+        from xoffload.engine import LLMEngine, SamplingParams
+        from xoffload.engine.request import Request
+        from xoffload.engine.scheduler import Sequence
+
+        if mode == "resident" and "kv_block_size" not in options:  # the pool's block: whole pages
+            options["kv_block_size"] = policy.page_size * max(1, 1024 // policy.page_size)
+        self.engine = e = LLMEngine(model, mode=mode, sparse_decode=policy, max_num_seqs=1,
+                                    max_model_len=len(ids) + max_new + 8, **options)
+        sp = SamplingParams(max_tokens=max_new, ignore_eos=True)
+        self.seq = Sequence(0, Request.make(list(ids), sp, max_model_len=e.config.max_model_len, seed=0, stop_ids=(),
+                                            device=model.device))
+        cls = e.store_cls if wrap_store is None else wrap_store(e.store_cls)
+        self.store = cls.open(model, e.config, e.offload, [self.seq], **e.store_kw)
+        self.store.admit(self.seq)
+        self._sink = self.store.sink(self.seq)
+        self._decoding = False
+
+    def buffers(self, layer, t):
+        return self._sink.buffers(layer, t)
+
+    def done(self, layer, k, v):
+        self._sink.done(layer, k, v)
+
+    def begin_step(self, pos):
+        """A decode step at position ``pos`` (the sequence's next one: ValueError otherwise)."""
+        st = self.store
+        if not self._decoding:  # the first step: the prefill sampled one token
+            self.seq.n_out = 1
+            st.set_batch([self.seq])
+            self._decoding = True
+        if int(st.pos[0]) != pos:
+            raise ValueError(f"the store's sequence is at position {int(st.pos[0])}, the step asks for {pos}")
+        st.begin_step()
+
+    def attend(self, layer, q, k_new, v_new):
+        return self.store.attend(layer, q, k_new, v_new)
+
+    def end_step(self):
+        self.store.end_step()
+        self.store.advance()
+
+    def close(self):
+        self.store.release(self.seq)
+        self.store.close()
+        self.engine.close()
+
+
 def _make_checked(base):
-    """A PagedKV subclass that, in every sparse layer, recomputes the selection and the attention
-    independently (own min/max, per query head h -> KV head h // g, explicit token list) and records
-    the largest difference to PagedKV's output."""
+    """A subclass of the Quest store ``base`` that, in every layer of a one-sequence batch,
+    recomputes the selection and the attention independently (own min/max, per query head h -> KV
+    head h // g, explicit token list) and records the largest difference to the store's output
+    (``maxdiff``), the selections checked (``sel_checked``: one per sparse layer, step and KV head)
+    and those whose pages differ from the recomputed ones (``sel_mismatch``)."""
 
     class Checked(base):
         def __init__(self, *a, **kw):
@@ -316,32 +390,48 @@ def _make_checked(base):
             self.fullk = [[] for _ in range(self.cfg.num_layers)]
             self.fullv = [[] for _ in range(self.cfg.num_layers)]
             self.maxdiff = 0.0
-            self.sel_mismatch = 0
+            self.sel_mismatch = self.sel_checked = 0
+            self._plan = None
 
-        def done(self, layer, k, v):
-            self.fullk[layer] = [k.clone()]
-            self.fullv[layer] = [v.clone()]
-            super().done(layer, k, v)
+        def sink(self, seq):
+            sink = super().sink(seq)
+            store_done = sink.done
+
+            def done(layer, k, v):  # the whole prompt's K/V of the layer (no reused prefix here)
+                self.fullk[layer] = [k.clone()]
+                self.fullv[layer] = [v.clone()]
+                store_done(layer, k, v)
+
+            sink.done = done
+            return sink
+
+        def set_batch(self, seqs):
+            if len(seqs) != 1:
+                raise ValueError(f"the checked store checks a batch of one, got {len(seqs)}")
+            self._plan = seqs[0].kv["plan"]
+            return super().set_batch(seqs)
 
         def attend(self, layer, q, k_new, v_new):
-            o = super().attend(layer, q, k_new, v_new)
-            self.fullk[layer].append(k_new.clone())
-            self.fullv[layer].append(v_new.clone())
+            o = super().attend(layer, q, k_new, v_new)[0]  # [Hq, D]
+            self.fullk[layer].append(k_new[:1].clone())
+            self.fullv[layer].append(v_new[:1].clone())
             K, V = torch.cat(self.fullk[layer]), torch.cat(self.fullv[layer])
-            p, P, g, T = self.plan, self.page, self.group, self.T
-            if layer in self.dense or self._k == 0:
-                toks = [torch.arange(K.shape[0])] * self.cfg.num_kv_heads
+            p, P, hkv = self._plan, self.page, self.cfg.num_kv_heads
+            g, k = q.shape[1] // hkv, p.pages_per_step
+            if layer in self.dense or k == 0:
+                toks = [torch.arange(K.shape[0])] * hkv
             else:
                 f, n = p.first_page, p.num_candidates
                 kp = K[:(f + n) * P].unflatten(0, (-1, P))[f:]  # [n, P, Hkv, D]
                 mn, mx = kp.amin(1), kp.amax(1)  # [n, Hkv, D]
+                chosen = self._sel[:hkv, :k].long() + f  # the store's pages (candidate ids + first page)
                 toks = []
-                for h in range(self.cfg.num_kv_heads):
+                for h in range(hkv):
                     sc = torch.stack([(q[0, j].clamp(min=0) * mx[:, h]).sum(-1) + (q[0, j].clamp(max=0) * mn[:, h]).sum(-1)
                                       for j in range(h * g, (h + 1) * g)]).amax(0)
-                    pages = sc.topk(self._k).indices + f
-                    got = set((self._table[0, h].long() // P).tolist())
-                    self.sel_mismatch += int(got != set(pages.tolist()))
+                    pages = sc.topk(k).indices + f
+                    self.sel_mismatch += int(set(chosen[h].tolist()) != set(pages.tolist()))
+                    self.sel_checked += 1
                     sel = (pages[:, None] * P + torch.arange(P)).flatten()
                     toks.append(torch.cat([torch.arange(p.sink_len), sel, torch.arange(p.tail_start, K.shape[0])]))
             ref = torch.empty_like(o)
@@ -350,41 +440,57 @@ def _make_checked(base):
                 w = torch.softmax((K[t, j // g] @ q[0, j]) * self.scale, 0)
                 ref[j] = w @ V[t, j // g]
             self.maxdiff = max(self.maxdiff, float((ref - o).abs().max()))
-            return o
+            return o[None]
 
     return Checked
 
 
+def check_model(m, ids, n=8, policies=None, placements=("resident", "offload"), **options) -> list:
+    """The whole-model checks (module docstring, 3.) of model ``m`` on prompt ``ids``, ``n`` greedy
+    tokens, for each placement and decode policy (default: budget 4T, 512 and 256 with pages of 32,
+    512 with pages of 16). Offload runs with ``reuse_bias=1.0``: the page cache's bonus off, so
+    that the store's selection is the bare top-k the check recomputes. Returns one row per run:
+    ``placement``, ``policy``, ``dense_plan``, ``maxdiff``, ``sel_checked``, ``sel_mismatch``,
+    ``tokens``, ``same_as_dense`` and ``dense_tokens`` (greedy through :class:`RecordKV`).
+    ``options``: further engine options (``kv_block_size``, ...)."""
+    import dataclasses
+
+    T = len(ids)
+    if policies is None:
+        policies = (QuestDecode(token_budget=4 * T, page_size=32), QuestDecode(token_budget=512, page_size=32),
+                    QuestDecode(token_budget=512, page_size=16), QuestDecode(token_budget=256, page_size=32))
+    rows = []
+    with xoffload.kernels.cpu_backend("reference"), torch.no_grad():
+        dense = greedy(m, torch.tensor(ids), RecordKV(m.cfg, T, n, m.scale), n)
+        for placement in placements:
+            for pol in policies:
+                if placement == "offload":
+                    pol = dataclasses.replace(pol, reuse_bias=1.0)
+                kv = StoreKV(m, pol, ids, n, mode=placement, wrap_store=_make_checked, **options)
+                try:
+                    toks = greedy(m, torch.tensor(ids), kv, n)
+                finally:
+                    kv.close()
+                rows.append({"placement": placement, "policy": pol, "dense_plan": kv.store._plan.dense,
+                             "maxdiff": kv.store.maxdiff, "sel_checked": kv.store.sel_checked,
+                             "sel_mismatch": kv.store.sel_mismatch, "tokens": toks,
+                             "same_as_dense": toks == dense, "dense_tokens": dense})
+    return rows
+
+
 def check(n=8, length=2048):
-    from xoffload.engine.kv_paged import PagedKV
+    """:func:`check_model` on SmolLM2 and a needle prompt of ``length`` tokens; prints each run."""
     from xoffload.evals.needle import build_prompt, make_number
-    from xoffload.runtime import OffloadRuntime
     m = load()
-    cfg = m.cfg
     number = make_number(random.Random(0))
     ids = list(build_prompt(m.tokenizer, length, 0.5, number).token_ids)
-    T = len(ids)
-    Checked = _make_checked(PagedKV)
-    with xoffload.kernels.cpu_backend("reference"), torch.no_grad():
-        dense = greedy(m, torch.tensor(ids), RecordKV(cfg, T, n, m.scale), n)
-        print("dense:", repr(m.tokenizer.decode(dense)))
-        for placement in ("resident", "offload"):
-            for pol in (QuestDecode(token_budget=4 * T, page_size=32), QuestDecode(token_budget=512, page_size=32),
-                        QuestDecode(token_budget=512, page_size=16), QuestDecode(token_budget=256, page_size=32)):
-                eng = seq = None
-                if placement == "offload":
-                    eng = OffloadRuntime(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, dtype=torch.float32,
-                                        device="cpu", max_tokens=T + 64, block_size=64)
-                    seq = eng.add_sequence()
-                kv = Checked(cfg, torch.float32, torch.device("cpu"), m.scale, prompt_len=T, max_new=n, policy=pol,
-                             engine=eng, seq=seq)
-                toks = greedy(m, torch.tensor(ids), kv, n)
-                print(f"{placement} b{pol.token_budget} p{pol.page_size}: dense plan={kv.plan.dense} "
-                      f"max|o - independent ref|={kv.maxdiff:.2e} selection mismatches={kv.sel_mismatch} "
-                      f"tokens==dense: {toks == dense} {m.tokenizer.decode(toks)!r}")
-                kv.close()
-                if eng is not None:
-                    eng.close()
+    rows = check_model(m, ids, n)
+    print("dense:", repr(m.tokenizer.decode(rows[0]["dense_tokens"])))
+    for r in rows:
+        pol = r["policy"]
+        print(f"{r['placement']} b{pol.token_budget} p{pol.page_size}: dense plan={r['dense_plan']} "
+              f"max|o - independent ref|={r['maxdiff']:.2e} selection mismatches={r['sel_mismatch']} "
+              f"tokens==dense: {r['same_as_dense']} {m.tokenizer.decode(r['tokens'])!r}")
 
 
 if __name__ == "__main__" and "--check" in sys.argv:

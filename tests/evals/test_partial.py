@@ -142,6 +142,28 @@ def test_resume_other_setup_is_an_error(tmp_path, tok, answers):
         run_eval({"a": None}, tok, tasks=["vt"], lengths=[768], resume=True, progress=False)
 
 
+def test_resume_a_file_of_an_older_version_that_recorded_num_kv_buffers(tmp_path, tok, answers):
+    """A partial file whose setup still lists ``num_kv_buffers`` (an option that is gone) resumes
+    (any value); another key that differs is still an error."""
+    out = str(tmp_path / "o")
+    with pytest.raises(Killed):
+        _run(tok, out, answers, [0], kill_at=5)
+    p = os.path.join(out, PARTIAL_NAME)
+    lines = open(p).read().splitlines()
+    header = json.loads(lines[0])
+    assert "num_kv_buffers" not in header["setup"]
+    for setup in ({**header["setup"], "seed": 7, "num_kv_buffers": 4}, {**header["setup"], "num_kv_buffers": 2}):
+        open(p, "w").write("\n".join([json.dumps({**header, "setup": setup}), *lines[1:]]) + "\n")
+        if setup["seed"] == 7:
+            with pytest.raises(ValueError, match=r"different setup \(seed: 7 there, 0 here\)"):
+                _run(tok, out, answers, [0], resume=True)
+            continue
+        calls = [0]
+        res = _run(tok, out, answers, calls, resume=True)
+        assert res.meta["records_reused"] == 5 and calls[0] == 24 - 5
+        assert "num_kv_buffers" not in res.meta["setup"]
+
+
 def test_resume_other_setup_cli_one_line(tmp_path, capsys, monkeypatch, smol):
     import xoffload.models as models
 

@@ -157,6 +157,8 @@ def no_model(monkeypatch):
     (["--mode", "offload+quest@\u00b2"], "@BUDGET needs a decode-policy mode and a positive integer"),
     (["--modes", "resident,hf2"], "unknown --mode 'hf2'; known: both, gpu, offload"),
     (["--modes", "resident,hf", "--hf-samples", "0"], "--hf-samples must be >= 1"),
+    (["--modes", "offload-ring"], "unknown --mode 'offload-ring'; known: both, gpu, offload, offload-uva,"),
+    (["--kv-block-size", "0"], "--kv-block-size must be >= 1, got 0"),
 ])
 def test_bad_arguments_exit_2_before_loading(tmp_path, capsys, no_model, argv, what):
     out = tmp_path / "o"
@@ -260,8 +262,9 @@ def test_mode_policy_suffixes_strict():
     """Found by adversarial testing: a repeated suffix silently took the last value
     (``/ch=8/ch=4``: 4), ``int()`` / ``float()`` took ``1_0``, `` 8`` and non-ASCII digits, an
     unknown ``/key=`` was reported as a bad group score, and a page of 512 with channels failed
-    only at the first decode step. Each is now a one-line error naming it; ``/ch=`` on the named
-    policy quest-ch asks for exactly that many channels (no fitting to the model)."""
+    only at the first decode step. Each is now a one-line error naming it, as is ``/alpha=``
+    without exact channels; ``/ch=`` on the named policy quest-ch asks for exactly that many
+    channels (no fitting to the model)."""
     from xoffload.evals.cli import mode_options
     from xoffload.sparse import QuestDecode
 
@@ -279,11 +282,12 @@ def test_mode_policy_suffixes_strict():
                      ("offload+quest@512/alpha=1e400", "bound_scale"),
                      ("offload+quest@512/foo=1", "unknown /foo="),
                      ("offload+quest@512/page=512/ch=8", "page_size <= 256"),
-                     ("offload+quest-ch/ch=4", r"\[/ch=R\]")):
+                     ("offload+quest-ch/ch=4", r"\[/ch=R\]"),
+                     ("offload+quest@512/alpha=.5", r"bound_scale=0.5 .* needs exact_channels > 0")):
         with pytest.raises(ValueError, match=msg):
             mode_options(bad)
     assert mode_options("offload+quest@512/ch=0")["sparse_decode"].exact_channels == 0
-    assert mode_options("offload+quest@512/alpha=.5")["sparse_decode"].bound_scale == 0.5
+    assert mode_options("offload+quest@512/ch=8/alpha=.5")["sparse_decode"].bound_scale == 0.5
     assert mode_options("resident+quest@64/alpha=1e-1/page=16/ch=8/dense=")["sparse_decode"] == QuestDecode(
         token_budget=64, bound_scale=0.1, page_size=16, exact_channels=8, dense_layers=())
     assert mode_options("offload+quest-ch@512") == {"mode": "offload", "sparse_decode": "quest-ch", "token_budget": 512}

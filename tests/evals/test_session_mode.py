@@ -34,8 +34,8 @@ def test_session_mode_syntax():
     assert kw["session"] == {} and kw["prefix_caching"] is True
     assert mode_options("offload+quest@512:session")["prefix_caching"] is True
     assert mode_options("resident:session")["prefix_caching"] is True
-    assert mode_options("offload-ring:session")["prefix_caching"] is False  # sessions re-prefill there
-    assert mode_options("resident+quest:session")["prefix_caching"] is False
+    assert mode_options("offload-uva:session")["prefix_caching"] is True
+    assert mode_options("resident+quest:session")["prefix_caching"] is True  # the Quest store's device pool
     assert "session" not in mode_options("offload") and "prefix_caching" not in mode_options("offload")
     for bad in ("offload:session@1024", "offload+quest@512:session@512", "offload:session@512/dense=0.1.18",
                 "offload:session/dense=0", "offload:session@", "offload:sessionx"):

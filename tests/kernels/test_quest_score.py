@@ -216,8 +216,8 @@ def test_gpu_channel_scores_bf16_long():
 def test_channel_scores_odd_shapes_and_pagedkv_slices(hq, hkv, d, n, p, r, device):
     """Found by adversarial testing (these held): head dims that are not powers of two, r = 1 and
     r = D - 1, pages of 256, one page, page counts off the kernel's 16-page block, groups of 16 and
-    of 1; klab, kmin and kmax as the slices of a PageSummaries layer that PagedKV passes
-    (``klab[layer, :, f*P:(f+n)*P]``, strided) — all equal the fp32 reference."""
+    of 1; klab, kmin and kmax as strided slices of a PageSummaries layer, one layer's candidate
+    pages (``klab[layer, :, f*P:(f+n)*P]``) — all equal the fp32 reference."""
     from xoffload.kernels.channel_score import channel_page_scores
     from xoffload.kernels.reference import channel_page_scores_ref
 

@@ -57,7 +57,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--samples", type=int, default=1, help="samples per task and length (>= 1; default 1)")
     p.add_argument("--mode", "--modes", dest="mode", default="both",
                    help="engine configuration(s), comma-separated: resident (alias gpu), offload, offload-uva, "
-                        "offload-ring, offload+quest, resident+quest, ... (xoffload.engine.modes), a decode policy's "
+                        "offload+quest, resident+quest, ... (xoffload.engine.modes), a decode policy's "
                         "budget as @N (offload+quest@512) and its GQA group score as /GROUP "
                         "(offload+quest@512/softmax) and its dense layers as /dense=I.J.K "
                         "(offload+quest@512/dense=0.1.18), exact key channels, bound scale and page size as "
@@ -86,8 +86,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence the LLM serves (default: the model's context length); every "
                         "length must fit in it")
-    p.add_argument("--num-kv-buffers", type=int, default=4, help="GPU layer buffers of the offload ring")
-    p.add_argument("--kv-block-size", type=int, default=1024, help="tokens per CPU pool block (offload)")
+    p.add_argument("--kv-block-size", type=int, default=1024, help="tokens per block of the KV pool (offload; resident with a decode policy)")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="cap on the answer length of every sample (default: RULER's per task: niah 128, "
                         "vt 30, cwe 120, fwe 50, qa 32)")
@@ -153,8 +152,8 @@ def _check_args(a):
         raise _ArgError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
     if a.max_model_len is not None and a.max_model_len < 1:
         raise _ArgError(f"--max-model-len must be >= 1, got {a.max_model_len}")
-    if a.num_kv_buffers < 1 or a.kv_block_size < 1:
-        raise _ArgError("--num-kv-buffers and --kv-block-size must be >= 1")
+    if a.kv_block_size < 1:
+        raise _ArgError(f"--kv-block-size must be >= 1, got {a.kv_block_size}")
     if not 0.0 <= a.sparse_threshold <= 1.0:
         raise _ArgError(f"--sparse-threshold must be in [0, 1], got {a.sparse_threshold}")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
@@ -263,14 +262,14 @@ def _cmd_eval(a) -> int:
             return hf_peer.hf_peer_llm(model, weights=a.hf_weights, max_model_len=max_len)
         kw = {"sparse": policy, **mode_options(mode)}
         session = kw.pop("session", None)
-        llm = LLM(model, num_kv_buffers=a.num_kv_buffers, kv_block_size=a.kv_block_size, max_model_len=max_len, **kw)
+        llm = LLM(model, kv_block_size=a.kv_block_size, max_model_len=max_len, **kw)
         llm.eval_session = session  # run_eval asks each prompt as the second turn of a session
         return llm
 
     meta = {"model": str(model.source), "arch": model.cfg.arch, "dtype": str(model.dtype),
             "device": str(model.device), "load_s": t_load, "sparse": sparse,
-            "sparse_threshold": a.sparse_threshold if sparse else None, "num_kv_buffers": a.num_kv_buffers,
-            "kv_block_size": a.kv_block_size, "max_model_len": max_len, "command": " ".join(sys.argv)}
+            "sparse_threshold": a.sparse_threshold if sparse else None, "kv_block_size": a.kv_block_size,
+            "max_model_len": max_len, "command": " ".join(sys.argv)}
     if a.data:
         from .ruler_data import added_special_tokens
 

@@ -12,7 +12,8 @@ run loses at most the prompt it was generating. The file is not a result and say
 is removed (``ruler.json`` holds every record). ``resume=True`` (``xoffload eval --resume``)
 reuses the records of the partial file, or of a finished ``ruler.json`` when there is no partial
 file, provided they were made with the same setup (:func:`setup_of`: model, dtype, device, engine
-options, seed, samples, answer cap and the prompts' own token ids); any other setup is a ValueError.
+options, seed, samples, answer cap and the prompts' own token ids; keys of options that are gone,
+:data:`RETIRED_SETUP_KEYS`, are ignored in the file's setup); any other setup is a ValueError.
 """
 from __future__ import annotations
 
@@ -27,8 +28,12 @@ NOTE = ("records of an unfinished `xoffload eval` run, one JSON object per line 
         "with the same setup continues it")
 
 #: meta keys that change what a record would be (the model and how it runs)
-SETUP_META_KEYS = ("model", "arch", "dtype", "device", "sparse", "sparse_threshold", "num_kv_buffers",
-                   "kv_block_size", "max_model_len", "hf_weights")
+SETUP_META_KEYS = ("model", "arch", "dtype", "device", "sparse", "sparse_threshold", "kv_block_size",
+                   "max_model_len", "hf_weights")
+#: setup keys earlier versions wrote for options that are gone; ignored in a stored setup, so that
+#: their files still resume (``num_kv_buffers``: the offload ring's GPU buffers, which no
+#: configuration left reads, so it never changed a record that a run can still ask for)
+RETIRED_SETUP_KEYS = ("num_kv_buffers",)
 #: record keys computed at the end from all records (dropped when records are reused)
 DERIVED_KEYS = ("same_tokens", "same_score", "first_diff", "hf_same_tokens", "hf_same_score", "hf_first_diff",
                 "hf_top2_gap_at_diff", "hf_generated_ids", "hf_prediction")
@@ -131,6 +136,7 @@ def reusable_records(out_dir: str, setup: dict, json_name: str) -> tuple:
             raise ValueError(f"--resume: {j} records no setup (written by an older xoffload); use another --out")
     else:
         return [], None
+    there = {k: v for k, v in there.items() if k not in RETIRED_SETUP_KEYS}
     if there != setup:
         raise ValueError(f"--resume: {src} was made with a different setup ({_differences(there, setup)}); "
                          f"use another --out, or run without --resume to start afresh")
