@@ -14,7 +14,7 @@ def _args(*argv):
     ([], True),  # offload, batched
     (["--mode", "gpu"], True),  # resident, max_num_seqs 8, dense decode
     (["--mode", "resident", "--max-num-seqs", "1"], True),  # a batch of one: the store epoch's blocks
-    (["--mode", "resident", "--sparse-decode", "quest"], False),
+    (["--mode", "resident", "--sparse-decode", "quest"], True),  # the Quest store over a device pool
     (["--no-prefix-caching"], False),
 ])
 def test_prefix_caching_default_where_supported(argv, prefix):
