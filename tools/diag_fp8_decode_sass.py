@@ -133,8 +133,8 @@ CLASSES = {
 
 
 def sass_loops(text: str) -> list:
-    """Each loop of a SASS listing (a backward branch), in code order: its instruction count and
-    the counts of :data:`CLASSES`."""
+    """Each loop of a SASS listing (a backward branch), in code order: its instruction count, its
+    opcodes without modifiers (``ops``) and the counts of :data:`CLASSES`."""
     ins, labels, pending = [], {}, []
     for line in text.splitlines():
         lm = re.match(r"^\s*(\.L_x_\d+):", line)
@@ -155,7 +155,7 @@ def sass_loops(text: str) -> list:
             body = [x for a, x in ins if labels[b.group(1)] <= a <= addr]
             ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0] for x in body]
             base = [o.split(".")[0] for o in ops]
-            row = {"instructions": len(body)}
+            row = {"instructions": len(body), "ops": base}
             for k, names in CLASSES.items():
                 row[k] = sum(1 for o in base if o in names)
             out.append(row)
@@ -232,7 +232,7 @@ def main(argv=None):
         consts = {p.name: (dict(zip([q.name for q in fn.params], a)) | kw).get(p.name) for p in fn.params
                   if p.is_constexpr}
         ck = compile_sm90(fn, a, kw)
-        loops = sass_loops(sass_text(ck))
+        loops = [{k: v for k, v in lp.items() if k != "ops"} for lp in sass_loops(sass_text(ck))]
         bn, warps = consts.get("BLOCK_N"), kw.get("num_warps")
         main_loop = max(loops, key=lambda r: r["instructions"]) if loops else {"instructions": 0}
         per_key = main_loop["instructions"] * warps / bn

@@ -232,28 +232,10 @@ def sass_loops(consts: dict, num_warps: int, num_stages: int = 3) -> list:
     attrs = {(i,): [["tt.divisibility", 16]] for i, p in enumerate(params)
              if p not in consts and (sig[p].startswith("*") or p.startswith("stride_"))}
     text, _ = sm90_sass(_attn_fwd, sig, consts, attrs, num_warps, num_stages)
-    ins, labels, pending = [], {}, []
-    for line in text.splitlines():
-        lm = re.match(r"^\s*(\.L_x_\d+):", line)
-        if lm:
-            pending.append(lm.group(1))
-            continue
-        m = re.search(r"/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
-        if m:
-            addr = int(m.group(1), 16)
-            for p in pending:
-                labels[p] = addr
-            pending = []
-            ins.append((addr, m.group(2).strip()))
-    out = []
-    for addr, s in ins:
-        b = re.search(r"\bBRA\b.*?\((\.L_x_\d+)\)", s)
-        if b and labels.get(b.group(1), addr) < addr:
-            body = [x for a, x in ins if labels[b.group(1)] <= a <= addr]
-            ops = [re.sub(r"^@!?U?P\w+\s+", "", x).split()[0].split(".")[0] for x in body]
-            out.append({"instructions": len(body), "MUFU": ops.count("MUFU"), "HGMMA": ops.count("HGMMA"),
-                        "spill_ops": ops.count("LDL") + ops.count("STL")})
-    return out
+    from diag_fp8_decode_sass import sass_loops  # one SASS loop parser for the tools
+
+    return [{"instructions": lp["instructions"], "MUFU": lp["ops"].count("MUFU"), "HGMMA": lp["ops"].count("HGMMA"),
+             "spill_ops": lp["spill"]} for lp in sass_loops(text)]
 
 
 def main(argv=None):

@@ -151,12 +151,10 @@ class LLMEngine:
         cfg = self.config
         if self.offload is not None:
             B, total = self.offload.block_size, self.offload.allocator.num_blocks
-            n = len(req.ids)
+            n = len(req.ids)  # the pool holds prompts; generated tokens live in the stores' GPU tails
             if -(-n // B) > total:
-                p = len(req.ids)
-                what = f"{p} prompt + {n - p} new tokens" if n > p else f"{p} prompt tokens"
                 raise ValueError(f"prompt {rid} needs {-(-n // B) * B} tokens of KV in the {self.offload.pool.label} "
-                                 f"({what} in blocks of {B}) but the pool holds {total * B} tokens "
+                                 f"({n} prompt tokens in blocks of {B}) but the pool holds {total * B} tokens "
                                  f"(kv_cache_tokens={cfg.kv_cache_tokens})")
         elif cfg.kv_cache_tokens is not None:
             B = int(cfg.kv_block_size)
