@@ -25,9 +25,10 @@ setup(
         "tqdm",
     ],
     extras_require={
-        # matplotlib: the needle command's heatmap (the CLI test checks the PNG); fastapi, uvicorn,
+        # pytest-timeout: a test that hangs fails alone instead of stalling the run; matplotlib: the
+        # needle command's heatmap (the CLI test checks the PNG); fastapi, uvicorn,
         # openai, httpx: the server's tests drive a real server with the openai client
-        "test": ["pytest>=7", "pytest-benchmark>=4", "matplotlib", "fastapi", "uvicorn", "openai", "httpx"],
+        "test": ["pytest>=7", "pytest-timeout", "pytest-benchmark>=4", "matplotlib", "fastapi", "uvicorn", "openai", "httpx"],
         # xoffload serve (no torch here: the range above stays the only one)
         "serve": ["fastapi", "uvicorn"],
         "bench": ["matplotlib", "pytest-benchmark>=4", "fastapi", "uvicorn", "openai"],

@@ -23,10 +23,21 @@ def test_prefix_caching_default_where_supported(argv, prefix):
     assert kw["prefill_attn"] == "sdpa" and kw["kv_block_size"] == 1024
 
 
-def test_explicit_prefix_caching_the_mode_refuses_is_one_line(capsys):
-    rc = cli.main(["serve", "tiny-llama", "--mode", "resident", "--sparse-decode", "quest", "--prefix-caching"])
+def test_explicit_prefix_caching_is_kept_where_the_mode_takes_it():
+    kw = engine_options(_args("--mode", "resident", "--sparse-decode", "quest", "--prefix-caching"), "cpu")
+    assert kw["prefix_caching"] is True
+
+
+def test_explicit_prefix_caching_the_config_refuses_is_one_line(monkeypatch, capsys):
+    # no serve option refuses prefix caching today (only tensor parallelism does, which serve does
+    # not take); the refusal path is driven through the config's own reason
+    from xoffload.engine.config import EngineConfig
+
+    monkeypatch.setattr(EngineConfig, "_prefix_caching_refusal", lambda self: "it needs one device, got 2")
+    rc = cli.main(["serve", "tiny-llama", "--prefix-caching"])
     err = capsys.readouterr().err
     assert rc == 2 and err.count("\n") == 1 and err.startswith("xoffload serve: error: prefix_caching")
+    assert "got 2" in err
 
 
 @pytest.mark.parametrize("argv,words", [(["--max-num-seqs", "0"], "--max-num-seqs must be an int >= 1, got 0"),
