@@ -84,6 +84,8 @@ def run_load(llm, n: int, doc_tokens: int, questions: int, q_tokens: int, answer
             if not o.finished:
                 continue
             i, k = owner[o.request_id]
+            if getattr(o, "error", None) is not None:  # a refused or failed turn ends the load, loudly
+                raise RuntimeError(f"conversation {i} turn {k} ended with {o.finish_reason}: {o.error}")
             t = o.timings
             rows.append({"conv": i, "turn": k, "ttft_ms": t.get("queue_ms", 0.0) + t["ttft_ms"],
                          "chunk_tokens": t.get("chunk_tokens"), "history_tokens": t.get("history_tokens"),

@@ -147,7 +147,8 @@ def _snapshot(store, seq) -> dict:
     res = p.resident_prompt_tokens
     if res:
         rows = store.tail.rows(kv["tail"], res)
-        out["tail"] = (store.tail.k[:, rows].clone(), store.tail.v[:, rows].clone())
+        L = len(store.tail.k)  # per layer: the sparse layers' tail rows may live in the page cache's store
+        out["tail"] = tuple(torch.stack([t[l][rows] for l in range(L)]) for t in (store.tail.k, store.tail.v))
     ns = store._summary_pages(p)
     if ns:
         srows = store._summary_rows(kv["stab"], ns)

@@ -364,7 +364,7 @@ def test_gpu_offload_session_equals_resident_session():
     llm = LLM(m, mode="offload", kv_block_size=256, max_model_len=4096, prefix_caching=True)
     b, outs = _conversation(llm, prompts, sp)
     assert a == b and outs[2].timings["history_tokens"] > 3000
-    assert llm.batch_stats["graph_buckets"] == [1]
+    assert llm.engine.stats["graph_buckets"] == [1]  # sessions run on the engine (generate sets batch_stats)
     c = _conversation(LLM(m, mode="offload", kv_block_size=256, max_model_len=4096, cuda_graph=False,
                           prefix_caching=True), prompts, sp)[0]
     assert c == b

@@ -153,21 +153,37 @@ class RowPool:
 
     Args:
         cfg: the model's config; num_blocks: blocks (>= 0); block: tokens per block; dtype, device.
+        external: ``{layer: (k, v)}``, row stores ``[(num_blocks + 1) * block, Hkv, D]`` the caller
+            supplies for those layers (views into another store's rows, so that one attention call
+            reads both: the Quest page cache and its tail); the pool then allocates only the other
+            layers, and ``k`` / ``v`` are per-layer lists.
     Raises:
-        torch.OutOfMemoryError when the device cannot hold it.
+        torch.OutOfMemoryError when the device cannot hold it; ValueError for an external store
+        of another shape.
     """
 
-    def __init__(self, cfg, num_blocks: int, block: int, dtype, device):
+    def __init__(self, cfg, num_blocks: int, block: int, dtype, device, external: dict | None = None):
         self.block, self.num_blocks = int(block), int(num_blocks)
         self.alloc = BlockAllocator(self.num_blocks, self.block)
-        shape = (cfg.num_layers, (self.num_blocks + 1) * self.block, cfg.num_kv_heads, cfg.head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        shape = ((self.num_blocks + 1) * self.block, cfg.num_kv_heads, cfg.head_dim)
         self.scratch = self.num_blocks * self.block  # first row of the scratch block
+        self._bytes = 2 * cfg.num_layers * shape[0] * shape[1] * shape[2] * torch.empty((), dtype=dtype).element_size()
+        if not external:
+            self.k = torch.zeros((cfg.num_layers,) + shape, dtype=dtype, device=device)
+            self.v = torch.zeros((cfg.num_layers,) + shape, dtype=dtype, device=device)
+            return
+        for layer, (k, v) in external.items():
+            if tuple(k.shape) != shape or tuple(v.shape) != shape:
+                raise ValueError(f"layer {layer}'s external rows must be {shape}, got {tuple(k.shape)}")
+        own = [l for l in range(cfg.num_layers) if l not in external]
+        kv = {l: torch.zeros((2,) + shape, dtype=dtype, device=device) for l in own}
+        self.k = [external[l][0] if l in external else kv[l][0] for l in range(cfg.num_layers)]
+        self.v = [external[l][1] if l in external else kv[l][1] for l in range(cfg.num_layers)]
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        """Bytes of the pool's rows, K and V of every layer (external layers' included)."""
+        return self._bytes
 
     def reserve(self, sid: int, n_tokens: int) -> tuple:
         """Give sequence ``sid`` blocks for ``n_tokens`` tokens; returns its block table (physical
@@ -212,8 +228,9 @@ class _Region:
         self.lens = torch.zeros(rows, dtype=torch.int32, device=device)
         self.wrow = torch.full((rows,), pool.scratch, dtype=torch.int64, device=device)
 
-    def set_rows(self, tables: list, bases: list, rows: int) -> None:
-        """Rows ``0 .. len(tables)-1`` get these block tables and bases; rows up to ``rows`` pad."""
+    def set_rows(self, tables: list, bases: list, rows: int) -> torch.Tensor:
+        """Rows ``0 .. len(tables)-1`` get these block tables and bases; rows up to ``rows`` pad.
+        Returns the host page table ``[rows, pages]`` (int32, first row of each block)."""
         tab = torch.full((rows, self.pages), self.pool.scratch, dtype=torch.int32)
         for i, t in enumerate(tables):
             tab[i] = self.pool.page_row(t, self.pages)
@@ -221,6 +238,7 @@ class _Region:
         base[:len(bases)] = torch.tensor(bases, dtype=torch.int64)
         _to_device(self.table[:rows, 0], tab)
         _to_device(self.base[:rows], base)
+        return tab
 
     def step(self, pos: torch.Tensor, active: torch.Tensor, n: int) -> None:
         """Device-only (CUDA-graph safe): for rows ``:n`` at positions ``pos``: lens = pos - base + 1
@@ -233,11 +251,16 @@ class _Region:
         w = first + off % blk
         self.wrow[:n].copy_(torch.where(active[:n] > 0, w, torch.full_like(w, self.pool.scratch)))
 
-    def attend(self, layer: int, q4, k_new, v_new, n: int, scale: float):
-        """Write the rows' new K/V and attend over the region: ``(out [n, 1, Hq, D], lse)``."""
+    def write(self, layer: int, k_new, v_new, n: int):
+        """Write the rows' new K/V ``[n, Hkv, D]`` into the region; returns the layer's row stores."""
         k, v = self.pool.k[layer], self.pool.v[layer]
         k.index_copy_(0, self.wrow[:n], k_new)
         v.index_copy_(0, self.wrow[:n], v_new)
+        return k, v
+
+    def attend(self, layer: int, q4, k_new, v_new, n: int, scale: float):
+        """Write the rows' new K/V and attend over the region: ``(out [n, 1, Hq, D], lse)``."""
+        k, v = self.write(layer, k_new, v_new, n)
         return paged_decode_attn_with_lse(q4, k, v, self.table[:n], self.lens[:n], page_size=self.pool.block,
                                           softmax_scale=scale, check=False)
 

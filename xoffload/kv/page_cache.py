@@ -40,13 +40,20 @@ class BatchPageCache:
         reuse_bonus: score bonus of a cached page in the scores' units
             (:meth:`~xoffload.sparse.QuestDecode.reuse_bonus`; 0: none).
         dtype, device: of the row stores.
+        tail_rows, tail_pages: with ``tail_rows > 0`` each layer's row store has ``tail_rows``
+            more rows after the cache's, handed to the store's GPU tail (:meth:`tail_layers`: the
+            sink, recent and generated tokens), and the table ``tail_pages`` more entries per
+            row: row ``r``'s tail pages follow its ``k_r`` cached pages (:meth:`set_rows`), so one
+            paged attention call over ``[cached pages | tail]`` reads both (no second call and no
+            LSE merge).
 
     Raises ValueError for ``slots < pages_per_step`` or more than
     :data:`~xoffload.kernels.page_cache.MAX_SLOTS`.
     """
 
     def __init__(self, num_sparse: int, num_kv_heads: int, head_dim: int, num_seqs: int, slots: int, num_ids: int,
-                 pages_per_step: int, rows: int, page_size: int, reuse_bonus: float, dtype, device):
+                 pages_per_step: int, rows: int, page_size: int, reuse_bonus: float, dtype, device,
+                 tail_rows: int = 0, tail_pages: int = 0):
         if not pages_per_step <= slots <= MAX_SLOTS:
             raise ValueError(f"a batch page cache needs pages_per_step ({pages_per_step}) <= slots ({slots}) <= "
                              f"{MAX_SLOTS}")
@@ -55,14 +62,15 @@ class BatchPageCache:
         self.bonus = float(reuse_bonus)
         # slot S: the padding rows' scratch state (they look nothing up)
         self.state = [PageCacheState((S + 1) * hkv, self.C, max(int(num_ids), 1), device) for _ in range(num_sparse)]
-        self.k = torch.zeros(num_sparse, S * self.C * P, hkv, head_dim, dtype=dtype, device=device)
+        self.tail_base, self.tail_pages = S * self.C * P, int(tail_pages) if tail_rows else 0
+        self.k = torch.zeros(num_sparse, self.tail_base + int(tail_rows), hkv, head_dim, dtype=dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.hits = torch.zeros(S + 1, 2, dtype=torch.int64, device=device)  # per slot: (hits, lookups)
         self.row_slot = torch.full((rows,), S, dtype=torch.int32, device=device)
         self.row_k = torch.zeros(rows, dtype=torch.int32, device=device)
         self.row_c = torch.ones(rows, dtype=torch.int32, device=device)
         self.row_base = torch.zeros(rows, dtype=torch.int32, device=device)
-        self.table = torch.zeros(rows, hkv, max(self.K, 1), dtype=torch.int32, device=device)
+        self.table = torch.zeros(rows, hkv, max(self.K, 1) + self.tail_pages, dtype=torch.int32, device=device)
         self.src = torch.full((rows, hkv, max(self.K, 1)), -1, dtype=torch.int32, device=device)
         self._free = list(range(S))
 
@@ -82,8 +90,8 @@ class BatchPageCache:
 
     @property
     def nbytes(self) -> int:
-        """GPU bytes of the row stores (K and V)."""
-        return 2 * self.k.numel() * self.k.element_size()
+        """GPU bytes of the cache's rows (K and V; a tail's rows are the tail's)."""
+        return 2 * self.k.shape[0] * self.tail_base * self.k[0, 0].numel() * self.k.element_size()
 
     def acquire(self) -> int:
         """A free cache slot for a sequence joining the call, emptied (in place: the captured
@@ -108,11 +116,29 @@ class BatchPageCache:
             self._free.append(slot)
             self._free.sort()
 
-    def set_rows(self, entries: list, rows: int) -> None:
+    def tail_layers(self, layers) -> dict:
+        """``{layer: (k, v)}``: the tail rows of the row store of each sparse layer (``layers`` in
+        the stores' order), for :class:`~xoffload.kv.base.RowPool`'s ``external``."""
+        b = self.tail_base
+        return {l: (self.k[i, b:], self.v[i, b:]) for i, l in enumerate(layers)}
+
+    def set_rows(self, entries: list, rows: int, tail_table: torch.Tensor | None = None, tail_block: int = 0) -> None:
         """The batch's rows (host work when the batch changes): ``entries[r] = (slot, k_r, c_r)``
         for the running sequences (``c_r >= k_r``; ``k_r = 0``: the row looks nothing up);
-        padding rows up to ``rows`` use the scratch slot."""
+        padding rows up to ``rows`` use the scratch slot. With a tail (``tail_rows``):
+        ``tail_table`` int32 ``[rows, pages]`` (host), the first tail row of each of a row's tail
+        blocks of ``tail_block`` tokens; row r's tail pages go to table entries ``k_r ..``."""
         from .base import _to_device
+
+        if self.tail_pages:
+            P, W = self.P, self.table.shape[2]
+            j = torch.arange(self.tail_pages) * P
+            ent = tail_table[:, j // tail_block] + j % tail_block + self.tail_base
+            tab = torch.zeros(rows, W, dtype=torch.int32)
+            for r in range(rows):
+                k = entries[r][1] if r < len(entries) else 0
+                tab[r, k:k + self.tail_pages] = ent[r]
+            _to_device(self.table[:rows], tab[:, None, :].expand(rows, self.hkv, W).contiguous())
 
         S, C, P = self.S, self.C, self.P
         vec = torch.zeros(4, rows, dtype=torch.int32)
@@ -139,11 +165,12 @@ class BatchPageCache:
         ``sel``: int32 ``[n, Hkv, Kw]``, row r's ``k_r`` chosen candidate ids first, ascending;
         ``cand_row``: int32 ``[n, Nw]`` pool row of each candidate page; ``pool_k`` / ``pool_v``:
         the layer's pool row stores. Returns ``(k rows, v rows, table [n, Hkv, Kw])`` for
-        :func:`~xoffload.kernels.paged_decode_attn_with_lse` (row r reads its first ``k_r`` pages)."""
-        st = self.state[si]
+        :func:`~xoffload.kernels.paged_decode_attn_with_lse` (row r reads its first ``k_r`` pages,
+        then its tail's when the store has one)."""
+        st, tab = self.state[si], self.table[:n, :, :self.src.shape[2]]
         page_cache_lookup_batched(sel, st, self.row_slot[:n], self.row_k[:n], self.row_c[:n], self.row_base[:n],
-                                  cand_row, self.table[:n], self.src[:n], page_size=self.P, hits=self.hits)
-        page_cache_fill(pool_k, pool_v, self.k[si], self.v[si], self.src[:n], self.table[:n], page_size=self.P)
+                                  cand_row, tab, self.src[:n], page_size=self.P, hits=self.hits)
+        page_cache_fill(pool_k, pool_v, self.k[si], self.v[si], self.src[:n], tab, page_size=self.P)
         return self.k[si], self.v[si], self.table[:n]
 
     def counts(self, slot: int) -> tuple:

@@ -11,11 +11,12 @@ from .page_cache import BatchPageCache
 from .staging import PrefillStaging
 from .chunk import ChunkedPrefill
 from .quest_prefix import QuestPrefill
+from .quest_stats import QuestStats
 from .base import (SUMMARY_BLOCK, TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _blocks,
                        _join, _pool_memory_limit, _to_device, _top_sum)
 
 
-class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV):
+class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV):
     """``offload`` (or ``resident``) + :class:`~xoffload.sparse.QuestDecode`: the batched Quest store
     (docs/DESIGN.md, "The batched Quest store", says why each choice was made). Over a runtime whose
     pool is on the model's device (``pool_placement="device"``, ``resident``) pages are read in
@@ -52,7 +53,9 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
     store's choice: ties to the lowest ids, ids ascending), then with the caches one batched
     lookup + fill and one paged launch over them, without them one paged launch over the pinned
     pool; for a dense layer one paged launch over each row's candidate pages; the parts merged by
-    LSE. ``N`` / ``K`` are the largest candidate / per-step page counts the store was sized for;
+    LSE. With a page cache (``fused_tail``, :attr:`FUSE_TAIL`) a sparse layer's tail rows follow the
+    cache's in one row store and the launch reads ``[k_r cached pages | tail pages]`` per row: one
+    attention call and no merge, as the one-request store did. ``N`` / ``K`` are the largest candidate / per-step page counts the store was sized for;
     each row keeps its own plan (:meth:`QuestDecode.plan`), so its pages are those of the
     one-request store. Padding rows have length 0 and write into the tail's scratch block.
     """
@@ -63,6 +66,8 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
     #: when no page cache fits for the call's sequences, run down to ``1 / CACHE_OVER_BATCH`` of them
     #: at once so that each gets a cache (``run_limit``; see the class docstring)
     CACHE_OVER_BATCH = 8
+    #: with a page cache, the sparse layers' tail shares its row store: one attention call per layer
+    FUSE_TAIL = True
 
     def __init__(self, model, config, shared, seqs, prefix_cache=None):
         super().__init__(model, config, shared, seqs)
@@ -94,14 +99,13 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         limit = _pool_memory_limit(model, seqs, config, self.device)
         R = self.buckets[-1]
         tail_need = [p.resident_prompt_tokens + self._new(s) for p, s in zip(plans, seqs)] + [1]
-        self.tail = RowPool(self.cfg, _top_sum([_blocks(n, TAIL_BLOCK) for n in tail_need], self.max_num_seqs),
-                            TAIL_BLOCK, self.dtype, self.device)
-        self.region = _Region(self.tail, R, _blocks(max(tail_need), TAIL_BLOCK), self.device)
+        tail_blocks = _top_sum([_blocks(n, TAIL_BLOCK) for n in tail_need], self.max_num_seqs)
+        el = torch.empty((), dtype=self.dtype).element_size()
+        self._tail_bytes = 2 * L * (tail_blocks + 1) * TAIL_BLOCK * hkv * d * el
         # the summary pool, the dense pool and the page caches, sized for the sequences that run at
         # once (S): from the requests and (CUDA) the free memory; see _plan_memory
         sneed = [_blocks(self._summary_pages(p), SUMMARY_BLOCK) for p in plans]
         dneed = [self._prompt_blocks(s) for s in seqs] if self.dense else [0]
-        el = torch.empty((), dtype=self.dtype).element_size()
         # bytes of a summary block: min, max, channels
         per_sb = self._per_sb = max(1, len(self.sparse)) * hkv * SUMMARY_BLOCK * (2 * d + P * self.r) * el
         per_db = 2 * len(self.dense) * self.block * hkv * d * el
@@ -129,10 +133,19 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
             self.dpool = RowPool(dcfg, mem["ndb"], self.block, self.dtype, self.device)
         # per-sequence page caches (kv.page_cache): what the policy gives each plan alone, cut to
         # the memory left after the tails, summaries and dense pool; none when a step's pages do not fit
-        self.pcache = None
+        # with a cache, the sparse layers' tail rows follow the cache's in one row store ("fused"):
+        # one attention call over [cached pages | tail], as the one-request store did
+        self.pcache, rp = None, _blocks(max(tail_need), TAIL_BLOCK)
+        self.fused = bool(self.FUSE_TAIL and cmax and mem["slots"] >= self.K) and TAIL_BLOCK % P == 0
         if cmax and mem["slots"] >= self.K:
             self.pcache = BatchPageCache(len(self.sparse), hkv, d, S, mem["slots"], max(self.N, 1), self.K, R,
-                                        P, pol.reuse_bonus(self.scale), self.dtype, self.device)
+                                        P, pol.reuse_bonus(self.scale), self.dtype, self.device,
+                                        tail_rows=(tail_blocks + 1) * TAIL_BLOCK if self.fused else 0,
+                                        tail_pages=rp * TAIL_BLOCK // P)
+        ext = self.pcache.tail_layers(sorted(self.sparse)) if self.fused else None
+        self.tail = RowPool(self.cfg, tail_blocks, TAIL_BLOCK, self.dtype, self.device, external=ext)
+        self.region = _Region(self.tail, R, rp, self.device)
+        self.clens = torch.zeros(R, dtype=torch.int32, device=self.device)  # fused: k_r pages + tail tokens
         self.sum_alloc = BlockAllocator(nsb, SUMMARY_BLOCK)
         self.summ_scratch = nsb * SUMMARY_BLOCK  # the scratch page (padding entries of the index)
         self.summ = PageSummaries(max(1, len(self.sparse)), hkv, d, self.summ_scratch + 1, P, self.dtype,
@@ -166,7 +179,7 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         the GPU (``dense_on``: they fit, or :attr:`DENSE_ON_GPU`), and the cache ``slots`` per
         sequence that fit after them (``>= pages_per_step``: a cache; fewer: none)."""
         nsb = _top_sum(sneed, S)
-        tail = self.tail.nbytes
+        tail = self._tail_bytes
         limited = limit is not None and (limit - tail) // per_sb < nsb
         if limited:
             nsb = max(0, (limit - tail) // per_sb)
@@ -196,7 +209,7 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
                 "candidate_pages": self.N, "pages_per_step": self.K,
                 "cache_slots": self.pcache.C if self.pcache is not None else 0,
                 "cache_bytes": self.pcache.nbytes if self.pcache is not None else 0,
-                "run_limit": self.run_limit, "cache_limited": self.cache_limited}
+                "run_limit": self.run_limit, "cache_limited": self.cache_limited, "fused_tail": self.fused}
 
     @staticmethod
     def _new(seq) -> int:
@@ -298,48 +311,13 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
             self.eng.free(kv["sid"])
         seq.kv = None
 
-    def _cache_counts(self, seq):
-        """(hits, lookups) of ``seq``'s page cache, or None without one / before its first step."""
-        kv = seq.kv
-        if kv is None or self.pcache is None or kv.get("cslot") is None:
-            return None
-        hits, looks = self.pcache.counts(kv["cslot"])
-        return (hits, looks) if looks else None
-
-    def h2d_bytes_per_step(self, seq) -> int:
-        p = seq.kv["plan"] if seq.kv is not None else self.policy.plan(seq.prompt_len)
-        dense = 0 if self.dense_on_gpu else len(self.dense) * p.num_candidates * self.page * self._tok_layer_bytes
-        hl = self._cache_counts(seq)
-        if hl is None:
-            return len(self.sparse) * p.pages_per_step * self.page * self._tok_layer_bytes + dense
-        hits, looks = hl  # lookups per step: sparse layers x KV heads x k_r (as the one-request store counts)
-        hkv = self.cfg.num_kv_heads
-        steps = looks // max(1, len(self.sparse) * hkv * p.pages_per_step)
-        page_bytes = self.page * self._tok_layer_bytes // hkv  # K and V of one page of one KV head
-        return int((looks - hits) * page_bytes / steps) + dense
-
-    def decode_stats(self, seq) -> dict:
-        """With the page cache: ``cache_hit_rate`` (None before a lookup), ``cache_slots`` (this
-        sequence's), ``cache_bytes`` (its slot of the epoch's caches)."""
-        kv = seq.kv
-        want = self._want_c(kv["plan"]) if kv is not None else 0
-        if not want or self.pcache is None or kv.get("cslot") is None:  # alone: no cache either (or cut)
-            return {}
-        hits, looks = self.pcache.counts(kv["cslot"])
-        c = min(want, self.pcache.C)
-        return {"cache_hit_rate": hits / looks if looks else None, "cache_slots": c, "cache_bytes": self.pcache.nbytes // self.pcache.S}
-
-    def _want_c(self, plan) -> int:
-        """Cache slots a sequence with ``plan`` has alone (0: none)."""
-        return self.policy.cache_slots(plan, self._slot_bytes) if self.sparse else 0
-
     def set_batch(self, seqs) -> int:
         rows = self.bucket(len(seqs))
         _join(seqs, self.device)
         self._set_positions(seqs, rows)
         plans = [s.kv["plan"] for s in seqs]
-        self.region.set_rows([s.kv["tail"] for s in seqs], [s.prompt_len - p.resident_prompt_tokens
-                                                            for s, p in zip(seqs, plans)], rows)
+        ttab = self.region.set_rows([s.kv["tail"] for s in seqs], [s.prompt_len - p.resident_prompt_tokens
+                                                                   for s, p in zip(seqs, plans)], rows)
         Nw, P, B = self.cand_row.shape[1], self.page, self.block
         cand = torch.zeros(rows, Nw, dtype=torch.int32)
         dcand = torch.zeros(rows, Nw, dtype=torch.int32)
@@ -373,7 +351,8 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
         _to_device(self._krows[:rows * hkv], (klen // P).repeat_interleave(hkv))
         if self.pcache is not None:
             self.pcache.set_rows([(s.kv["cslot"], p.pages_per_step if self._summary_pages(p) else 0,
-                                  min(self._want_c(p), self.pcache.C)) for s, p in zip(seqs, plans)], rows)
+                                  min(self._want_c(p), self.pcache.C)) for s, p in zip(seqs, plans)], rows,
+                                ttab, TAIL_BLOCK)
         if self.chan is not None:  # device to device, one copy per sequence (outside the graph)
             self.chan[:rows].zero_()
             for i, s in enumerate(seqs):
@@ -384,6 +363,8 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
 
     def begin_step(self):
         self.region.step(self.pos, self.active, self.n)
+        if self.fused:
+            torch.add(self.klens[:self.n], self.region.lens[:self.n], out=self.clens[:self.n])
 
     def _pages(self, layer, q4, q):
         """Row r's pool pages of ``layer`` (all candidates, or its top ``k_r``): ``(out, lse)``."""
@@ -411,8 +392,11 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
             sel = topk_ids(sc.reshape(-1, sc.shape[2]), self.K, out=self._sel[:n * hkv], prefer=prefer,
                            prefer_bonus=pc.bonus if prefer is not None else 0.0,
                            k_rows=self._krows[:n * hkv]).view(n, hkv, self.K)
-            if pc is not None:  # look up, copy the misses, read the caches
+            if pc is not None:  # look up, copy the misses, read the caches (and the tail: fused)
                 kr, vr, table = pc.fetch(si, sel, self.cand_row[:n], kr, vr, n)
+                if self.fused:
+                    return paged_decode_attn_with_lse(q4, kr, vr, table, self.clens[:n], page_size=self.page,
+                                                      softmax_scale=self.scale, check=False)
             else:
                 self.table[:n].copy_(self.cand_row[:n].gather(1, sel.view(n, -1).long()).view(n, -1, self.K))
                 table = self.table[:n]
@@ -422,6 +406,9 @@ class OffloadQuestBatchKV(QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV)
 
     def attend(self, layer, q, k_new, v_new):
         n, q4 = self.n, q[:, None]
+        if self.fused and self.K and layer in self.sparse:  # one call over [cached pages | tail]
+            self.region.write(layer, k_new, v_new, n)
+            return self._pages(layer, q4, q)[0][:, 0]
         o_t, l_t = self.region.attend(layer, q4, k_new, v_new, n, self.scale)
         if (self.N if layer in self.dense else self.K) == 0:  # no row of the call reads a page here
             return o_t[:, 0]
