@@ -288,7 +288,10 @@ def _to_e4m3(x, scale):
     d = t - f.to(tl.float32)
     up = (d > 0.5) | ((d == 0.5) & ((f & 1) == 1))
     r = (f + up.to(tl.int32)).to(tl.float32) * step
-    return tl.where(neg, -r, r)
+    # the sign goes on as a bit (a negative value that rounds to zero stays -0, as torch's cast
+    # gives it: float negation of 0 may be folded to +0 when the compiler ignores signed zeros)
+    sign = neg.to(tl.int32) << 31
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
