@@ -104,7 +104,19 @@ def reuse_configs() -> dict:
             "offload+quest-ch-noreuse": {"mode": "offload", "sparse_decode": dataclasses.replace(qch, reuse_bias=1.0)},
             "offload+quest-reuse2": {"mode": "offload", "sparse_decode": QuestDecode(reuse_bias=2.0)},
             "offload+quest-reuse4": {"mode": "offload", "sparse_decode": QuestDecode(reuse_bias=4.0)},
-            "offload+quest-reuse8": {"mode": "offload", "sparse_decode": QuestDecode(reuse_bias=8.0)}}
+            "offload+quest-reuse8": {"mode": "offload", "sparse_decode": QuestDecode(reuse_bias=8.0)},
+            **channel_configs()}
+
+
+def channel_configs() -> dict:
+    """Opt-in configurations (run only when ``--configs`` names them): Quest with ``R`` exact key
+    channels and the bound scaled by 0.25 on the rest, at budgets 512 and 2048
+    (``offload+quest-chR@B``), the policies of the real-RULER policy sweep
+    (``benchmarks/results/ruler_policy_sweep.json``) at the 8B shape's speed."""
+    from xoffload.sparse import QuestDecode
+
+    return {f"offload+quest-ch{r}@{b}": {"mode": "offload", "sparse_decode": QuestDecode(
+        token_budget=b, exact_channels=r, bound_scale=0.25)} for r in (16, 32, 64) for b in (512, 2048)}
 
 
 def all_configs(only: str | None = None, variants: bool = False) -> dict:

@@ -368,3 +368,21 @@ def test_gpu_offload_session_equals_resident_session():
     c = _conversation(LLM(m, mode="offload", kv_block_size=256, max_model_len=4096, cuda_graph=False,
                           prefix_caching=True), prompts, sp)[0]
     assert c == b
+
+
+@pytest.mark.parametrize("kw", [{}, {"sparse_decode": QUEST}], ids=["dense", "quest"])
+def test_conversation_of_max_model_len_fits_the_default_pool(kw):
+    """The default pool (kv_cache_tokens unset) holds a conversation as long as max_model_len with
+    prefix caching on: the follow-up reuses the first turn's partly filled last block, whose
+    copy-on-write needs one block past the conversation's own (refused before the default pool
+    left room for it)."""
+    m = tiny_random()
+    first, follow = _prompts([300, 20], seed=5)
+    # 300 + 6 + 20 = 326 prompt tokens + 6 new = 332 <= 336 = 10.5 blocks of 32: 11 blocks of its own
+    llm = LLM(m, mode="offload", kv_block_size=32, max_model_len=336, prefix_caching=True, **SDPA, **kw)
+    a, outs = _conversation(llm, [first, follow])
+    assert outs[1].timings["prefix_reused_tokens"] > 0 and outs[1].error is None
+    assert llm.engine.offload.allocator.num_blocks == 11 + 1
+    plain = LLM(m, mode="offload", kv_block_size=32, max_model_len=336, **SDPA, **kw)
+    assert a == _conversation(plain, [first, follow])[0]
+    assert plain.engine.offload.allocator.num_blocks == 11

@@ -102,8 +102,8 @@ class EngineConfig:
             32K documents) it cost throughput and did not lower the follow-ups' TTFT
             (docs/CHANGELOG.md, chunked prefill).
         kv_cache_tokens: tokens of KV the running sequences may hold together:
-            ``offload``: the pinned CPU pool (its size; default ``max_num_seqs * max_model_len``,
-            allocated when the LLM is made); ``resident``: a cap on the GPU pool, which is
+            ``offload``: the pinned CPU pool (its size; default ``max_num_seqs * max_model_len``, with
+            ``prefix_caching`` one block more per sequence for a copy-on-write; allocated when the LLM is made); ``resident``: a cap on the GPU pool, which is
             otherwise sized per call from the requests (what the ``max_num_seqs`` largest need) and
             the free GPU memory; ``resident`` with a QuestDecode and ``max_num_seqs > 1``: the
             prompts' pool on the device, allocated when the LLM is made (default what fits, at

@@ -28,7 +28,8 @@ def device_pool_blocks(model, config) -> int:
     """Blocks of ``config.kv_block_size`` tokens in the device pool.
 
     ``kv_cache_tokens`` when given (rounded up to whole blocks); else ``max_num_seqs`` sequences of
-    ``max_model_len`` tokens (whole blocks each), cut on CUDA to what fits: the free memory under
+    ``max_model_len`` tokens (whole blocks each, and with ``prefix_caching`` one more each for the
+    copy of a shared, partly filled last block), cut on CUDA to what fits: the free memory under
     the process's cap less a prefill's headroom for a ``max_model_len`` prompt
     (:func:`~.base._pool_memory_limit`), less the tails of ``max_num_seqs`` sequences (their plan's
     resident tokens + :data:`TAIL_NEW_TOKENS`), each pool token also paying for its page summaries
@@ -36,7 +37,7 @@ def device_pool_blocks(model, config) -> int:
     B, n = int(config.kv_block_size), int(config.max_num_seqs)
     if config.kv_cache_tokens is not None:
         return -(-int(config.kv_cache_tokens) // B)
-    cap = n * -(-int(config.max_model_len) // B)
+    cap = n * (-(-int(config.max_model_len) // B) + int(config.prefix_caching))  # + a copy-on-write block
     limit = _pool_memory_limit(model, [SimpleNamespace(prompt_len=config.max_model_len)], config, model.device)
     if limit is None:  # the CPU: no memory limit
         return cap

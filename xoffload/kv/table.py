@@ -63,7 +63,10 @@ def open_runtime(model, config, store_kw: dict) -> OffloadRuntime | None:
     if config.mode != "offload":
         return None
     c = model.cfg
-    tokens = config.kv_cache_tokens or config.max_num_seqs * config.max_model_len
+    B = config.kv_block_size
+    if config.kv_cache_tokens:
+        blocks = -(-config.kv_cache_tokens // B)
+    else:
+        blocks = config.max_num_seqs * (-(-config.max_model_len // B) + int(config.prefix_caching))
     return OffloadRuntime(c.num_layers, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=str(model.device),
-                          max_tokens=config.max_model_len, block_size=config.kv_block_size,
-                          num_blocks=-(-tokens // config.kv_block_size))
+                          max_tokens=config.max_model_len, block_size=B, num_blocks=blocks)
