@@ -58,7 +58,7 @@ def _within_e4m3(x, deq, scale_rows, page):
     ({"kv_cache_dtype": "int8"}, "kv_cache_dtype must be one of 'auto', 'fp8', 'fp8_e4m3', got 'int8'"),
     ({"kv_cache_dtype": "fp8", "kv_cache_scale": "block"}, "kv_cache_scale must be 'page' or 'token', got 'block'"),
     ({"kv_cache_dtype": "fp8", "mode": "resident"}, "mode='resident'"),
-    ({"kv_cache_dtype": "fp8", "mode": "offload", "sparse_decode": "quest"}, "sparse_decode=QuestDecode"),
+    ({"kv_cache_dtype": "fp8", "mode": "resident", "sparse_decode": "quest"}, "mode='resident'"),
 ])
 def test_bad_values_and_refused_combinations_are_one_line(kw, words):
     with pytest.raises(ValueError) as e:
@@ -193,18 +193,56 @@ def test_copy_on_write_moves_the_scales_with_the_codes():
 
 
 # ----------------------------------------------------------------------------------- engine
+@pytest.fixture
+def pow2_scales(monkeypatch):
+    """Quantization in the engine's CPU steps (the fp32 reference) with power-of-two scales
+    (``2^ceil(log2(amax / 448))``, still >= amax / 448): a code times such a scale is exact in
+    fp16, so the 16-bit reference engine stores exactly the values the fp8 engine dequantizes
+    (with ``amax / 448`` the product rounds to fp16 and near-tied tokens may flip). The stores'
+    logic is the same for any scale."""
+    from xoffload.kernels import reference
+
+    orig = reference.fp8_scale_from_amax
+
+    def pow2(amax):
+        s = orig(amax)
+        return torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(s))), s)
+
+    monkeypatch.setattr(reference, "fp8_scale_from_amax", pow2)
+
+
+def _fq(x, p):
+    """quantize -> dequantize of ``x`` (pages of ``p`` rows; 1: per token), back in x's dtype."""
+    q, s = quantize_kv_fp8(x, page_size=p, granularity=_gran(p))
+    return dequantize_kv_fp8(q, s, torch.float32, page_size=p, granularity=_gran(p)).to(x.dtype)
+
+
 def _fake_quant_reference(monkeypatch, page):
     """A 16-bit engine whose pool writes and tail writes store quantize -> dequantize of their K/V
-    (pages of ``page`` tokens from the write's first token; the tail per token)."""
-    real_offload, real_write = OffloadRuntime.offload_layer, _Region.write
+    (pages of ``page`` tokens from the write's first token; the tail per token, also the Quest
+    store's resident prompt tokens; its summaries and GPU dense pool see the 16-bit values, as the
+    fp8 store's)."""
+    from xoffload.kv.quest import OffloadQuestBatchKV
 
-    def fq(x, p):
-        q, s = quantize_kv_fp8(x, page_size=p, granularity=_gran(p))
-        return dequantize_kv_fp8(q, s, torch.float32, page_size=p, granularity=_gran(p)).to(x.dtype)
+    real_offload, real_write, real_sink = OffloadRuntime.offload_layer, _Region.write, OffloadQuestBatchKV.sink
+
+    def quest_sink(self, seq):
+        sink = real_sink(self, seq)
+        rows = self.tail.rows(seq.kv["tail"], seq.kv["plan"].resident_prompt_tokens)
+        real_done = sink._done
+
+        def done(layer, k, v):
+            real_done(layer, k, v)
+            for t in (self.tail.k[layer], self.tail.v[layer]):  # the resident tokens, per token
+                t[rows] = _fq(t[rows], 1)
+
+        sink._done = done
+        return sink
 
     monkeypatch.setattr(OffloadRuntime, "offload_layer", lambda self, seq, layer, k, v: real_offload(
-        self, seq, layer, fq(k, page), fq(v, page)))
-    monkeypatch.setattr(_Region, "write", lambda self, layer, k, v, n: real_write(self, layer, fq(k, 1), fq(v, 1), n))
+        self, seq, layer, _fq(k, page), _fq(v, page)))
+    monkeypatch.setattr(_Region, "write", lambda self, layer, k, v, n: real_write(self, layer, _fq(k, 1), _fq(v, 1), n))
+    monkeypatch.setattr(OffloadQuestBatchKV, "sink", quest_sink)
 
 
 def _run(prompts, sps, **kw):
@@ -219,7 +257,7 @@ NEW = (7, 3, 9, 5, 6)
 
 @pytest.mark.parametrize("scale", ["page", "token"])
 @pytest.mark.parametrize("max_num_seqs", [1, 3])
-def test_greedy_tokens_equal_a_16bit_engine_storing_dequantized_kv(scale, max_num_seqs, monkeypatch):
+def test_greedy_tokens_equal_a_16bit_engine_storing_dequantized_kv(scale, max_num_seqs, monkeypatch, pow2_scales):
     """fp8, staged and in place, == a 16-bit engine that stores the dequantized values of the same
     codes, token for token; fp8 against plain 16-bit differs somewhere (the rounding is real)."""
     prompts = _prompts(**PROMPTS)
@@ -256,25 +294,7 @@ def test_h2d_bytes_per_token_about_half_of_16bit():
         assert llm.batch_stats["store"]["pool_bytes_per_token"] < 0.55 * c.kv_bytes_per_token(torch.float16)
 
 
-@pytest.mark.parametrize("scale", ["page", "token"])
-def test_a_reused_prefix_gives_the_tokens_of_a_fresh_prefill(scale):
-    """Prefix caching over an fp8 pool: a prompt sharing 70 tokens (two whole blocks and part of
-    a third) with one served before it reuses its blocks -- cut back to a scale page with page
-    scales -- and gives the tokens it gives in a fresh engine."""
-    base = _prompts([70], seed=5)[0]
-    tails = _prompts([20, 9], seed=6)
-    prompts = [base + tails[0], base + tails[1]]
-    sp = SamplingParams(max_tokens=6, ignore_eos=True)
-    fresh = [_run([p], sp, kv_cache_dtype="fp8", kv_cache_scale=scale)[1][0] for p in prompts]
-    llm = LLM(_model(), mode="offload", max_model_len=160, kv_block_size=BLOCK, kv_cache_dtype="fp8",
-              kv_cache_scale=scale, prefix_caching=True)
-    outs = [llm.generate([p], sp)[0] for p in prompts]
-    assert [o.token_ids for o in outs] == fresh
-    assert outs[1].num_cached_tokens == (64 if scale == "page" else 70)
-    llm.offload.allocator.check()
-
-
-def test_chunked_prefill_with_page_scales_cuts_chunks_to_pages(monkeypatch):
+def test_chunked_prefill_with_page_scales_cuts_chunks_to_pages(monkeypatch, pow2_scales):
     """Chunks of at most 40 tokens over scale pages of 32: every pool write starts on a page
     boundary (a chunk ends at 32, 64, 96), and the tokens equal those of the 16-bit engine storing
     dequantized values, chunked the same way (a later chunk attends to the dequantized chunks
@@ -299,6 +319,78 @@ def test_chunked_prefill_with_page_scales_cuts_chunks_to_pages(monkeypatch):
         _fake_quant_reference(mp, 32)
         _, ref, _ = _run(prompts, sp, **kw)
     assert got == ref
+
+
+# ------------------------------------------------------------------------------------ Quest
+QUEST = dict(token_budget=64, page_size=16, sink_tokens=16, recent_tokens=16, dense_layers=(0,))
+
+
+@pytest.mark.parametrize("scale", ["page", "token"])
+@pytest.mark.parametrize("cache", [True, False])
+@pytest.mark.parametrize("max_num_seqs", [1, 3])
+def test_quest_tokens_equal_a_16bit_quest_engine_storing_dequantized_kv(scale, cache, max_num_seqs, monkeypatch,
+                                                                          pow2_scales):
+    """The batched Quest store over an fp8 pool: scales per Quest page (or token) in the pool and
+    the page caches (the fill copies a page's scales with its codes), token scales in the tail
+    (fused with the cache's rows only with token scales); tokens == the 16-bit Quest store whose
+    stored K/V are the dequantized codes, with and without page caches."""
+    from xoffload.sparse import QuestDecode
+
+    pol = QuestDecode(**QUEST, **({} if cache else {"cache_pages": 0}))
+    prompts = _prompts([233, 1, 190, 116, 147], seed=11)
+    sps = [SamplingParams(max_tokens=n, ignore_eos=True) for n in NEW]
+    kw = dict(mode="offload", max_model_len=320, kv_block_size=BLOCK, max_num_seqs=max_num_seqs, sparse_decode=pol)
+    llm = LLM(_model(), kv_cache_dtype="fp8", kv_cache_scale=scale, **kw)
+    got = [o.token_ids for o in llm.generate(prompts, sps)]
+    info = llm.batch_stats["store"]
+    assert info["kv_cache_dtype"] == "fp8" and info["kv_scale_page"] == (16 if scale == "page" else 1)
+    assert (info["cache_slots"] > 0) == cache and info["fused_tail"] == (cache and scale == "token")
+    assert llm.offload.sequences() == []
+    with monkeypatch.context() as mp:
+        _fake_quant_reference(mp, 16 if scale == "page" else 1)
+        ref = [o.token_ids for o in LLM(_model(), **kw).generate(prompts, sps)]
+    assert got == ref
+
+
+def test_quest_h2d_bytes_about_half_of_16bit():
+    from xoffload.sparse import QuestDecode
+
+    pol = QuestDecode(**QUEST, cache_pages=0)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    kw = dict(mode="offload", max_model_len=320, kv_block_size=BLOCK, sparse_decode=pol)
+    p = _prompts([200], seed=3)
+    b16 = LLM(_model(), **kw).generate(p, sp)[0].timings["h2d_bytes_per_token"]
+    b8 = LLM(_model(), kv_cache_dtype="fp8", **kw).generate(p, sp)[0].timings["h2d_bytes_per_token"]
+    c = _model().cfg
+    page_bytes16 = 16 * c.kv_bytes_per_token(torch.float16) // c.num_layers  # one page of one layer
+    assert b8 / b16 == pytest.approx((page_bytes16 // 2 + 2 * c.num_kv_heads * 4) / page_bytes16)
+
+
+@pytest.mark.parametrize("scale", ["page", "token"])
+@pytest.mark.parametrize("quest", [False, True])
+def test_a_reused_prefix_reads_back_what_a_fresh_prefill_wrote(scale, quest):
+    """Prefix caching over an fp8 pool: a prompt sharing 150 tokens with one served before it
+    reuses its blocks (cut back to a scale page, 144 tokens, with page scales: a dense store's
+    page of 16 at kv_block_size 16, a Quest page of 16) and gives the tokens of a fresh engine
+    that prefills the same prompt in two chunks split there: both attend to the dequantized
+    prefix read back from the pool (and the Quest store builds the prefix's summaries and
+    resident tokens from it), so the reused blocks' codes and scales must be exactly those the
+    first prompt's prefill wrote. (Against a one-piece fresh prefill, which attends to its 16-bit
+    K/V, tokens may differ by the e4m3 rounding.)"""
+    from xoffload.sparse import QuestDecode
+
+    base = _prompts([150], seed=5)[0]
+    prompts = [base + t for t in _prompts([40, 9], seed=6)]
+    sp = SamplingParams(max_tokens=6, ignore_eos=True)
+    kw = dict(mode="offload", max_model_len=320, kv_block_size=16, kv_cache_dtype="fp8", kv_cache_scale=scale,
+              max_num_seqs=2, sparse_decode=QuestDecode(**QUEST) if quest else None)
+    cut = 144 if scale == "page" else 150
+    fresh = LLM(_model(), enable_chunked_prefill=True, max_num_batched_tokens=cut, **kw).generate([prompts[1]], sp)
+    llm = LLM(_model(), prefix_caching=True, **kw)
+    outs = [llm.generate([p], sp)[0] for p in prompts]
+    assert outs[1].num_cached_tokens == cut
+    assert outs[1].token_ids == fresh[0].token_ids
+    llm.offload.allocator.check()
 
 
 # -------------------------------------------------------------------------------------- GPU

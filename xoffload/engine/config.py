@@ -141,11 +141,12 @@ class EngineConfig:
         kv_cache_dtype: what the KV cache stores: ``"auto"`` (default: the model's dtype) or
             ``"fp8"`` / ``"fp8_e4m3"`` (the same: e4m3 codes with fp32 scales,
             :mod:`xoffload.kernels.fp8`; half the pinned pool's bytes and of the PCIe bytes per
-            decode step). fp8 needs ``mode="offload"`` with dense decode, a fp16/bf16 model and a
+            decode step). fp8 needs ``mode="offload"`` (dense or Quest decode), a fp16/bf16 model and a
             GPU of compute capability >= 8.9 (or the CPU); other combinations raise ValueError,
             an older GPU RuntimeError (:func:`~xoffload.kernels.fp8.check_fp8_supported`).
         kv_cache_scale: fp8 only: ``"page"`` (default: one fp32 scale per :data:`FP8_SCALE_PAGE`
-            tokens -- at most ``kv_block_size`` -- and KV head, written once with the whole page:
+            tokens -- at most ``kv_block_size``; with Quest decode per Quest page -- and KV head,
+            written once with the whole page:
             a reused prefix and a prefill chunk start on a page boundary) or ``"token"`` (one per
             token and KV head: 4 more bytes per token and head, no alignment). The GPU tail of
             generated tokens always has token scales (a token is quantized when it is written).
@@ -257,9 +258,6 @@ class EngineConfig:
         if self.mode != "offload":
             return (f"is stored by the offload store only (the pinned pool and its GPU tail); mode={self.mode!r} keeps "
                     f"a 16-bit cache: use mode='offload' or kv_cache_dtype='auto'")
-        if self.sparse_decode is not None:
-            return (f"is read by dense offload decode only; the Quest store keeps 16-bit pages "
-                    f"(sparse_decode={type(self.sparse_decode).__name__}): use kv_cache_dtype='auto' with it")
         return None
 
     @property
@@ -273,7 +271,10 @@ class EngineConfig:
         ``min(FP8_SCALE_PAGE, kv_block_size)``); 0 for a 16-bit cache."""
         if not self.fp8:
             return 0
-        return 1 if self.kv_cache_scale == "token" else min(FP8_SCALE_PAGE, int(self.kv_block_size))
+        if self.kv_cache_scale == "token":
+            return 1
+        page = getattr(self.sparse_decode, "page_size", None)  # Quest reads (and caches) its pages
+        return int(page) if page is not None else min(FP8_SCALE_PAGE, int(self.kv_block_size))
 
     @property
     def policy(self) -> PrefillPolicy:
