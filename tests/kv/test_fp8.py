@@ -393,6 +393,29 @@ def test_a_reused_prefix_reads_back_what_a_fresh_prefill_wrote(scale, quest):
     llm.offload.allocator.check()
 
 
+@pytest.mark.parametrize("quest", [False, True])
+def test_a_session_turn_reuses_its_history_from_the_fp8_pool(quest):
+    """A session over an fp8 pool: the second turn finds its history through the prefix cache
+    (cut back to a whole scale page) and prefills only the rest; its tokens are those of a
+    fresh engine that prefills the whole conversation in two chunks split at that point."""
+    from xoffload.sparse import QuestDecode
+
+    kw = dict(mode="offload", max_model_len=320, kv_block_size=16, kv_cache_dtype="fp8", max_num_seqs=2,
+              sparse_decode=QuestDecode(**QUEST) if quest else None)
+    turns = _prompts([120, 11], seed=21)
+    sp = SamplingParams(max_tokens=5, ignore_eos=True)
+    llm = LLM(_model(), prefix_caching=True, **kw)
+    with llm.session() as s:
+        a = s.generate(turns[0], sp)
+        b = s.generate(turns[1], sp)
+    whole = turns[0] + a.token_ids + turns[1]
+    reused = b.timings["history_tokens"]
+    assert reused % 16 == 0 and 112 <= reused < len(turns[0]) + len(a.token_ids)
+    fresh = LLM(_model(), enable_chunked_prefill=True, max_num_batched_tokens=reused, **kw).generate([whole], sp)
+    assert b.token_ids == fresh[0].token_ids
+    assert llm.offload.sequences() == []
+
+
 # -------------------------------------------------------------------------------------- GPU
 @pytest.mark.cuda
 @pytest.mark.parametrize("scale", ["page", "token"])
@@ -425,3 +448,43 @@ def test_gpu_bf16_graphs_staged_in_place_and_the_fake_quant_reference(scale, mon
     # (the fp8 path applies the scales around its dots), so near-ties may flip late tokens
     same = sum(a == b for g, r in zip(got["direct", True], ref) for a, b in zip(g, r))
     assert same >= 0.9 * sum(NEW), (got["direct", True], ref)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scale", ["page", "token"])
+def test_gpu_quest_fp8_graphs_and_pcie_bytes(scale):
+    """The fp8 Quest store on the GPU (bf16, pinned pool, page caches): CUDA graphs give the eager
+    steps' tokens, the cache's fill moves codes and scales (a no-cache run with the same selection,
+    reuse_bias 1, gives the same tokens but for near-ties), and the H2D bytes per token of the
+    uncached store are about half of bf16's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from xoffload.kernels.fp8 import check_fp8_supported
+    from xoffload.sparse import QuestDecode
+
+    try:
+        check_fp8_supported("cuda")
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    m = random_model("tiny-llama", dtype=torch.bfloat16, device="cuda", seed=1, std=0.15)
+    prompts = _prompts([1500, 900, 33, 2000], seed=4)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    q = dict(token_budget=256, page_size=16, sink_tokens=16, recent_tokens=64, dense_layers=(0,), reuse_bias=1.0)
+    kw = dict(mode="offload", max_model_len=2100, kv_block_size=256, max_num_seqs=2, kv_cache_dtype="fp8",
+              kv_cache_scale=scale)
+    runs = {}
+    for name, pol, graph in (("graph", QuestDecode(**q), True), ("eager", QuestDecode(**q), False),
+                             ("nocache", QuestDecode(**q, cache_pages=0), True)):
+        llm = LLM(m, sparse_decode=pol, cuda_graph=graph, **kw)
+        outs = llm.generate(prompts, sp)
+        runs[name] = [o.token_ids for o in outs]
+        if name == "nocache":
+            b8 = outs[0].timings["h2d_bytes_per_token"]
+    assert runs["graph"] == runs["eager"], runs
+    # same pages, read from the caches or in place from the pool (with token scales the cached
+    # run's tail is fused into its call: another order of fp32 sums), so near-ties may flip
+    same = sum(a == b for g, r in zip(runs["graph"], runs["nocache"]) for a, b in zip(g, r))
+    assert same >= 0.9 * 8 * len(prompts), runs
+    b16 = LLM(m, sparse_decode=QuestDecode(**q, cache_pages=0), **{**kw, "kv_cache_dtype": "auto"}).generate(
+        prompts, sp)[0].timings["h2d_bytes_per_token"]
+    assert 0.5 <= b8 / b16 <= 0.55, (b8, b16)
