@@ -6,7 +6,10 @@ offload+quest (with its GPU page cache), offload+quest-ch, resident+quest, resid
 whatever the library adds later). ``--variants`` adds two diagnostic variants, run at 32K and 128K
 only: offload+quest without its page cache and with a 116-page cache. They are not part of section 2: they feed the time split's ``fetch without
 cache`` and the cache-size study, and the time split (weights, selection + attention, fetch) is
-derived without them when they are absent. Per configuration and context length, on the same
+derived without them when they are absent. Opt-in by name (``--configs``, every length): the fp8 KV
+cache beside its 16-bit row, ``offload-fp8``, ``offload-fp8-token``, ``offload-uva-fp8``,
+``offload+quest-fp8``, ``offload+quest-fp8-token``, ``offload+quest-ch-fp8``
+(``_e2e_plan.fp8_configs``). Per configuration and context length, on the same
 random weights and prompts: prefill tok/s, time to first token, decode ms/token in the steady
 state (the first two steps, eager warm-up and CUDA-graph capture, reported apart), peak GPU
 memory, H2D bytes per token and the GB/s they imply. Peers: transformers ``generate`` (SDPA) with

@@ -245,6 +245,12 @@ def test_offload_decodes_match_the_engine():
     assert cli.OFFLOAD_DECODES == tuple(OFFLOAD_DECODES)
 
 
+def test_kv_cache_options_match_the_engine():
+    from xoffload.engine.config import KV_CACHE_DTYPES, KV_CACHE_SCALES
+
+    assert cli.KV_CACHE_DTYPES == tuple(KV_CACHE_DTYPES) and cli.KV_CACHE_SCALES == tuple(KV_CACHE_SCALES)
+
+
 def _cli_env():
     return {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(cli.__file__))}
 

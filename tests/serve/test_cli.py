@@ -79,3 +79,23 @@ def test_serve_builds_the_app_and_runs_uvicorn(monkeypatch):
                    headers={"Authorization": "Bearer from-env"})
         assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
     assert e.closed  # the lifespan's shutdown closed the engine
+
+
+def test_kv_cache_dtype_reaches_the_engine_options():
+    """``--kv-cache-dtype fp8 --kv-cache-scale token`` (the shared model options) become the
+    engine's ``kv_cache_dtype`` / ``kv_cache_scale``; the default passes neither."""
+    kw = engine_options(_args("--kv-cache-dtype", "fp8", "--kv-cache-scale", "token"), "cpu")
+    assert kw["kv_cache_dtype"] == "fp8" and kw["kv_cache_scale"] == "token"
+    assert "kv_cache_dtype" not in engine_options(_args(), "cpu")
+
+
+def test_kv_cache_dtype_fp8_with_resident_mode_is_one_line(capsys):
+    rc = cli.main(["serve", "tiny-llama", "--mode", "resident", "--kv-cache-dtype", "fp8"])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and "kv_cache_dtype='fp8'" in err and "'resident'" in err
+
+
+def test_bad_kv_cache_dtype_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["serve", "tiny-llama", "--kv-cache-dtype", "int4"])
+    assert e.value.code == 2 and "int4" in capsys.readouterr().err

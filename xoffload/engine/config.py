@@ -9,7 +9,8 @@ from ..kernels.checks import check_bool, check_int, is_int
 from ..models.loader import resolve_dtype_device
 from ..sparse.policy import DecodePolicy, PrefillPolicy, resolve_decode, resolve_prefill
 
-__all__ = ["EngineConfig", "OFFLOAD_DECODES", "PREFILL_ATTN", "MODES", "MODE_ALIASES", "canonical_mode"]
+__all__ = ["EngineConfig", "OFFLOAD_DECODES", "PREFILL_ATTN", "MODES", "MODE_ALIASES", "canonical_mode",
+           "KV_CACHE_DTYPES", "KV_CACHE_SCALES", "FP8_SCALE_PAGE"]
 
 #: where the KV lives: the modes of :class:`EngineConfig` (the store table, :mod:`xoffload.kv.table`,
 #: picks a store for each)
@@ -30,6 +31,15 @@ def canonical_mode(mode) -> str:
 PREFILL_ATTN = ("auto", "cudnn", "xoffload", "sdpa")
 #: values of ``EngineConfig.offload_decode``
 OFFLOAD_DECODES = ("direct", "uva")
+
+#: values of ``EngineConfig.kv_cache_dtype`` (vLLM's names: ``"fp8"`` and ``"fp8_e4m3"`` are one format)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+#: values of ``EngineConfig.kv_cache_scale``
+KV_CACHE_SCALES = ("page", "token")
+#: tokens per scale of an fp8 KV cache with page scales (at most ``kv_block_size``): the tile of
+#: the decode kernel, and at most this many tokens recomputed when a reused prefix or a prefill
+#: chunk is cut back to a page boundary
+FP8_SCALE_PAGE = 64
 
 #: keyword arguments of earlier versions, with what replaces them
 _REMOVED = {
@@ -128,6 +138,18 @@ class EngineConfig:
             prompts of a call share their common prefixes;
             :mod:`xoffload.kv.resident_prefix`); with a QuestDecode the batched Quest store
             serves, as offload's, over the engine's pool on the device. Default False.
+        kv_cache_dtype: what the KV cache stores: ``"auto"`` (default: the model's dtype) or
+            ``"fp8"`` / ``"fp8_e4m3"`` (the same: e4m3 codes with fp32 scales,
+            :mod:`xoffload.kernels.fp8`; half the pinned pool's bytes and of the PCIe bytes per
+            decode step). fp8 needs ``mode="offload"`` (dense or Quest decode), a fp16/bf16 model and a
+            GPU of compute capability >= 8.9 (or the CPU); other combinations raise ValueError,
+            an older GPU RuntimeError (:func:`~xoffload.kernels.fp8.check_fp8_supported`).
+        kv_cache_scale: fp8 only: ``"page"`` (default: one fp32 scale per :data:`FP8_SCALE_PAGE`
+            tokens -- at most ``kv_block_size``; with Quest decode per Quest page -- and KV head,
+            written once with the whole page:
+            a reused prefix and a prefill chunk start on a page boundary) or ``"token"`` (one per
+            token and KV head: 4 more bytes per token and head, no alignment). The GPU tail of
+            generated tokens always has token scales (a token is quantized when it is written).
     """
 
     mode: str = "resident"
@@ -149,6 +171,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     prefix_caching: bool = False
     enable_chunked_prefill: bool | None = None
+    kv_cache_dtype: str = "auto"
+    kv_cache_scale: str = "page"
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -205,6 +229,15 @@ class EngineConfig:
                              f"(the page of the paged KV pool), got {b}")
         self.seed = int(self.seed)
         self.tensor_parallel_size = _positive("tensor_parallel_size", self.tensor_parallel_size)
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(map(repr, KV_CACHE_DTYPES))}, "
+                             f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_scale not in KV_CACHE_SCALES:
+            raise ValueError(f"kv_cache_scale must be 'page' or 'token', got {self.kv_cache_scale!r}")
+        self.kv_cache_dtype = "fp8" if self.kv_cache_dtype == "fp8_e4m3" else self.kv_cache_dtype
+        why = self._fp8_refusal()
+        if why:
+            raise ValueError(f"kv_cache_dtype='fp8' {why}")
         check_bool("prefix_caching", self.prefix_caching)
         if self.prefix_caching:
             why = self._prefix_caching_refusal()
@@ -217,6 +250,31 @@ class EngineConfig:
         if self.tensor_parallel_size != 1:
             return f"it needs one device, got tensor_parallel_size={self.tensor_parallel_size}"
         return None
+
+    def _fp8_refusal(self) -> str | None:
+        """Why this config cannot store an fp8 KV cache (one clause naming the value), or None."""
+        if self.kv_cache_dtype != "fp8":
+            return None
+        if self.mode != "offload":
+            return (f"is stored by the offload store only (the pinned pool and its GPU tail); mode={self.mode!r} keeps "
+                    f"a 16-bit cache: use mode='offload' or kv_cache_dtype='auto'")
+        return None
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the KV cache stores fp8 (e4m3) codes with fp32 scales."""
+        return self.kv_cache_dtype == "fp8"
+
+    @property
+    def kv_scale_page(self) -> int:
+        """Tokens per scale of the fp8 KV cache's pool (1: token scales; page scales:
+        ``min(FP8_SCALE_PAGE, kv_block_size)``); 0 for a 16-bit cache."""
+        if not self.fp8:
+            return 0
+        if self.kv_cache_scale == "token":
+            return 1
+        page = getattr(self.sparse_decode, "page_size", None)  # Quest reads (and caches) its pages
+        return int(page) if page is not None else min(FP8_SCALE_PAGE, int(self.kv_block_size))
 
     @property
     def policy(self) -> PrefillPolicy:
@@ -237,6 +295,15 @@ class EngineConfig:
             raise ValueError(f"dtype {self.dtype} differs from the given model's {model.dtype}")
         if self.prefill_attn == "cudnn" and dev.type != "cuda":
             raise ValueError(f"prefill_attn='cudnn' needs a CUDA device (model on {dev}); use 'auto'")
+        if self.fp8:
+            import torch
+
+            from ..kernels.fp8 import check_fp8_supported
+
+            if model.dtype not in (torch.float16, torch.bfloat16):
+                raise ValueError(f"kv_cache_dtype='fp8' needs a fp16 or bf16 model (the fp8 decode kernels take 16-bit "
+                                 f"queries), the model is {model.dtype}")
+            check_fp8_supported(dev)  # RuntimeError below compute capability 8.9
         self.sparse.layers(model.cfg.num_layers)  # raises for layers outside the model
         dec = None if self.sparse_decode is None else self.sparse_decode.for_model(model.cfg)
         max_len = self.max_model_len or model.cfg.max_position_embeddings
@@ -262,6 +329,9 @@ class EngineConfig:
                              f"one device); this configuration uses {store_cls.__name__}")
         on = bool(self.enable_chunked_prefill)
         n = self.max_num_batched_tokens or (DEFAULT_CHUNK_TOKENS if on else self.max_model_len)
+        if on and n < self.kv_scale_page:
+            raise ValueError(f"max_num_batched_tokens={n} is less than one fp8 scale page ({self.kv_scale_page} tokens): "
+                             f"a prefill chunk ends on a page boundary; use more tokens or kv_cache_scale='token'")
         return dataclasses.replace(self, enable_chunked_prefill=on, max_num_batched_tokens=n)
 
 

@@ -344,6 +344,11 @@ class StepRunner:
         if s.filled is None:
             s.reused = s.filled = self.store.prefill_start(s)
         start, end = s.filled, s.filled + n
+        page = cfg.kv_scale_page  # an fp8 pool's page scale is written once, with its whole page
+        if page > 1:
+            end -= end % page
+            if end <= start:
+                return
         sink = self.store.chunk_sink(s, start, end)
         m.prefill(_device_ids(s.req.ids[start:end], m.device), sink, chunk=cfg.prefill_chunk, policy=cfg.policy,
                   attn_backend=cfg.prefill_attn, start=start)

@@ -87,6 +87,11 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="longest sequence the LLM serves (default: the model's context length); every "
                         "length must fit in it")
     p.add_argument("--kv-block-size", type=int, default=1024, help="tokens per block of the KV pool (offload; resident with a decode policy)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3"],
+                   help="KV cache storage: auto (the model's dtype) or fp8 (e4m3 codes + fp32 scales; offload "
+                        "modes with dense decode)")
+    p.add_argument("--kv-cache-scale", default="page", choices=["page", "token"],
+                   help="fp8 scales: page (per 64 tokens and KV head; default) or token")
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help="cap on the answer length of every sample (default: RULER's per task: niah 128, "
                         "vt 30, cwe 120, fwe 50, qa 32)")
@@ -261,6 +266,8 @@ def _cmd_eval(a) -> int:
         if mode == hf_peer.HF_MODE:
             return hf_peer.hf_peer_llm(model, weights=a.hf_weights, max_model_len=max_len)
         kw = {"sparse": policy, **mode_options(mode)}
+        if a.kv_cache_dtype != "auto":
+            kw.update(kv_cache_dtype=a.kv_cache_dtype, kv_cache_scale=a.kv_cache_scale)
         session = kw.pop("session", None)
         llm = LLM(model, kv_block_size=a.kv_block_size, max_model_len=max_len, **kw)
         llm.eval_session = session  # run_eval asks each prompt as the second turn of a session
@@ -269,7 +276,7 @@ def _cmd_eval(a) -> int:
     meta = {"model": str(model.source), "arch": model.cfg.arch, "dtype": str(model.dtype),
             "device": str(model.device), "load_s": t_load, "sparse": sparse,
             "sparse_threshold": a.sparse_threshold if sparse else None, "kv_block_size": a.kv_block_size,
-            "max_model_len": max_len, "command": " ".join(sys.argv)}
+            "kv_cache_dtype": a.kv_cache_dtype, "max_model_len": max_len, "command": " ".join(sys.argv)}
     if a.data:
         from .ruler_data import added_special_tokens
 

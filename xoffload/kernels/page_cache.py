@@ -41,7 +41,8 @@ import triton.language as tl
 
 from .checks import HostPtr, check_int, check_pow2, check_tensor, device_can_read_host, next_pow2, use_triton
 
-__all__ = ["MAX_SLOTS", "PageCacheState", "page_cache_fill", "page_cache_lookup", "page_cache_lookup_batched"]
+__all__ = ["MAX_SLOTS", "PageCacheState", "page_cache_fill", "page_cache_fill_scales", "page_cache_lookup",
+           "page_cache_lookup_batched"]
 
 
 class PageCacheState:
@@ -432,7 +433,8 @@ def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tenso
 
     Args:
         src_k, src_v: row stores ``[R, Hkv, D]`` of one layer (the pool: pinned host memory read
-            over PCIe by the GPU kernel, or device memory); last dim contiguous.
+            over PCIe by the GPU kernel, or device memory); last dim contiguous. fp16/bf16/fp32,
+            or ``float8_e4m3fn`` codes (their scales: :func:`page_cache_fill_scales`).
         dst_k, dst_v: the cache row stores ``[R_c, Hkv, D]`` on the GPU (same dtype, Hkv, D).
         src: int32 ``[Hkv, K]``: pool row of each page to copy, -1 to skip (a hit); or ``[n, Hkv,
             K]`` for a batch (:func:`page_cache_lookup_batched`), contiguous.
@@ -445,7 +447,7 @@ def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tenso
     that is not pinned.
     """
     for n, t in (("src_k", src_k), ("src_v", src_v), ("dst_k", dst_k), ("dst_v", dst_v)):
-        check_tensor(n, t, 3)
+        check_tensor(n, t, 3, dtypes=(torch.float16, torch.bfloat16, torch.float32, torch.float8_e4m3fn))
         if t.stride(2) != 1:
             raise ValueError(f"{n} must have a contiguous last dim, got strides {tuple(t.stride())}")
     if src_k.shape != src_v.shape or dst_k.shape != dst_v.shape or src_k.shape[1:] != dst_k.shape[1:]:
@@ -480,6 +482,8 @@ def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tenso
         raise ValueError(f"src_k is on {src_k.device}, dst_k on {dst_k.device}")
     if k == 0:
         return
+    if dst_k.dtype == torch.float8_e4m3fn:  # e4m3 codes move as bytes
+        src_k, src_v, dst_k, dst_v = (t.view(torch.uint8) for t in (src_k, src_v, dst_k, dst_v))
     if not use_triton(dst_k):  # one indexed copy of every missed row (no per-page loop)
         miss = (src >= 0).to(dst_k.device)
         r = torch.arange(page_size, device=dst_k.device)
@@ -497,3 +501,79 @@ def page_cache_fill(src_k: torch.Tensor, src_v: torch.Tensor, dst_k: torch.Tenso
     _fill_kernel[grid](sk, sv, dst_k, dst_v, src, table, k, d,
                        src_k.stride(0), src_k.stride(1), dst_k.stride(0), dst_k.stride(1), table.stride(0),
                        HKV=hkv, BLOCK_R=block_r, BLOCK_D=next_pow2(d), num_warps=4)
+
+
+@triton.jit(do_not_specialize=["K"])
+def _fill_scales_kernel(SK, SV, DK, DV, Src, Table, K, s_sr, s_dr, s_th,
+                        HKV: tl.constexpr, DIV: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    """Program (i, j): the scales of missed page j of list row i (KV head ``i % HKV``): ``ROWS``
+    scale rows from ``src // DIV`` to ``table // DIV`` (page scales: DIV = P, ROWS = 1; token
+    scales: DIV = 1, ROWS = P)."""
+    i = tl.program_id(0)
+    j = tl.program_id(1)
+    h = i % HKV
+    s = tl.load(Src + i * K + j)
+    if s >= 0:
+        d = tl.load(Table + i * s_th + j).to(tl.int64)
+        r = tl.arange(0, BLOCK)
+        m = r < ROWS
+        so = (s.to(tl.int64) // DIV + r) * s_sr + h
+        do = (d // DIV + r) * s_dr + h
+        tl.store(DK + do, tl.load(SK + so, mask=m), mask=m)
+        tl.store(DV + do, tl.load(SV + so, mask=m), mask=m)
+
+
+def page_cache_fill_scales(src_ks: torch.Tensor, src_vs: torch.Tensor, dst_ks: torch.Tensor, dst_vs: torch.Tensor,
+                           src: torch.Tensor, table: torch.Tensor, *, page_size: int, granularity: str) -> None:
+    """The fp32 scales of the pages :func:`page_cache_fill` copies (fp8 row stores): call it with
+    the same ``src`` / ``table`` so that each copied page's scales land beside its codes.
+
+    Args:
+        src_ks, src_vs: the pool's scales of one layer, contiguous fp32: ``[R / page_size, Hkv]``
+            (``granularity="page"``: a scale per page and KV head) or ``[R, Hkv]`` (``"token"``);
+            pinned host memory (read over UVA) or device memory.
+        dst_ks, dst_vs: the cache's scales in the same granularity, contiguous fp32 on the GPU
+            (or the CPU).
+        src, table: as :func:`page_cache_fill` (rows of the codes: multiples of ``page_size``).
+        page_size: tokens per page; granularity: ``"page"`` or ``"token"``.
+
+    Raises TypeError / ValueError for non-fp32 or non-contiguous scales, mismatched heads, a bad
+    granularity, or a host source that is not pinned.
+    """
+    if granularity not in ("page", "token"):
+        raise ValueError(f"granularity must be 'page' or 'token', got {granularity!r}")
+    for n, t in (("src_ks", src_ks), ("src_vs", src_vs), ("dst_ks", dst_ks), ("dst_vs", dst_vs)):
+        check_tensor(n, t, 2, dtypes=(torch.float32,))
+        if not t.is_contiguous():
+            raise ValueError(f"{n} must be contiguous, got strides {tuple(t.stride())}")
+    hkv = dst_ks.shape[1]
+    if src_ks.shape[1] != hkv or src_vs.shape != src_ks.shape or dst_vs.shape != dst_ks.shape:
+        raise ValueError(f"scale stores do not match: src {tuple(src_ks.shape)}/{tuple(src_vs.shape)}, "
+                         f"dst {tuple(dst_ks.shape)}/{tuple(dst_vs.shape)}")
+    if src.dim() == 3:
+        src, table = src.flatten(0, 1), table.flatten(0, 1)
+    nr, k = src.shape
+    page_size = check_int("page_size", page_size, 1)
+    div, rows = (page_size, 1) if granularity == "page" else (1, page_size)
+    host = dst_ks.is_cuda and not src_ks.is_cuda
+    if host:
+        for n, t in (("src_ks", src_ks), ("src_vs", src_vs)):
+            if not device_can_read_host(t):
+                raise ValueError(f"{n} is a host tensor that is not pinned; the GPU reads host memory only through UVA")
+    if k == 0 or nr == 0:
+        return
+    if not use_triton(dst_ks):
+        dev = dst_ks.device
+        miss = (src >= 0).to(dev)
+        r = torch.arange(rows, device=dev)
+        rows_s = (src.to(dev).long().clamp(min=0) // div)[..., None] + r
+        rows_d = (table.to(dev).long() // div)[..., None] + r
+        heads = (torch.arange(nr, device=dev) % hkv)[:, None, None].expand(nr, k, rows)
+        rows_s, rows_d, heads = rows_s[miss], rows_d[miss], heads[miss]
+        dst_ks[rows_d, heads] = src_ks[rows_s.to(src_ks.device), heads.to(src_ks.device)].to(dev)
+        dst_vs[rows_d, heads] = src_vs[rows_s.to(src_vs.device), heads.to(src_vs.device)].to(dev)
+        return
+    sk = HostPtr(src_ks) if host else src_ks
+    sv = HostPtr(src_vs) if host else src_vs
+    _fill_scales_kernel[(nr, k)](sk, sv, dst_ks, dst_vs, src, table, k, src_ks.stride(0), dst_ks.stride(0),
+                                 table.stride(0), HKV=hkv, DIV=div, ROWS=rows, BLOCK=next_pow2(rows), num_warps=1)

@@ -7,6 +7,7 @@ import torch
 
 from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
 from .chunk import ChunkedPrefill
+from .fp8 import Fp8Region, Fp8RowPool, pool_read_bytes
 from .staging import LayerStaging, PrefillStaging
 from .base import (TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _StagedSink, _blocks, _join,
                    _pool_memory_limit, _to_device, _top_sum)
@@ -42,8 +43,14 @@ class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
     row's partly filled last block and the buffers' GPU memory; so it stays the choice while the
     buffers fit, and in place is what runs when they do not.
 
+    With ``kv_cache_dtype="fp8"`` (:mod:`.fp8`) the pool, the staging buffers and the tail hold
+    e4m3 codes with fp32 scales; the prompt pages are read with the pool's scale page as the
+    kernel's page (``read_page``: a scale per page, or per token and then the pool block), the
+    tail with token scales.
+
     Attributes: ``staged`` (bool), ``stager`` (the :class:`~.staging.LayerStaging` or None),
-    ``staging_limited`` (direct decode asked for, the buffers did not fit).
+    ``staging_limited`` (direct decode asked for, the buffers did not fit), ``fp8`` (bool),
+    ``read_page`` (tokens per page of the prompt read).
     """
 
     capturable = True
@@ -58,18 +65,23 @@ class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
             self.cap_blocks += prefix_cache.evictable_blocks()
         self._keys = 0
         new = [max(s.req.max_new - 1, 0) for s in seqs] + [0]
-        self.tail = RowPool(self.cfg, _top_sum([_blocks(n, TAIL_BLOCK) for n in new], self.max_num_seqs), TAIL_BLOCK,
-                            self.dtype, self.device)
+        pool = self.eng.pool
+        self.fp8 = bool(getattr(pool, "fp8", False))
+        tail_cls, region_cls = (Fp8RowPool, Fp8Region) if self.fp8 else (RowPool, _Region)
+        self.tail = tail_cls(self.cfg, _top_sum([_blocks(n, TAIL_BLOCK) for n in new], self.max_num_seqs), TAIL_BLOCK,
+                             self.dtype, self.device)
         R = self.buckets[-1]
-        self.region = _Region(self.tail, R, _blocks(max(new), TAIL_BLOCK), self.device)
+        self.region = region_cls(self.tail, R, _blocks(max(new), TAIL_BLOCK), self.device)
+        # the prompt read's page: a page-scale pool's scale page, else the pool block
+        self.read_page = pool.scale_page if self.fp8 and pool.scale_page > 1 else self.block
         P = self.hpages = max(1, _blocks(max([s.prompt_len for s in seqs] + [1]), self.block))
         self.hlens = torch.zeros(R, dtype=torch.int32, device=self.device)
         self._reserved = 0  # pool blocks of the admitted sequences' prompts
         self._admitted: dict = {}
         self._stage = PrefillStaging(self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device)
         self._tok_bytes = self.cfg.kv_bytes_per_token(self.dtype)
-        # K and V of R x P blocks of one layer, two buffers
-        self.staging_bytes = 2 * R * P * self.block * self._tok_bytes // self.cfg.num_layers
+        # K and V of R x P blocks of one layer (codes and scales), two buffers
+        self.staging_bytes = 2 * self._read_bytes(R * P * self.block, True) // self.cfg.num_layers
         self.stager, self.staging_limited = None, False
         if config.offload_decode == "direct":
             limit = _pool_memory_limit(model, seqs, config, self.device)  # after the tail pool
@@ -79,7 +91,8 @@ class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
                                            skip_negative=True)
         self.staged = self.stager is not None
         # the prompt pages' table [R, 1, P] (rows of the staging buffers: fixed; or of the pool)
-        first = torch.arange(R * P, dtype=torch.int32, device=self.device).view(R, 1, P) * self.block
+        pp = P * (self.block // self.read_page)  # read pages per row
+        first = torch.arange(R * pp, dtype=torch.int32, device=self.device).view(R, 1, pp) * self.read_page
         self.table = first if self.staged else torch.zeros_like(first)
 
     def _prompt_blocks(self, seq) -> int:
@@ -133,15 +146,27 @@ class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
         """Bytes of ``seq``'s prompt KV read from the pool per decode step: its whole blocks when
         staged, its tokens in place."""
         n = _blocks(seq.prompt_len, self.block) * self.block if self.staged else seq.prompt_len
-        return n * self._tok_bytes
+        return self._read_bytes(n, self.staged)
+
+    def _read_bytes(self, n: int, whole_blocks: bool) -> int:
+        """Bytes of ``n`` prompt tokens of every layer read from the pool (codes and the scales of
+        the pages they span: every scale row of the blocks when ``whole_blocks``)."""
+        pool = self.eng.pool
+        if not self.fp8:
+            return n * self._tok_bytes
+        p = pool.scale_page
+        return pool_read_bytes(self.cfg, pool, n, n // p if whole_blocks else _blocks(n, p))
 
     def describe(self) -> dict:
         """The call's choices: ``prompt_read`` (``"staged"`` or ``"in place"``), ``staging_bytes``
         (of the two buffers, staged or not), ``staging_limited`` (direct decode asked for, the
         buffers over the GPU memory free for them), ``tail_bytes``."""
+        pool = self.eng.pool
         return {"store": type(self).__name__, "prompt_read": "staged" if self.staged else "in place",
                 "staging_bytes": self.staging_bytes, "staging_limited": self.staging_limited,
-                "tail_bytes": self.tail.nbytes if self.tail is not None else 0}
+                "tail_bytes": self.tail.nbytes if self.tail is not None else 0,
+                "kv_cache_dtype": "fp8" if self.fp8 else str(self.dtype).replace("torch.", ""),
+                "kv_scale_page": pool.scale_page, "pool_bytes_per_token": pool.bytes_per_token}
 
     def sink(self, seq):
         sid, events = seq.kv["sid"], seq.kv["events"]
@@ -179,8 +204,10 @@ class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
             lens[i] = s.prompt_len
         if self.staged:
             _to_device(self.stager.ids[:rows * self.hpages], blocks.flatten())
-        else:
-            _to_device(self.table[:rows, 0], blocks.clamp(min=0) * self.block)
+        else:  # the first row of each read page of each pool block
+            sub = torch.arange(0, self.block, self.read_page, dtype=torch.int32)
+            rows_ = blocks.clamp(min=0)[:, :, None] * self.block + sub
+            _to_device(self.table[:rows, 0], rows_.flatten(1))
         _to_device(self.hlens[:rows], lens)
         self.n = rows
         return rows
@@ -193,12 +220,18 @@ class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
     def attend(self, layer, q, k_new, v_new):
         n, q4 = self.n, q[:, None]
         o_t, l_t = self.region.attend(layer, q4, k_new, v_new, n, self.scale)
+        ks = vs = None
         if self.staged:
             k, v = (t.flatten(0, 1) for t in self.stager.acquire(layer))
+            if self.fp8:
+                ks, vs = (t.flatten(0, 1) for t in self.stager.scales(layer))
         else:
-            k, v = self.eng.pool.k_rows(layer), self.eng.pool.v_rows(layer)
-        o_p, l_p = paged_decode_attn_with_lse(q4, k, v, self.table[:n], self.hlens[:n], page_size=self.block,
-                                              softmax_scale=self.scale, check=False)
+            pool = self.eng.pool
+            k, v = pool.k_rows(layer), pool.v_rows(layer)
+            if self.fp8:
+                ks, vs = pool.k_scale_rows(layer), pool.v_scale_rows(layer)
+        o_p, l_p = paged_decode_attn_with_lse(q4, k, v, self.table[:n], self.hlens[:n], page_size=self.read_page,
+                                              softmax_scale=self.scale, check=False, k_scale=ks, v_scale=vs)
         if self.staged:
             self.stager.release(layer)
         o, _ = merge_attention_states(o_p, l_p, o_t, l_t)

@@ -15,12 +15,21 @@ uses the first ``c_r`` slots of its cache, where ``c_r`` is what
 :meth:`~xoffload.sparse.QuestDecode.cache_slots` gives its plan alone, cut to what fits in the GPU
 memory left for the call (:meth:`BatchPageCache.slots_that_fit`): uncut, a sequence's cache
 evolves exactly as in its one-request run, so with a ``reuse_bias`` it selects the same pages.
+
+FP8 pools (``scales="page"`` / ``"token"``): the row stores hold e4m3 codes and each layer has
+fp32 scales beside them in the pool's granularity (``k_scale`` / ``v_scale``: ``[rows / P, Hkv]``
+per page, ``[rows, Hkv]`` per token); the fill copies a missed page's scales with its codes
+(:func:`~xoffload.kernels.page_cache.page_cache_fill_scales`), so a cached page is read with the
+scales it was written with. A fused tail needs token scales (the tail's tokens are quantized one
+at a time), so with page scales the store keeps its tail apart.
 """
 from __future__ import annotations
 
 import torch
 
-from ..kernels.page_cache import MAX_SLOTS, PageCacheState, page_cache_fill, page_cache_lookup_batched
+from ..kernels.fp8 import FP8_DTYPE
+from ..kernels.page_cache import (MAX_SLOTS, PageCacheState, page_cache_fill, page_cache_fill_scales,
+                                  page_cache_lookup_batched)
 
 __all__ = ["BatchPageCache"]
 
@@ -46,14 +55,16 @@ class BatchPageCache:
             row: row ``r``'s tail pages follow its ``k_r`` cached pages (:meth:`set_rows`), so one
             paged attention call over ``[cached pages | tail]`` reads both (no second call and no
             LSE merge).
+        scales: None (16-bit rows of ``dtype``), or ``"page"`` / ``"token"``: e4m3 rows with fp32
+            scales of that granularity (module docstring; ``"page"`` takes no tail).
 
     Raises ValueError for ``slots < pages_per_step`` or more than
-    :data:`~xoffload.kernels.page_cache.MAX_SLOTS`.
+    :data:`~xoffload.kernels.page_cache.MAX_SLOTS`, or a tail with page scales.
     """
 
     def __init__(self, num_sparse: int, num_kv_heads: int, head_dim: int, num_seqs: int, slots: int, num_ids: int,
                  pages_per_step: int, rows: int, page_size: int, reuse_bonus: float, dtype, device,
-                 tail_rows: int = 0, tail_pages: int = 0):
+                 tail_rows: int = 0, tail_pages: int = 0, scales: str | None = None):
         if not pages_per_step <= slots <= MAX_SLOTS:
             raise ValueError(f"a batch page cache needs pages_per_step ({pages_per_step}) <= slots ({slots}) <= "
                              f"{MAX_SLOTS}")
@@ -63,8 +74,17 @@ class BatchPageCache:
         # slot S: the padding rows' scratch state (they look nothing up)
         self.state = [PageCacheState((S + 1) * hkv, self.C, max(int(num_ids), 1), device) for _ in range(num_sparse)]
         self.tail_base, self.tail_pages = S * self.C * P, int(tail_pages) if tail_rows else 0
-        self.k = torch.zeros(num_sparse, self.tail_base + int(tail_rows), hkv, head_dim, dtype=dtype, device=device)
+        if scales == "page" and tail_rows:
+            raise ValueError("a page cache with page scales keeps no tail rows (the tail's tokens have token scales)")
+        self.scales = scales
+        self.k = torch.zeros(num_sparse, self.tail_base + int(tail_rows), hkv, head_dim,
+                             dtype=FP8_DTYPE if scales else dtype, device=device)
         self.v = torch.zeros_like(self.k)
+        self.k_scale = self.v_scale = None
+        if scales:
+            srows = self.k.shape[1] // (P if scales == "page" else 1)
+            self.k_scale = torch.ones(num_sparse, srows, hkv, dtype=torch.float32, device=device)
+            self.v_scale = torch.ones_like(self.k_scale)
         self.hits = torch.zeros(S + 1, 2, dtype=torch.int64, device=device)  # per slot: (hits, lookups)
         self.row_slot = torch.full((rows,), S, dtype=torch.int32, device=device)
         self.row_k = torch.zeros(rows, dtype=torch.int32, device=device)
@@ -75,8 +95,13 @@ class BatchPageCache:
         self._free = list(range(S))
 
     @staticmethod
-    def slot_bytes(num_sparse: int, num_kv_heads: int, head_dim: int, page_size: int, dtype) -> int:
-        """GPU bytes of one slot per sequence: K and V of one page, every sparse layer and KV head."""
+    def slot_bytes(num_sparse: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
+                   scales: str | None = None) -> int:
+        """GPU bytes of one slot per sequence: K and V of one page, every sparse layer and KV head
+        (fp8: codes and scales)."""
+        if scales:
+            per_page = page_size * head_dim + 4 * (1 if scales == "page" else page_size)
+            return 2 * num_sparse * num_kv_heads * per_page
         el = torch.empty((), dtype=dtype).element_size()
         return 2 * num_sparse * num_kv_heads * page_size * head_dim * el
 
@@ -90,8 +115,11 @@ class BatchPageCache:
 
     @property
     def nbytes(self) -> int:
-        """GPU bytes of the cache's rows (K and V; a tail's rows are the tail's)."""
-        return 2 * self.k.shape[0] * self.tail_base * self.k[0, 0].numel() * self.k.element_size()
+        """GPU bytes of the cache's rows (K and V, fp8 scales included; a tail's rows are the tail's)."""
+        n = 2 * self.k.shape[0] * self.tail_base * self.k[0, 0].numel() * self.k.element_size()
+        if self.scales:
+            n += 2 * self.k.shape[0] * (self.tail_base // (self.P if self.scales == "page" else 1)) * self.hkv * 4
+        return n
 
     def acquire(self) -> int:
         """A free cache slot for a sequence joining the call, emptied (in place: the captured
@@ -118,8 +146,12 @@ class BatchPageCache:
 
     def tail_layers(self, layers) -> dict:
         """``{layer: (k, v)}``: the tail rows of the row store of each sparse layer (``layers`` in
-        the stores' order), for :class:`~xoffload.kv.base.RowPool`'s ``external``."""
+        the stores' order), for :class:`~xoffload.kv.base.RowPool`'s ``external``; with token
+        scales ``(k, v, k_scale, v_scale)``."""
         b = self.tail_base
+        if self.scales:
+            return {l: (self.k[i, b:], self.v[i, b:], self.k_scale[i, b:], self.v_scale[i, b:])
+                    for i, l in enumerate(layers)}
         return {l: (self.k[i, b:], self.v[i, b:]) for i, l in enumerate(layers)}
 
     def set_rows(self, entries: list, rows: int, tail_table: torch.Tensor | None = None, tail_block: int = 0) -> None:
@@ -159,19 +191,31 @@ class BatchPageCache:
         return st.slot_of.view(self.S + 1, self.hkv, -1)[self.row_slot[:n], :, :nw].reshape(n * self.hkv, nw)
 
     def fetch(self, si: int, sel: torch.Tensor, cand_row: torch.Tensor, pool_k: torch.Tensor,
-              pool_v: torch.Tensor, n: int):
+              pool_v: torch.Tensor, n: int, pool_scales=None):
         """Look up and fill sparse layer ``si``'s selected pages for the first ``n`` rows.
 
         ``sel``: int32 ``[n, Hkv, Kw]``, row r's ``k_r`` chosen candidate ids first, ascending;
         ``cand_row``: int32 ``[n, Nw]`` pool row of each candidate page; ``pool_k`` / ``pool_v``:
-        the layer's pool row stores. Returns ``(k rows, v rows, table [n, Hkv, Kw])`` for
+        the layer's pool row stores (fp8: codes, with ``pool_scales`` their ``(k_scale,
+        v_scale)``). Returns ``(k rows, v rows, table [n, Hkv, Kw])`` for
         :func:`~xoffload.kernels.paged_decode_attn_with_lse` (row r reads its first ``k_r`` pages,
-        then its tail's when the store has one)."""
+        then its tail's when the store has one); fp8 caches read them with :meth:`scales_of`."""
         st, tab = self.state[si], self.table[:n, :, :self.src.shape[2]]
         page_cache_lookup_batched(sel, st, self.row_slot[:n], self.row_k[:n], self.row_c[:n], self.row_base[:n],
                                   cand_row, tab, self.src[:n], page_size=self.P, hits=self.hits)
-        page_cache_fill(pool_k, pool_v, self.k[si], self.v[si], self.src[:n], tab, page_size=self.P)
+        if self.scales:  # the codes, then the same pages' scales
+            page_cache_fill(pool_k, pool_v, self.k[si], self.v[si], self.src[:n], tab, page_size=self.P)
+            page_cache_fill_scales(pool_scales[0], pool_scales[1], self.k_scale[si], self.v_scale[si], self.src[:n],
+                                   tab, page_size=self.P, granularity=self.scales)
+        else:
+            page_cache_fill(pool_k, pool_v, self.k[si], self.v[si], self.src[:n], tab, page_size=self.P)
         return self.k[si], self.v[si], self.table[:n]
+
+    def scales_of(self, si: int) -> tuple:
+        """fp8 caches: ``(k_scale, v_scale)`` of sparse layer ``si``'s rows (None, None otherwise)."""
+        if not self.scales:
+            return None, None
+        return self.k_scale[si], self.v_scale[si]
 
     def counts(self, slot: int) -> tuple:
         """``(hits, lookups)`` of the sequence in ``slot`` so far (reads the device counters)."""
@@ -180,5 +224,5 @@ class BatchPageCache:
 
     def close(self) -> None:
         self.state = []
-        self.k = self.v = None
+        self.k = self.v = self.k_scale = self.v_scale = None
 

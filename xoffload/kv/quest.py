@@ -7,6 +7,7 @@ import torch
 from ..kernels import merge_attention_states, paged_decode_attn_with_lse
 from ..kernels.topk import topk_ids
 from ..runtime.allocator import BlockAllocator
+from .fp8 import Fp8Region, Fp8RowPool
 from .page_cache import BatchPageCache
 from .staging import PrefillStaging
 from .chunk import ChunkedPrefill
@@ -55,7 +56,8 @@ class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPromp
     pool; for a dense layer one paged launch over each row's candidate pages; the parts merged by
     LSE. With a page cache (``fused_tail``, :attr:`FUSE_TAIL`) a sparse layer's tail rows follow the
     cache's in one row store and the launch reads ``[k_r cached pages | tail pages]`` per row: one
-    attention call and no merge, as the one-request store did. ``N`` / ``K`` are the largest candidate / per-step page counts the store was sized for;
+    attention call and no merge, as the one-request store did. FP8 (pool, caches, tail; the
+    summaries and GPU dense pool stay 16-bit; no fused tail with page scales): :mod:`.fp8`. ``N`` / ``K`` are the largest candidate / per-step page counts the store was sized for;
     each row keeps its own plan (:meth:`QuestDecode.plan`), so its pages are those of the
     one-request store. Padding rows have length 0 and write into the tail's scratch block.
     """
@@ -77,6 +79,9 @@ class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPromp
 
         self.eng = shared
         self.on_device = shared.pool.placement == "device"
+        self.fp8 = bool(getattr(shared.pool, "fp8", False))
+        # the pool's scale granularity (None: 16-bit): page scales are per Quest page
+        self.scales = None if not self.fp8 else ("token" if shared.pool.scale_page == 1 else "page")
         self.block = self.eng.block_size
         self.cache = prefix_cache
         pol = self.policy = config.decode_policy
@@ -84,6 +89,9 @@ class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPromp
         P = self.page = int(pol.page_size)
         if self.block % P:
             raise ValueError(f"QuestDecode.page_size {P} must divide the pool's block size {self.block}")
+        if self.scales == "page" and shared.pool.scale_page != P:
+            raise ValueError(f"an fp8 pool read by Quest pages of {P} tokens needs a scale per page of {P}, "
+                             f"got scale_page={shared.pool.scale_page}")
         L, hkv, d = self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim
         self.sparse = frozenset(pol.sparse_layers(L))
         self.dense = frozenset(range(L)) - self.sparse
@@ -101,7 +109,8 @@ class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPromp
         tail_need = [p.resident_prompt_tokens + self._new(s) for p, s in zip(plans, seqs)] + [1]
         tail_blocks = _top_sum([_blocks(n, TAIL_BLOCK) for n in tail_need], self.max_num_seqs)
         el = torch.empty((), dtype=self.dtype).element_size()
-        self._tail_bytes = 2 * L * (tail_blocks + 1) * TAIL_BLOCK * hkv * d * el
+        # (fp8: 1-byte codes and a 4-byte scale per token and KV head)
+        self._tail_bytes = 2 * L * (tail_blocks + 1) * TAIL_BLOCK * hkv * ((d + 4) if self.fp8 else d * el)
         # the summary pool, the dense pool and the page caches, sized for the sequences that run at
         # once (S): from the requests and (CUDA) the free memory; see _plan_memory
         sneed = [_blocks(self._summary_pages(p), SUMMARY_BLOCK) for p in plans]
@@ -110,7 +119,7 @@ class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPromp
         per_sb = self._per_sb = max(1, len(self.sparse)) * hkv * SUMMARY_BLOCK * (2 * d + P * self.r) * el
         per_db = 2 * len(self.dense) * self.block * hkv * d * el
         self._dl = {l: i for i, l in enumerate(sorted(self.dense))}
-        self._slot_bytes = sb = BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype)
+        self._slot_bytes = sb = BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype, self.scales)
         cmax = max([self._want_c(p) for p in plans] + [0]) if not self.on_device else 0
         S = min(self.max_num_seqs, len(seqs))  # the most that run at once in this call
         mem = self._plan_memory(S, sneed, dneed, per_sb, per_db, sb, cmax, limit)
@@ -136,15 +145,17 @@ class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPromp
         # with a cache, the sparse layers' tail rows follow the cache's in one row store ("fused"):
         # one attention call over [cached pages | tail], as the one-request store did
         self.pcache, rp = None, _blocks(max(tail_need), TAIL_BLOCK)
-        self.fused = bool(self.FUSE_TAIL and cmax and mem["slots"] >= self.K) and TAIL_BLOCK % P == 0
+        self.fused = bool(self.FUSE_TAIL and cmax and mem["slots"] >= self.K) and TAIL_BLOCK % P == 0 \
+            and self.scales != "page"  # page-scaled cache rows and token-scaled tail rows: two calls
         if cmax and mem["slots"] >= self.K:
             self.pcache = BatchPageCache(len(self.sparse), hkv, d, S, mem["slots"], max(self.N, 1), self.K, R,
                                         P, pol.reuse_bonus(self.scale), self.dtype, self.device,
                                         tail_rows=(tail_blocks + 1) * TAIL_BLOCK if self.fused else 0,
-                                        tail_pages=rp * TAIL_BLOCK // P)
+                                        tail_pages=rp * TAIL_BLOCK // P, scales=self.scales)
         ext = self.pcache.tail_layers(sorted(self.sparse)) if self.fused else None
-        self.tail = RowPool(self.cfg, tail_blocks, TAIL_BLOCK, self.dtype, self.device, external=ext)
-        self.region = _Region(self.tail, R, rp, self.device)
+        tail_cls, region_cls = (Fp8RowPool, Fp8Region) if self.fp8 else (RowPool, _Region)
+        self.tail = tail_cls(self.cfg, tail_blocks, TAIL_BLOCK, self.dtype, self.device, external=ext)
+        self.region = region_cls(self.tail, R, rp, self.device)
         self.clens = torch.zeros(R, dtype=torch.int32, device=self.device)  # fused: k_r pages + tail tokens
         self.sum_alloc = BlockAllocator(nsb, SUMMARY_BLOCK)
         self.summ_scratch = nsb * SUMMARY_BLOCK  # the scratch page (padding entries of the index)
@@ -171,7 +182,9 @@ class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPromp
         self._admitted: dict = {}
         self._stage = PrefillStaging(self.cfg.num_kv_heads, self.cfg.head_dim, self.dtype, self.device)
         # K and V of one token and layer, as host bytes per step count them (0: the pool is on the device)
-        self._tok_layer_bytes = 0 if self.on_device else self.cfg.kv_bytes_per_token(self.dtype) // L
+        # (fp8: codes and the scales of a page, per token)
+        self._tok_layer_bytes = 0 if self.on_device else (shared.pool.bytes_per_token / L if self.fp8 else
+                                                          self.cfg.kv_bytes_per_token(self.dtype) // L)
 
     def _plan_memory(self, S, sneed, dneed, per_sb, per_db, slot_bytes, cmax, limit) -> dict:
         """The pools' sizes for ``S`` sequences at once (no allocation): ``nsb`` summary blocks
@@ -209,7 +222,9 @@ class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPromp
                 "candidate_pages": self.N, "pages_per_step": self.K,
                 "cache_slots": self.pcache.C if self.pcache is not None else 0,
                 "cache_bytes": self.pcache.nbytes if self.pcache is not None else 0,
-                "run_limit": self.run_limit, "cache_limited": self.cache_limited, "fused_tail": self.fused}
+                "run_limit": self.run_limit, "cache_limited": self.cache_limited, "fused_tail": self.fused,
+                "kv_cache_dtype": "fp8" if self.fp8 else str(self.dtype).replace("torch.", ""),
+                "kv_scale_page": self.eng.pool.scale_page, "pool_bytes_per_token": self.eng.pool.bytes_per_token}
 
     @staticmethod
     def _new(seq) -> int:
@@ -371,6 +386,9 @@ class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPromp
         n, pool = self.n, self.eng.pool
         kr, vr = (pool.k_rows(layer), pool.v_rows(layer)) if self.dpool is None or layer in self.sparse else \
             (self.dpool.k[self._dl[layer]], self.dpool.v[self._dl[layer]])
+        ks = vs = None  # fp8: the scales of kr / vr (the GPU dense pool is 16-bit)
+        if self.fp8 and (self.dpool is None or layer in self.sparse):
+            ks, vs = pool.k_scale_rows(layer), pool.v_scale_rows(layer)
         if layer in self.dense:
             table, lens = self.dcand_row[:n, None], self.dlens[:n]
         else:
@@ -393,16 +411,17 @@ class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPromp
                            prefer_bonus=pc.bonus if prefer is not None else 0.0,
                            k_rows=self._krows[:n * hkv]).view(n, hkv, self.K)
             if pc is not None:  # look up, copy the misses, read the caches (and the tail: fused)
-                kr, vr, table = pc.fetch(si, sel, self.cand_row[:n], kr, vr, n)
+                kr, vr, table = pc.fetch(si, sel, self.cand_row[:n], kr, vr, n, pool_scales=(ks, vs))
+                ks, vs = pc.scales_of(si)
                 if self.fused:
                     return paged_decode_attn_with_lse(q4, kr, vr, table, self.clens[:n], page_size=self.page,
-                                                      softmax_scale=self.scale, check=False)
+                                                      softmax_scale=self.scale, check=False, k_scale=ks, v_scale=vs)
             else:
                 self.table[:n].copy_(self.cand_row[:n].gather(1, sel.view(n, -1).long()).view(n, -1, self.K))
                 table = self.table[:n]
             lens = self.klens[:n]
         return paged_decode_attn_with_lse(q4, kr, vr, table, lens, page_size=self.page, softmax_scale=self.scale,
-                                          check=False)
+                                          check=False, k_scale=ks, v_scale=vs)
 
     def attend(self, layer, q, k_new, v_new):
         n, q4 = self.n, q[:, None]

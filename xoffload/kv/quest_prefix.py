@@ -116,7 +116,10 @@ class QuestPrefill:
 
         def done(layer, k_new, v_new):
             k, v = wl.whole(layer)  # [T]: the reused prefix (read from the pool), then k_new
-            if res:  # the resident tokens: sink, then the recent tail
+            if res and self.fp8:  # quantized per token (the tail's scales)
+                self.tail.write_rows(layer, trows[:s0], k[:s0], v[:s0])
+                self.tail.write_rows(layer, trows[s0:], k[t0:], v[t0:])
+            elif res:  # the resident tokens: sink, then the recent tail
                 tk, tv = self.tail.k[layer], self.tail.v[layer]
                 tk.index_copy_(0, trows[:s0], k[:s0])
                 tv.index_copy_(0, trows[:s0], v[:s0])

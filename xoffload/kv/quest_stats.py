@@ -7,7 +7,8 @@ from __future__ import annotations
 class QuestStats:
     """Mixin of :class:`~xoffload.kv.quest.OffloadQuestBatchKV`: ``h2d_bytes_per_step`` and
     ``decode_stats`` (it reads the store's ``policy``, ``pcache``, ``sparse`` / ``dense`` layers,
-    ``page``, ``dense_on_gpu`` and ``_tok_layer_bytes``)."""
+    ``page``, ``dense_on_gpu`` and ``_tok_layer_bytes``: bytes of one token of one layer in the
+    pool, an fp8 pool's codes plus its scales per token)."""
 
     def _cache_counts(self, seq):
         """(hits, lookups) of ``seq``'s page cache, or None without one / before its first step."""
@@ -25,12 +26,12 @@ class QuestStats:
         dense = 0 if self.dense_on_gpu else len(self.dense) * p.num_candidates * self.page * self._tok_layer_bytes
         hl = self._cache_counts(seq)
         if hl is None:
-            return len(self.sparse) * p.pages_per_step * self.page * self._tok_layer_bytes + dense
+            return int(len(self.sparse) * p.pages_per_step * self.page * self._tok_layer_bytes + dense)
         hits, looks = hl  # lookups per step: sparse layers x KV heads x k_r (as the one-request store counts)
         hkv = self.cfg.num_kv_heads
         steps = looks // max(1, len(self.sparse) * hkv * p.pages_per_step)
         page_bytes = self.page * self._tok_layer_bytes // hkv  # K and V of one page of one KV head
-        return int((looks - hits) * page_bytes / steps) + dense
+        return int((looks - hits) * page_bytes / steps + dense)
 
     def decode_stats(self, seq) -> dict:
         """With the page cache: ``cache_hit_rate`` (None before a lookup), ``cache_slots`` (this

@@ -80,9 +80,14 @@ class LayerStaging:
         skip_negative: negative entries of :attr:`ids` copy nothing (their staged block keeps
             what it held); otherwise every entry must be a valid pool block.
 
+    An fp8 pool's scales (``pool.k_scale`` / ``v_scale``) are staged beside the codes, one more
+    gather launch per layer (:meth:`scales`).
+
     Attributes:
         k, v: per buffer (2), the staged K / V ``[N, block, Hkv, D]`` of the pool's dtype
             (zeroed at first).
+        k_scale, v_scale: fp8 pools: per buffer, the staged scales ``[N, block // scale_page,
+            Hkv]`` fp32; else None.
         ids: int32 ``[N]`` on ``device``, the pool block copied into each staged block; the owner
             writes it before the steps that read it (stream-ordered on the current stream).
         nbytes: bytes of the two buffers.
@@ -96,8 +101,14 @@ class LayerStaging:
         shape = (self.n,) + tuple(pool.k[0].shape[1:])
         self.k = [torch.zeros(shape, dtype=pool.k[0].dtype, device=self.device) for _ in range(2)]
         self.v = [torch.zeros_like(t) for t in self.k]
+        self.fp8 = bool(getattr(pool, "fp8", False))
+        self.k_scale = self.v_scale = None
+        if self.fp8:
+            sshape = (self.n,) + tuple(pool.k_scale[0].shape[1:])
+            self.k_scale = [torch.ones(sshape, dtype=torch.float32, device=self.device) for _ in range(2)]
+            self.v_scale = [torch.ones_like(t) for t in self.k_scale]
         self.ids = torch.full((self.n,), -1 if self.skip else 0, dtype=torch.int32, device=self.device)
-        self.nbytes = 4 * self.k[0].numel() * self.k[0].element_size()
+        self.nbytes = 4 * self.k[0].numel() * self.k[0].element_size() + (4 * self.k_scale[0].numel() * 4 if self.fp8 else 0)
         cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if cuda else None
         self._copied = [torch.cuda.Event() for _ in range(self.L)] if cuda else []
@@ -118,8 +129,12 @@ class LayerStaging:
         c, i = self._count, layer & 1
         cs = self._stream
         with torch.cuda.stream(cs) if cs is not None else contextlib.nullcontext():
-            gather_blocks(self.pool.k[layer], self.pool.v[layer], self.ids[:c], self.k[i][:c], self.v[i][:c],
-                          skip_negative=self.skip)
+            pk, pv, ok, ov = self.pool.k[layer], self.pool.v[layer], self.k[i][:c], self.v[i][:c]
+            if self.fp8:  # codes as bytes (no fp8 index ops on the CPU), then the scales
+                pk, pv, ok, ov = (t.view(torch.uint8) for t in (pk, pv, ok, ov))
+                gather_blocks(self.pool.k_scale[layer], self.pool.v_scale[layer], self.ids[:c], self.k_scale[i][:c],
+                              self.v_scale[i][:c], skip_negative=self.skip)
+            gather_blocks(pk, pv, self.ids[:c], ok, ov, skip_negative=self.skip)
             if cs is not None:
                 self._copied[layer].record(cs)
 
@@ -129,6 +144,11 @@ class LayerStaging:
         if self._stream is not None:
             torch.cuda.current_stream(self.device).wait_event(self._copied[layer])
         return self.k[layer & 1], self.v[layer & 1]
+
+    def scales(self, layer: int):
+        """fp8 pools: ``(k_scale, v_scale)`` ``[N, block // scale_page, Hkv]`` of layer ``layer``'s
+        staged blocks (call after :meth:`acquire`, which orders the current stream after them)."""
+        return self.k_scale[layer & 1], self.v_scale[layer & 1]
 
     def release(self, layer: int) -> None:
         """Layer ``layer``'s reads of its buffer are enqueued: the buffer takes layer ``layer + 2``

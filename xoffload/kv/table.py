@@ -1,6 +1,8 @@
 """The store table: the one place a configuration's KV store is chosen, and the runtime it needs."""
 from __future__ import annotations
 
+import torch
+
 from ..runtime import OffloadRuntime
 
 __all__ = ["batch_store_class", "open_runtime"]
@@ -49,7 +51,7 @@ def batch_store_class(config):
 def open_runtime(model, config, store_kw: dict) -> OffloadRuntime | None:
     """The engine's :class:`~xoffload.runtime.OffloadRuntime` for the store the table chose: a pinned
     host pool of ``kv_cache_tokens`` tokens (default ``max_num_seqs * max_model_len``) in offload
-    mode, a pool on the model's device for ``pool_placement="device"``
+    mode (fp8 codes and scales with ``kv_cache_dtype="fp8"``), a pool on the model's device for ``pool_placement="device"``
     (:func:`~.device_runtime.open_device_runtime`), None for the resident dense stores (their GPU
     pool is opened per store epoch).
 
@@ -68,5 +70,6 @@ def open_runtime(model, config, store_kw: dict) -> OffloadRuntime | None:
         blocks = -(-config.kv_cache_tokens // B)
     else:
         blocks = config.max_num_seqs * (-(-config.max_model_len // B) + int(config.prefix_caching))
+    fp8 = {"kv_dtype": torch.float8_e4m3fn, "scale_page": config.kv_scale_page} if config.fp8 else {}
     return OffloadRuntime(c.num_layers, c.num_kv_heads, c.head_dim, dtype=model.dtype, device=str(model.device),
-                          max_tokens=config.max_model_len, block_size=B, num_blocks=blocks)
+                          max_tokens=config.max_model_len, block_size=B, num_blocks=blocks, **fp8)

@@ -38,6 +38,15 @@ Ordering is by CUDA events only (no device-wide synchronize):
   ordered); the writer's ``write_ev`` of every layer becomes the copy's event. It runs in
   ``offload_layer``, ``flush`` and ``begin_step`` (never in ``end_layer``, which cannot fail).
 
+FP8 pools (``kv_dtype=torch.float8_e4m3fn``, ``scale_page=P``): K/V are handed in (and read back
+by :meth:`fetch_blocks` / :meth:`host_kv`) in ``dtype``; :meth:`offload_layer` quantizes them on
+the caller's stream (:func:`~xoffload.kernels.fp8.quantize_kv_fp8`, a scale per ``P`` tokens and
+KV head, ``P = 1``: per token) and copies codes and scales into the pool; a write starts on a
+scale-page boundary (``P > 1``), so a page's scale is computed once, from all of the page's tokens
+that one write brings, and never changes the codes already stored. Reads dequantize
+(:func:`~xoffload.kernels.fp8.dequantize_kv_fp8`). Copy-on-write copies the scales with the codes.
+The ring decode path (``begin_step``) reads 16-bit pools only.
+
 Host mode (``device="cpu"``): the same code with host tensors; copies are synchronous and the
 streams/events are no-ops.
 """
@@ -50,6 +59,7 @@ import torch
 from .streams import Pending, Sync
 from .allocator import BlockAllocator, block_runs
 from ..kernels.checks import check_int
+from ..kernels.fp8 import FP8_DTYPE, check_fp8_supported, dequantize_kv_fp8, quantize_kv_fp8
 from ..kernels.gather import gather_blocks
 from .pool import CpuKVPool, DeviceKVPool
 from .ring import LayerRing
@@ -76,6 +86,9 @@ class OffloadRuntime:
         placement: where the pool's blocks live: ``"host"`` (default, :class:`CpuKVPool`) or
             ``"device"`` (:class:`~.pool.DeviceKVPool` on ``device``: prefill's copies and the
             reads are device to device; every method and ordering rule stays the same).
+        kv_dtype: what the pool stores: None (``dtype``) or ``torch.float8_e4m3fn`` (e4m3 codes
+            and fp32 scales, see the module docstring; needs ``scale_page``).
+        scale_page: fp8 pools: tokens per scale (1: per token; else a divisor of ``block_size``).
 
     GPU memory: each active decode step holds a ring of N x 2 x round_up(max_tokens, block_size)
     x Hkv x D elements; each sequence that has decoded holds a decode buffer of num_layers x 2 x
@@ -83,13 +96,15 @@ class OffloadRuntime:
 
     Raises:
         ValueError/TypeError for bad arguments; PoolAllocationError (a MemoryError) when the host
-        pool cannot be allocated (message names the size and suggests fewer/smaller blocks).
+        pool cannot be allocated (message names the size and suggests fewer/smaller blocks);
+        RuntimeError: an fp8 pool for a GPU below compute capability 8.9.
     """
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, *,
                  dtype: torch.dtype = torch.bfloat16, device="cuda", max_tokens: int = 131072,
                  block_size: int = 1024, num_buffers: int = 4, num_blocks: int | None = None,
-                 pin: bool = True, gather: bool | None = None, placement: str = "host"):
+                 pin: bool = True, gather: bool | None = None, placement: str = "host",
+                 kv_dtype: torch.dtype | None = None, scale_page: int | None = None):
         for name, val in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                           ("max_tokens", max_tokens), ("block_size", block_size), ("num_buffers", num_buffers)):
             check_int(name, val, 1, type_error=ValueError)
@@ -112,15 +127,26 @@ class OffloadRuntime:
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.dtype = dtype
+        self.kv_dtype = dtype if kv_dtype is None else kv_dtype
+        if self.kv_dtype not in (dtype, FP8_DTYPE):
+            raise TypeError(f"kv_dtype must be None, {dtype} or torch.float8_e4m3fn, got {kv_dtype!r}")
+        self.fp8 = self.kv_dtype == FP8_DTYPE
+        if self.fp8:
+            if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+                raise TypeError(f"an fp8 pool quantizes fp16/bf16/fp32 K/V, got dtype {dtype}")
+            check_fp8_supported(dev)
         self.device = dev
         self.max_tokens = max_tokens
         self.block_size = block_size
         self.num_buffers = num_buffers
         self.buffer_tokens = math.ceil(max_tokens / block_size) * block_size
         self._sync = Sync(dev)
-        self.pool = DeviceKVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device=dev) \
-            if placement == "device" else CpuKVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype,
-                                                    pin=pin and dev.type == "cuda")
+        sp = scale_page if self.fp8 else None
+        self.pool = DeviceKVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim, self.kv_dtype, device=dev,
+                                 scale_page=sp) \
+            if placement == "device" else CpuKVPool(num_layers, num_blocks, block_size, num_kv_heads, head_dim,
+                                                    self.kv_dtype, pin=pin and dev.type == "cuda", scale_page=sp)
+        self.scale_page = self.pool.scale_page  # tokens per scale of an fp8 pool; 0 for 16-bit
         self.allocator = BlockAllocator(num_blocks, block_size)
         readable = self.pool.pinned or placement == "device"  # the device can read it in place
         self.use_gather = (dev.type == "cuda" and readable) if gather is None else bool(gather)
@@ -283,7 +309,8 @@ class OffloadRuntime:
 
         Raises:
             ValueError: unknown/freed seq, bad layer, shape mismatch, device mismatch, called
-                during a decode step, or the layer would pass ``max_tokens``.
+                during a decode step, the layer would pass ``max_tokens``, or (an fp8 pool with
+                ``scale_page > 1``) the layer's length is not a multiple of ``scale_page``.
             TypeError: wrong dtype or not a tensor.
             PoolExhaustedError (ValueError): not enough free blocks (names needed and free).
             Nothing is changed when an error is raised.
@@ -307,20 +334,30 @@ class OffloadRuntime:
             raise ValueError(
                 f"offload_layer: layer {l} of sequence {seq} would hold {new_len} tokens "
                 f"({s.layer_len[l]} + {T}), more than max_tokens={self.max_tokens}")
+        if self.fp8 and self.scale_page > 1 and s.layer_len[l] % self.scale_page:
+            raise ValueError(
+                f"offload_layer: layer {l} of sequence {seq} holds {s.layer_len[l]} tokens, not a multiple of the "
+                f"fp8 pool's scale page ({self.scale_page} tokens): a page's scale is written once, with the page")
         self._make_writable(s, s.pool_len[l], new_len)
         self._pending.prune()
+        scales = ()
+        if self.fp8:  # quantized on the caller's stream, the codes and scales then copied out
+            gran = "token" if self.scale_page == 1 else "page"
+            k, ks = quantize_kv_fp8(k, page_size=self.scale_page, granularity=gran)
+            v, vs = quantize_kv_fp8(v, page_size=self.scale_page, granularity=gran)
+            scales = (ks, vs)
         off = self._offload_stream
         off.wait_event(self._sync.record())
         flushed = s.dec_len[l] > 0
         with self._sync.use(off):
             if flushed:  # tokens decoded since the last full block go first (pool stays in order)
                 self._dec_to_pool(s, l)
-            self._write_pool(s, l, s.pool_len[l], k, v)
+            self._write_pool(s, l, s.pool_len[l], k, v, *scales)
         ev = self._sync.record(off)
         s.write_ev[l] = ev
         if flushed:
             s.flush_ev[l] = ev
-        self._pending.add(ev, k, v)
+        self._pending.add(ev, k, v, *scales)
         s.pool_len[l] += T
         s.layer_len[l] = new_len
         return ev
@@ -334,9 +371,13 @@ class OffloadRuntime:
         read blocks with :meth:`fetch_blocks` (sparse decode).
 
         Raises ValueError: seq unknown or already in a step, layers of unequal length, the
-        sequence is at ``max_tokens``; PoolExhaustedError when no block is free for the new token.
+        sequence is at ``max_tokens``, an fp8 pool (the batched stores read those; the decode
+        buffer and ring hold 16-bit KV); PoolExhaustedError when no block is free for the new token.
         """
         s = self._get(seq)
+        if self.fp8:
+            raise ValueError("begin_step: the decode buffer and ring read 16-bit pools; this pool stores fp8 codes "
+                             "(the batched KV stores read them with their scales)")
         if s.step is not None:
             raise ValueError(f"begin_step: sequence {seq} is already in a decode step")
         if len(set(s.layer_len)) != 1:
@@ -489,8 +530,11 @@ class OffloadRuntime:
         if s.write_ev[l] is not None:
             cur.wait_event(s.write_ev[l])
         phys = [table[b] for b in ids]
-        self._gather(l, phys, out_k.view(n, bs, self.num_kv_heads, self.head_dim),
-                     out_v.view(n, bs, self.num_kv_heads, self.head_dim))
+        if self.fp8:  # codes and scales gathered, dequantized into the outputs
+            out_k, out_v = self._gather_fp8(l, phys)
+        else:
+            self._gather(l, phys, out_k.view(n, bs, self.num_kv_heads, self.head_dim),
+                         out_v.view(n, bs, self.num_kv_heads, self.head_dim))
         # tokens not in the pool: decode buffer rows, then zeros
         p = s.pool_len[l]
         live = s.layer_len[l] + (1 if (s.step is not None and s.step.open == l) else 0)
@@ -572,6 +616,10 @@ class OffloadRuntime:
         table = self.allocator.table(seq)
         ks, vs = [], []
         for phys, _, m in block_runs(table, 0, s.pool_len[l], self.block_size):
+            if self.fp8:
+                ks.append(self._dequant_rows(l, phys, m, "k"))
+                vs.append(self._dequant_rows(l, phys, m, "v"))
+                continue
             ks.append(self.pool.k_rows(l)[phys:phys + m].to("cpu", copy=True))
             vs.append(self.pool.v_rows(l)[phys:phys + m].to("cpu", copy=True))
         d = s.dec_len[l]
@@ -706,33 +754,44 @@ class OffloadRuntime:
         Host mode: a plain copy."""
         pool = self.pool
         self.cow_copies += 1
+        parts = [(pool.k, pool.v)] + ([(pool.k_scale, pool.v_scale)] if self.fp8 else [])  # scales move with codes
         if self.device.type == "cpu":
             for l in range(self.num_layers):
-                pool.k[l][new].copy_(pool.k[l][old])
-                pool.v[l][new].copy_(pool.v[l][old])
+                for pk, pv in parts:
+                    pk[l][new].copy_(pk[l][old])
+                    pv[l][new].copy_(pv[l][old])
             return
         off = self._offload_stream
+        tmps = []
         with self._sync.use(off):
-            tmp = torch.empty((2, self.block_size, self.num_kv_heads, self.head_dim), dtype=self.dtype,
-                              device=self.device)
-            for l in range(self.num_layers):  # one bounce buffer, reused in stream order
-                tmp[0].copy_(pool.k[l][old], non_blocking=True)
-                tmp[1].copy_(pool.v[l][old], non_blocking=True)
-                pool.k[l][new].copy_(tmp[0], non_blocking=True)
-                pool.v[l][new].copy_(tmp[1], non_blocking=True)
+            for pk, pv in parts:
+                tmp = torch.empty((2,) + tuple(pk[0].shape[1:]), dtype=pk[0].dtype, device=self.device)
+                tmps.append(tmp)
+                for l in range(self.num_layers):  # one bounce buffer, reused in stream order
+                    tmp[0].copy_(pk[l][old], non_blocking=True)
+                    tmp[1].copy_(pv[l][old], non_blocking=True)
+                    pk[l][new].copy_(tmp[0], non_blocking=True)
+                    pv[l][new].copy_(tmp[1], non_blocking=True)
         ev = self._sync.record(off)
-        self._pending.add(ev, tmp)
+        self._pending.add(ev, *tmps)
         for l in range(self.num_layers):
             s.write_ev[l] = ev
 
-    def _write_pool(self, s, l, start, k, v):
-        """Enqueue copies of k/v (token 0 = sequence token ``start``) into the pool, one per run."""
+    def _write_pool(self, s, l, start, k, v, ks=None, vs=None):
+        """Enqueue copies of k/v (token 0 = sequence token ``start``) into the pool, one per run;
+        for an fp8 pool k/v are codes and ``ks`` / ``vs`` their scales (a row per ``scale_page``
+        tokens, ``start`` on a page boundary)."""
         table = self.allocator.table(s.id)
         pk, pv = self.pool.k_rows(l), self.pool.v_rows(l)
+        p = self.scale_page
         for phys, t, m in block_runs(table, start, start + k.shape[0], self.block_size):
             a = t - start
             pk[phys:phys + m].copy_(k[a:a + m], non_blocking=True)
             pv[phys:phys + m].copy_(v[a:a + m], non_blocking=True)
+            if ks is not None:  # runs start on block (so page) boundaries after an aligned start
+                r0, r1, a0 = phys // p, -(-(phys + m) // p), a // p
+                self.pool.k_scale_rows(l)[r0:r1].copy_(ks[a0:a0 + r1 - r0], non_blocking=True)
+                self.pool.v_scale_rows(l)[r0:r1].copy_(vs[a0:a0 + r1 - r0], non_blocking=True)
 
     def _dec_to_pool(self, s, l):
         """Copy the decode buffer of layer l into the pool (on the current = offload stream)."""
@@ -774,22 +833,45 @@ class OffloadRuntime:
             kb[t:t + m].copy_(pk[phys:phys + m], non_blocking=True)
             vb[t:t + m].copy_(pv[phys:phys + m], non_blocking=True)
 
-    def _gather(self, l, phys, out_k, out_v):
-        """Blocks ``phys`` of layer l -> out_k/out_v ``[n, bs, Hkv, D]`` on the current stream."""
+    def _gather(self, l, phys, out_k, out_v, src=None):
+        """Blocks ``phys`` of layer l -> out_k/out_v ``[n, bs, Hkv, D]`` on the current stream
+        (``src``: other per-block tensors ``(k, v)`` of the layer, e.g. an fp8 pool's scales)."""
+        sk, sv = (self.pool.k[l], self.pool.v[l]) if src is None else src
         if self.device.type == "cpu":
             idx = torch.tensor(phys, dtype=torch.int64)
-            gather_blocks(self.pool.k[l], self.pool.v[l], idx, out_k, out_v, backend="torch")
+            gather_blocks(sk, sv, idx, out_k, out_v, backend="torch")
             return
         if not self.use_gather:
             for i, b in enumerate(phys):  # one copy per block (unpinned pool)
-                out_k[i].copy_(self.pool.k[l][b], non_blocking=True)
-                out_v[i].copy_(self.pool.v[l][b], non_blocking=True)
+                out_k[i].copy_(sk[b], non_blocking=True)
+                out_v[i].copy_(sv[b], non_blocking=True)
             return
         # ids go H2D on the current stream from pinned staging (a pageable copy would wait for
         # the stream); the index tensor is allocated and used on this stream only
         host = torch.tensor(list(phys), dtype=torch.int32).pin_memory()
         idx = host.to(self.device, non_blocking=True)
-        gather_blocks(self.pool.k[l], self.pool.v[l], idx, out_k, out_v, backend="triton")
+        gather_blocks(sk, sv, idx, out_k, out_v, backend="triton")
+
+    def _gather_fp8(self, l, phys):
+        """Blocks ``phys`` of layer l of an fp8 pool, dequantized: ``(k, v)`` ``[n * bs, Hkv, D]``
+        in ``dtype`` on the device (current stream)."""
+        n, bs, h, d, p = len(phys), self.block_size, self.num_kv_heads, self.head_dim, self.scale_page
+        codes = [torch.empty((n, bs, h, d), dtype=torch.uint8, device=self.device) for _ in range(2)]
+        sc = [torch.empty((n, bs // p, h), dtype=torch.float32, device=self.device) for _ in range(2)]
+        pool = self.pool
+        self._gather(l, phys, codes[0], codes[1], src=([t.view(torch.uint8) for t in (pool.k[l], pool.v[l])]))
+        self._gather(l, phys, sc[0], sc[1], src=(pool.k_scale[l], pool.v_scale[l]))
+        gran = "token" if p == 1 else "page"
+        return tuple(dequantize_kv_fp8(c.view(FP8_DTYPE).view(n * bs, h, d), s_.view(-1, h), self.dtype,
+                                       page_size=p, granularity=gran) for c, s_ in zip(codes, sc))
+
+    def _dequant_rows(self, l, row, m, which):
+        """Host copy of rows ``[row, row + m)`` of layer l's K or V of an fp8 pool, dequantized."""
+        p = self.scale_page
+        codes = (self.pool.k_rows(l) if which == "k" else self.pool.v_rows(l))[row:row + m].to("cpu", copy=True)
+        srows = (self.pool.k_scale_rows(l) if which == "k" else self.pool.v_scale_rows(l))
+        sc = srows[row // p:-(-(row + m) // p)].to("cpu", copy=True)
+        return dequantize_kv_fp8(codes, sc, self.dtype, page_size=p, granularity="token" if p == 1 else "page")
 
     @staticmethod
     def _ids(block_ids) -> list[int]:

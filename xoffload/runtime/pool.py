@@ -6,6 +6,16 @@ num_kv_heads, head_dim]`` tensors, so one layer's blocks are large contiguous pi
 ``v_rows`` view them as token rows, ``close`` drops the memory, ``placement`` says where it is
 (``"host"`` / ``"device"``) and ``label`` names it in messages.
 
+FP8 pools (``dtype=torch.float8_e4m3fn``, ``scale_page=P``): the blocks hold e4m3 codes and each
+layer has fp32 scales beside them, ``k_scale[layer]`` / ``v_scale[layer]`` ``[num_blocks,
+block_size // P, Hkv]`` (one per ``P`` consecutive tokens of a block and KV head; ``P = 1``: one
+per token), indexed by block like the codes, so whatever moves or shares a block (copy-on-write,
+the prefix cache, staging) finds its scales at the same block id; ``k_scale_rows`` /
+``v_scale_rows`` view them as ``[num_blocks * block_size // P, Hkv]``, the scales of a row store
+of pages of ``P`` rows (:func:`xoffload.kernels.fp8.quantize_kv_fp8`'s layout). In a pinned pool
+the scales share the codes' registered slabs (the GPU reads both over UVA). 16-bit pools have
+``k_scale = v_scale = None``.
+
 Pinning (DESIGN.md, Runtime): plain host memory is allocated in slabs (``torch.empty`` on the CPU,
 page-aligned inside the allocation) and each slab is registered with
 ``torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)``; the exact size is pinned, where
@@ -122,6 +132,23 @@ def reuse_pinned_slabs():
         cache.close()
 
 
+FP8 = torch.float8_e4m3fn
+
+
+def _check_scale_page(dtype, scale_page, block_size) -> int:
+    """Tokens per scale of an fp8 pool (``scale_page``, dividing ``block_size``); 0 for a 16-bit pool
+    (``scale_page`` must then be None). Raises ValueError naming the value."""
+    if dtype != FP8:
+        if scale_page is not None:
+            raise ValueError(f"scale_page={scale_page!r} is given but the pool stores {dtype}: scales belong to "
+                             f"float8_e4m3fn pools only")
+        return 0
+    check_int("scale_page", scale_page, 1, type_error=ValueError)
+    if block_size % scale_page:
+        raise ValueError(f"scale_page={scale_page} must divide block_size={block_size} (a block holds whole scale pages)")
+    return int(scale_page)
+
+
 def _check_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype) -> int:
     """Validate a pool's shape and dtype; returns the element size in bytes."""
     for name, val, lo in (("num_layers", num_layers, 1), ("num_blocks", num_blocks, 0),
@@ -144,6 +171,30 @@ class _PoolViews:
         """Layer ``layer``'s V as flat token rows ``[num_blocks * block_size, Hkv, D]`` (a view)."""
         return self.v[layer].view(-1, self.num_kv_heads, self.head_dim)
 
+    @property
+    def fp8(self) -> bool:
+        """Whether the blocks hold e4m3 codes with fp32 scales (``k_scale`` / ``v_scale``)."""
+        return self.scale_page > 0
+
+    def k_scale_rows(self, layer: int) -> torch.Tensor:
+        """fp8 pools: layer ``layer``'s K scales ``[num_blocks * block_size // scale_page, Hkv]`` (a view)."""
+        return self.k_scale[layer].view(-1, self.num_kv_heads)
+
+    def v_scale_rows(self, layer: int) -> torch.Tensor:
+        """fp8 pools: layer ``layer``'s V scales ``[num_blocks * block_size // scale_page, Hkv]`` (a view)."""
+        return self.v_scale[layer].view(-1, self.num_kv_heads)
+
+    def _scale_shape(self) -> tuple:
+        return (self.num_blocks, self.block_size // max(self.scale_page, 1), self.num_kv_heads)
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Bytes one token takes in the pool, K and V of every layer (codes and scales)."""
+        per = 2 * self.num_kv_heads * self.head_dim * self.itemsize
+        if self.scale_page:
+            per += 2 * self.num_kv_heads * 4 / self.scale_page
+        return self.num_layers * per
+
 
 class CpuKVPool(_PoolViews):
     """Layer-major host K/V storage for ``num_layers x num_blocks x block_size`` tokens.
@@ -151,7 +202,9 @@ class CpuKVPool(_PoolViews):
     Args:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: the shape (all ints; blocks
             may be 0, the others >= 1).
-        dtype: element dtype (fp16/bf16/fp32 or any fixed-size dtype).
+        dtype: element dtype (fp16/bf16/fp32, or ``torch.float8_e4m3fn`` with ``scale_page``).
+        scale_page: fp8 pools only: tokens per fp32 scale (dividing ``block_size``; 1: a scale per
+            token); see the module docstring.
         pin: register the memory with CUDA (page-locked, device-readable through UVA). Ignored
             (plain memory) when CUDA is not available.
         slab_bytes: target size of one allocation+registration; whole layers are grouped into a
@@ -159,7 +212,9 @@ class CpuKVPool(_PoolViews):
 
     Attributes:
         k, v: lists of ``[num_blocks, block_size, Hkv, D]`` host tensors, one per layer.
-        nbytes: bytes asked for (K and V of every layer).
+        k_scale, v_scale: fp8 pools: lists of fp32 ``[num_blocks, block_size // scale_page, Hkv]``
+            host tensors in the same slabs; else None.
+        nbytes: bytes asked for (K and V of every layer, scales included).
         allocated_bytes: bytes actually allocated (nbytes plus < 2 pages of alignment per slab).
         pinned: whether the memory is registered with CUDA.
         placement: ``"host"``; label: ``"CPU pool"``.
@@ -175,8 +230,9 @@ class CpuKVPool(_PoolViews):
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.bfloat16, *, pin: bool = True,
-                 slab_bytes: int = DEFAULT_SLAB_BYTES):
+                 slab_bytes: int = DEFAULT_SLAB_BYTES, scale_page: int | None = None):
         self.itemsize = _check_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        self.scale_page = _check_scale_page(dtype, scale_page, block_size)
         self.num_layers = num_layers
         self.num_blocks = num_blocks
         self.block_size = block_size
@@ -184,7 +240,9 @@ class CpuKVPool(_PoolViews):
         self.head_dim = head_dim
         self.dtype = dtype
         self.block_bytes = block_size * num_kv_heads * head_dim * self.itemsize  # one of K or V
-        self.layer_bytes = 2 * num_blocks * self.block_bytes
+        # fp32 scales of one block of K or V (after the codes of the layer, in its slab)
+        self.scale_block_bytes = (block_size // self.scale_page) * num_kv_heads * 4 if self.scale_page else 0
+        self.layer_bytes = 2 * num_blocks * (self.block_bytes + self.scale_block_bytes)
         self.nbytes = num_layers * self.layer_bytes
         self.pinned = bool(pin) and torch.cuda.is_available()
         self._slabs: list[torch.Tensor] = []
@@ -194,6 +252,8 @@ class CpuKVPool(_PoolViews):
         self.allocated_bytes = 0
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.k_scale = [] if self.scale_page else None
+        self.v_scale = [] if self.scale_page else None
 
         if self.pinned:
             avail = _mem_available()
@@ -212,11 +272,21 @@ class CpuKVPool(_PoolViews):
                     for _ in range(nl):
                         self.k.append(empty)
                         self.v.append(empty)
+                        if self.scale_page:
+                            es = torch.empty(self._scale_shape(), dtype=torch.float32)
+                            self.k_scale.append(es)
+                            self.v_scale.append(es)
                     continue
-                lay = raw.view(dtype).view(nl, 2, *blk_shape)
+                code_bytes = 2 * num_blocks * self.block_bytes
                 for i in range(nl):
-                    self.k.append(lay[i, 0])
-                    self.v.append(lay[i, 1])
+                    lay = raw[i * self.layer_bytes:(i + 1) * self.layer_bytes]
+                    kv = lay[:code_bytes].view(dtype).view(2, *blk_shape)
+                    self.k.append(kv[0])
+                    self.v.append(kv[1])
+                    if self.scale_page:  # codes bytes are a multiple of 16: the scales stay 4-byte aligned
+                        sc = lay[code_bytes:].view(torch.float32).view(2, *self._scale_shape())
+                        self.k_scale.append(sc[0])
+                        self.v_scale.append(sc[1])
         except BaseException:
             self.close()
             raise
@@ -283,6 +353,8 @@ class CpuKVPool(_PoolViews):
         for span, base, raw in cached:  # back to the cache they came from (reuse_pinned_slabs)
             self._cache.give(span, base, raw)
         self.k, self.v, self._slabs = [], [], []
+        if self.scale_page:
+            self.k_scale, self.v_scale = [], []
 
     def __del__(self):
         try:
@@ -293,7 +365,7 @@ class CpuKVPool(_PoolViews):
     def __repr__(self):
         return (f"CpuKVPool(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, dtype={self.dtype}, "
-                f"nbytes={self.nbytes}, pinned={self.pinned})")
+                f"scale_page={self.scale_page or None}, nbytes={self.nbytes}, pinned={self.pinned})")
 
 
 class DeviceKVPool(_PoolViews):
@@ -307,7 +379,8 @@ class DeviceKVPool(_PoolViews):
     Args:
         num_layers, num_blocks, block_size, num_kv_heads, head_dim: the shape (ints; blocks may be
             0, the others >= 1).
-        dtype: floating-point element dtype.
+        dtype: floating-point element dtype (``torch.float8_e4m3fn`` with ``scale_page``).
+        scale_page: fp8 pools only: tokens per fp32 scale (see the module docstring).
         device: where the blocks live (``"cuda"``, ``"cuda:i"``, ``"cpu"`` or a torch.device).
 
     Attributes:
@@ -325,23 +398,31 @@ class DeviceKVPool(_PoolViews):
     pinned = False
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.bfloat16, *, device="cuda"):
+                 head_dim: int, dtype: torch.dtype = torch.bfloat16, *, device="cuda", scale_page: int | None = None):
         self.itemsize = _check_shape(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype)
+        self.scale_page = _check_scale_page(dtype, scale_page, block_size)
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         self.device = torch.device(device)
         self.label = "GPU pool" if self.device.type == "cuda" else "device pool"
         self.block_bytes = block_size * num_kv_heads * head_dim * self.itemsize  # one of K or V
-        self.layer_bytes = 2 * num_blocks * self.block_bytes
+        self.scale_block_bytes = (block_size // self.scale_page) * num_kv_heads * 4 if self.scale_page else 0
+        self.layer_bytes = 2 * num_blocks * (self.block_bytes + self.scale_block_bytes)
         self.nbytes = self.allocated_bytes = num_layers * self.layer_bytes
         self.k: list[torch.Tensor] = []
         self.v: list[torch.Tensor] = []
+        self.k_scale = [] if self.scale_page else None
+        self.v_scale = [] if self.scale_page else None
         shape = (2, num_blocks, block_size, num_kv_heads, head_dim)
         try:
             for _ in range(num_layers):  # one allocation per layer: no single huge segment
                 kv = torch.zeros(shape, dtype=dtype, device=self.device)
                 self.k.append(kv[0])
                 self.v.append(kv[1])
+                if self.scale_page:
+                    sc = torch.ones((2,) + self._scale_shape(), dtype=torch.float32, device=self.device)
+                    self.k_scale.append(sc[0])
+                    self.v_scale.append(sc[1])
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
             self.close()
             why = (str(e).splitlines() or [type(e).__name__])[0]
@@ -355,6 +436,8 @@ class DeviceKVPool(_PoolViews):
         """Drop the memory (back to torch's caching allocator). The caller makes sure no kernel or
         copy that reads or writes the pool is still queued (the runtime's ``close`` waits)."""
         self.k, self.v = [], []
+        if self.scale_page:
+            self.k_scale, self.v_scale = [], []
 
     def __repr__(self):
         return (f"DeviceKVPool(layers={self.num_layers}, blocks={self.num_blocks}, block_size={self.block_size}, "
