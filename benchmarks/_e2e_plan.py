@@ -91,12 +91,15 @@ def fp8_configs() -> dict:
     (e4m3) KV cache (``kv_cache_dtype="fp8"``: codes + fp32 scales in the pinned pool, half the
     PCIe bytes of a decode step) beside the 16-bit rows of the same name without ``-fp8``: page
     scales (one per 64 tokens, or per Quest page) and ``-token`` (one per token)."""
+    from xoffload.sparse import QuestDecode
+
     fp8, tok = {"kv_cache_dtype": "fp8"}, {"kv_cache_dtype": "fp8", "kv_cache_scale": "token"}
     return {"offload-fp8": {"mode": "offload", **fp8}, "offload-fp8-token": {"mode": "offload", **tok},
             "offload-uva-fp8": {"mode": "offload", "offload_decode": "uva", **fp8},
             "offload+quest-fp8": {"mode": "offload", "sparse_decode": "quest", **fp8},
             "offload+quest-fp8-token": {"mode": "offload", "sparse_decode": "quest", **tok},
-            "offload+quest-ch-fp8": {"mode": "offload", "sparse_decode": "quest-ch", **fp8}}
+            "offload+quest-ch-fp8": {"mode": "offload", "sparse_decode": "quest-ch", **fp8},
+            "offload+quest-fp8-nocache": {"mode": "offload", "sparse_decode": QuestDecode(cache_pages=0), **fp8}}
 
 
 def reuse_configs() -> dict:

@@ -218,14 +218,16 @@ def _common(x, y) -> int:
 
 @pytest.mark.cuda
 def test_gpu_resident_quest_batch_on_the_device_pool():
-    """bf16, random Llama-3.2-1B, resident + Quest (budget 512): the pool is on the GPU, the CUDA
+    """fp16, random Llama-3.2-1B, resident + Quest (budget 512): the pool is on the GPU, the CUDA
     graph batch gives the eager batch's tokens, no host bytes per step; every row shares its first
     token and >= 60% of its tokens (as common prefixes: a bf16 near-tie sends a row down another
     path) with the one-request store; with prefix caching, graphs equal eager exactly, rows share
     >= 60% with the run without caching (the history merge sums in another order) and the repeated
     document is reused; budget None tracks the dense resident store's logits within bf16
-    rounding; the pool is whole once idle."""
-    m = random_model("llama-3.2-1b", dtype=torch.bfloat16, device="cuda", seed=0, std=0.02)
+    rounding; the pool is whole once idle. fp16, not bf16: the random model's logits are flat, and
+    bf16's 8-bit mantissa turns the batch's other summation order into a flipped near-tie within a
+    few tokens (38 of 72 tokens shared on an H100)."""
+    m = random_model("llama-3.2-1b", dtype=torch.float16, device="cuda", seed=0, std=0.02)
     doc = _prompts([3000], seed=7, vocab=m.cfg.vocab_size)[0]
     prompts = _prompts([1, 700, 1025, 4100], vocab=m.cfg.vocab_size) + [doc + [5, 6], doc + [7]]
     sp = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -251,7 +253,7 @@ def test_gpu_resident_quest_batch_on_the_device_pool():
     assert all(n >= 1 for n in same) and sum(same) >= 0.6 * sum(map(len, a)), same
     _idle_and_whole(cached)
     _idle_and_whole(graph)
-    eps = torch.finfo(torch.bfloat16).eps
+    eps = torch.finfo(torch.float16).eps
     _check_batch_tracks_alone(m, prompts[:4], "gpu", 8, lambda la: m.cfg.num_layers * eps * float(la.abs().max()),
                               kv_block_size=1024, sparse_decode=QuestDecode(token_budget=None))
 

@@ -456,7 +456,7 @@ def test_gpu_quest_fp8_graphs_and_pcie_bytes(scale):
     """The fp8 Quest store on the GPU (bf16, pinned pool, page caches): CUDA graphs give the eager
     steps' tokens, the cache's fill moves codes and scales (a no-cache run with the same selection,
     reuse_bias 1, gives the same tokens but for near-ties), and the H2D bytes per token of the
-    uncached store are about half of bf16's."""
+    uncached store are bf16's times (codes + scales) / (2 * head_dim) bytes."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from xoffload.kernels.fp8 import check_fp8_supported
@@ -487,4 +487,9 @@ def test_gpu_quest_fp8_graphs_and_pcie_bytes(scale):
     assert same >= 0.9 * 8 * len(prompts), runs
     b16 = LLM(m, sparse_decode=QuestDecode(**q, cache_pages=0), **{**kw, "kv_cache_dtype": "auto"}).generate(
         prompts, sp)[0].timings["h2d_bytes_per_token"]
-    assert 0.5 <= b8 / b16 <= 0.55, (b8, b16)
+    # per token and KV head: D one-byte codes + a 4-byte scale per token or per page of 16
+    # tokens, against 2 * D bytes (tiny-llama's D = 16: 0.625 with token scales, 0.508 with page
+    # scales; the 8B shape's D = 128: 0.516 and 0.501)
+    D = m.cfg.head_dim
+    want = (D + (4 if scale == "token" else 4 / q["page_size"])) / (2 * D)
+    assert b8 / b16 == pytest.approx(want, rel=1e-3), (b8, b16, want)
