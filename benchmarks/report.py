@@ -105,6 +105,11 @@ SOURCES = {
                                  "--modes offload+quest,resident"),
     "ruler_real_4k.json": ("ruler", None),
     "ruler_real_8k.json": ("ruler", None),
+    "e2e_fp8.json": ("e2e", "python benchmarks/bench_e2e.py --part 8b --lengths 32768,131072 --configs resident,"
+                     "offload,offload-fp8,offload+quest,offload+quest-fp8,offload+quest-fp8-token,"
+                     "offload+quest-nocache,offload+quest-fp8-nocache --no-peers --new 32"),
+    "ruler_fp8_4k.json": ("ruler", None),
+    "ruler_fp8_8k.json": ("ruler", None),
     "ruler_policy_sweep.json": ("ruler", "python -m xoffload eval --data ../shared/ruler_data/L/*.jsonl --modes "
                                 "offload,offload+quest@B/ch=R/alpha=A[/page=P][/dense=I.J] --max-new-tokens 48 "
                                 "(L = 4096, 8192; 10 such runs side by side: the file's commands)"),
@@ -529,9 +534,46 @@ def sec_policy_sweep() -> str:
             ["policy", "4K avg", "vs dense", "worst task", "8K avg", "vs dense", "worst task"], rows)])
 
 
+def sec_fp8() -> str:
+    """The fp8 KV cache beside its 16-bit twin (decode, H2D bytes) and on the real RULER data."""
+    name = "e2e_fp8.json"
+    d = load(name)
+    rows = []
+    for fp8, bf in [("offload-fp8", "offload"), ("offload+quest-fp8", "offload+quest"),
+                    ("offload+quest-fp8-token", "offload+quest"),
+                    ("offload+quest-fp8-nocache", "offload+quest-nocache")]:
+        row = [f"`{fp8}`"]
+        for L in ("32768", "131072"):
+            a, b = d["results"][f"8b/{fp8}"][L], d["results"][f"8b/{bf}"][L]
+            row += [fmt(a["decode_steady_ms_per_token"]), fmt(b["decode_steady_ms_per_token"]),
+                    f"{a['decode_steady_ms_per_token'] / b['decode_steady_ms_per_token']:.2f}",
+                    f"{a['h2d_bytes_per_token'] / b['h2d_bytes_per_token']:.3f}"]
+        rows.append(row)
+    bound = d["results"]["8b/offload-fp8"]["131072"]["h2d_bytes_per_token"] / (d["h2d_GBps"] * 1e9) * 1e3
+    dense = d["results"]["8b/offload-fp8"]["131072"]["decode_steady_ms_per_token"]
+    sweep, r4, r8 = load("ruler_policy_sweep.json")["average"], load("ruler_fp8_4k.json"), load("ruler_fp8_8k.json")
+    acc = []
+    for m in r4["average"]:
+        a4, a8 = r4["average"][m], r8["average"][m]
+        b4, b8 = sweep["4096"][m], sweep["8192"][m]
+        acc.append([f"`{m}`", f"{a4:.1f}", f"{b4:.1f}", f"{a4 - b4:+.1f}", f"{a8:.1f}", f"{b8:.1f}", f"{a8 - b8:+.1f}"])
+    return "\n\n".join([
+        "### FP8 (e4m3) KV cache",
+        "`kv_cache_dtype=\"fp8\"`: e4m3 codes with fp32 scales (per 64 tokens or Quest page and KV head; "
+        "`-token`: per token) in the pinned pool, the staging buffers, the page caches and the GPU tail. "
+        "Decode ms/token in the steady state, fp8 beside its 16-bit twin in one run; H2D: bytes per token "
+        f"÷ the twin's. Dense fp8 offload at 128K: {dense:.0f} ms = {dense / bound:.2f}× its PCIe bound "
+        f"({bound:.0f} ms at {d['h2d_GBps']:.0f} GB/s).", provenance(name),
+        anchor("fp8") + "\n\n" + table(["config", "32K fp8", "32K 16-bit", "÷", "H2D ÷", "128K fp8", "128K 16-bit",
+                                         "÷", "H2D ÷"], rows),
+        "Real RULER data, fp8 against bf16 (the bf16 column is the policy sweep's run, another process "
+        "on another GPU: the H200):", provenance("ruler_fp8_4k.json"), provenance("ruler_fp8_8k.json"),
+        table(["mode", "4K fp8", "4K bf16", "Δ", "8K fp8", "8K bf16", "Δ"], acc)])
+
+
 def render() -> str:
     HEADLINES.clear()
-    secs = [sec_e2e_defaults(), sec_engine(), sec_conversations(), sec_e2e_all(), sec_ruler(), sec_ruler_real(), sec_policy_sweep(),
+    secs = [sec_e2e_defaults(), sec_engine(), sec_conversations(), sec_e2e_all(), sec_ruler(), sec_ruler_real(), sec_policy_sweep(), sec_fp8(),
             sec_session(), sec_batch(), sec_prefill(),
             sec_rows("decode.json", "split-KV decode (`decode_attn_with_lse`)", "frac_of_hbm_copy",
                      "÷ HBM copy",
