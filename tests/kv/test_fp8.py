@@ -59,6 +59,9 @@ def _within_e4m3(x, deq, scale_rows, page):
     ({"kv_cache_dtype": "fp8", "kv_cache_scale": "block"}, "kv_cache_scale must be 'page' or 'token', got 'block'"),
     ({"kv_cache_dtype": "fp8", "mode": "resident"}, "mode='resident'"),
     ({"kv_cache_dtype": "fp8", "mode": "resident", "sparse_decode": "quest"}, "mode='resident'"),
+    ({"kv_cache_dtype": "fp8"}, "mode='resident' (the default)"),
+    ({"kv_cache_dtype": "fp8_e4m3", "mode": "gpu"}, "kv_cache_dtype='fp8_e4m3' is stored by the offload store only"),
+    ({"kv_cache_scale": "token", "mode": "offload"}, "kv_cache_scale='token' sets the scales of an fp8 cache"),
 ])
 def test_bad_values_and_refused_combinations_are_one_line(kw, words):
     with pytest.raises(ValueError) as e:
@@ -76,7 +79,7 @@ def test_fp8_e4m3_is_fp8_and_the_scale_page():
 
 def test_an_fp32_model_is_refused_at_construction():
     m = random_model("tiny-llama", dtype=torch.float32, device="cpu", seed=1)
-    with pytest.raises(ValueError, match="needs a fp16 or bf16 model.*float32"):
+    with pytest.raises(ValueError, match="needs a fp16 or bf16 model.*float32.*--dtype bf16"):
         LLM(m, mode="offload", kv_cache_dtype="fp8", max_model_len=64)
 
 

@@ -234,10 +234,13 @@ class EngineConfig:
                              f"got {self.kv_cache_dtype!r}")
         if self.kv_cache_scale not in KV_CACHE_SCALES:
             raise ValueError(f"kv_cache_scale must be 'page' or 'token', got {self.kv_cache_scale!r}")
-        self.kv_cache_dtype = "fp8" if self.kv_cache_dtype == "fp8_e4m3" else self.kv_cache_dtype
+        given, self.kv_cache_dtype = self.kv_cache_dtype, "fp8" if self.kv_cache_dtype == "fp8_e4m3" else self.kv_cache_dtype
+        if self.kv_cache_dtype == "auto" and self.kv_cache_scale != "page":
+            raise ValueError(f"kv_cache_scale={self.kv_cache_scale!r} sets the scales of an fp8 cache; "
+                             f"kv_cache_dtype='auto' stores the model's dtype (use kv_cache_dtype='fp8')")
         why = self._fp8_refusal()
         if why:
-            raise ValueError(f"kv_cache_dtype='fp8' {why}")
+            raise ValueError(f"kv_cache_dtype={given!r} {why}")
         check_bool("prefix_caching", self.prefix_caching)
         if self.prefix_caching:
             why = self._prefix_caching_refusal()
@@ -256,8 +259,9 @@ class EngineConfig:
         if self.kv_cache_dtype != "fp8":
             return None
         if self.mode != "offload":
-            return (f"is stored by the offload store only (the pinned pool and its GPU tail); mode={self.mode!r} keeps "
-                    f"a 16-bit cache: use mode='offload' or kv_cache_dtype='auto'")
+            return (f"is stored by the offload store only (the pinned pool and its GPU tail); mode={self.mode!r}"
+                    f"{' (the default)' if self.mode == 'resident' else ''} keeps a 16-bit cache: use mode='offload' "
+                    f"(--mode offload) or kv_cache_dtype='auto'")
         return None
 
     @property
@@ -302,7 +306,7 @@ class EngineConfig:
 
             if model.dtype not in (torch.float16, torch.bfloat16):
                 raise ValueError(f"kv_cache_dtype='fp8' needs a fp16 or bf16 model (the fp8 decode kernels take 16-bit "
-                                 f"queries), the model is {model.dtype}")
+                                 f"queries), the model is {model.dtype} (dtype='bf16'; --dtype bf16 on the command line)")
             check_fp8_supported(dev)  # RuntimeError below compute capability 8.9
         self.sparse.layers(model.cfg.num_layers)  # raises for layers outside the model
         dec = None if self.sparse_decode is None else self.sparse_decode.for_model(model.cfg)
