@@ -65,6 +65,9 @@ OTHER = {
     "model.json": ("e2e", "python benchmarks/bench_llm.py"),
     "needle_quest.json": ("needle", "python benchmarks/bench_needle_sparse.py"),
     "needle_dense_h200.json": ("needle", "xoffload needle --lengths 1k,2k,4k,8k --num-depths 10"),
+    "conversations_n8_engine.json": ("conversations", "python benchmarks/bench_conversations.py --convs 8 --modes "
+                                     "offload+quest,resident (the resident leg ran out of memory under the cap at its "
+                                     "first 32K prefill, after the offload leg in the same process)"),
     "session_turns.json": ("session", "python benchmarks/bench_session.py --part profile,turns (measured a "
                            "session that stored its own history; its parts record turn2_dense and turn3_sparse)"),
 }
