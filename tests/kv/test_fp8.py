@@ -420,9 +420,9 @@ def test_a_session_turn_reuses_its_history_from_the_fp8_pool(quest):
 
 
 # -------------------------------------------------------------------------------------- GPU
-@pytest.mark.cuda
-@pytest.mark.parametrize("scale", ["page", "token"])
-def test_gpu_bf16_graphs_staged_in_place_and_the_fake_quant_reference(scale, monkeypatch):
+
+def _skip_without_fp8_gpu():
+    """Skip unless a CUDA GPU that runs the fp8 kernels (compute capability >= 8.9) is here."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from xoffload.kernels.fp8 import check_fp8_supported
@@ -431,6 +431,11 @@ def test_gpu_bf16_graphs_staged_in_place_and_the_fake_quant_reference(scale, mon
         check_fp8_supported("cuda")
     except RuntimeError as e:
         pytest.skip(str(e))
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scale", ["page", "token"])
+def test_gpu_bf16_graphs_staged_in_place_and_the_fake_quant_reference(scale, monkeypatch):
+    _skip_without_fp8_gpu()
     m = random_model("tiny-llama", dtype=torch.bfloat16, device="cuda", seed=1, std=0.15)
     prompts = _prompts([33, 1, 300, 16, 147], seed=11)
     sps = [SamplingParams(max_tokens=n, ignore_eos=True) for n in NEW]
@@ -460,15 +465,9 @@ def test_gpu_quest_fp8_graphs_and_pcie_bytes(scale):
     steps' tokens, the cache's fill moves codes and scales (a no-cache run with the same selection,
     reuse_bias 1, gives the same tokens but for near-ties), and the H2D bytes per token of the
     uncached store are bf16's times (codes + scales) / (2 * head_dim) bytes."""
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    from xoffload.kernels.fp8 import check_fp8_supported
     from xoffload.sparse import QuestDecode
 
-    try:
-        check_fp8_supported("cuda")
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    _skip_without_fp8_gpu()
     m = random_model("tiny-llama", dtype=torch.bfloat16, device="cuda", seed=1, std=0.15)
     prompts = _prompts([1500, 900, 33, 2000], seed=4)
     sp = SamplingParams(max_tokens=8, ignore_eos=True)
