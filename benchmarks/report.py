@@ -552,6 +552,11 @@ def sec_fp8() -> str:
                     f"{a['decode_steady_ms_per_token'] / b['decode_steady_ms_per_token']:.2f}",
                     f"{a['h2d_bytes_per_token'] / b['h2d_bytes_per_token']:.3f}"]
         rows.append(row)
+    def ratio128(fp8, bf):
+        a, b = d["results"][f"8b/{fp8}"]["131072"], d["results"][f"8b/{bf}"]["131072"]
+        return f"{a['decode_steady_ms_per_token'] / b['decode_steady_ms_per_token']:.2f}"
+    heads = [ratio128("offload-fp8", "offload"), ratio128("offload+quest-fp8-nocache", "offload+quest-nocache"),
+             ratio128("offload+quest-fp8-token", "offload+quest"), ratio128("offload+quest-fp8", "offload+quest")]
     bound = d["results"]["8b/offload-fp8"]["131072"]["h2d_bytes_per_token"] / (d["h2d_GBps"] * 1e9) * 1e3
     dense = d["results"]["8b/offload-fp8"]["131072"]["decode_steady_ms_per_token"]
     sweep, r4, r8 = load("ruler_policy_sweep.json")["average"], load("ruler_fp8_4k.json"), load("ruler_fp8_8k.json")
@@ -567,7 +572,7 @@ def sec_fp8() -> str:
         "Decode ms/token in the steady state, fp8 beside its 16-bit twin in one run; H2D: bytes per token "
         f"÷ the twin's. Dense fp8 offload at 128K: {dense:.0f} ms = {dense / bound:.2f}× its PCIe bound "
         f"({bound:.0f} ms at {d['h2d_GBps']:.0f} GB/s).", provenance(name),
-        anchor("fp8") + "\n\n" + table(["config", "32K fp8", "32K 16-bit", "÷", "H2D ÷", "128K fp8", "128K 16-bit",
+        headline("fp8", *heads) + "\n\n" + table(["config", "32K fp8", "32K 16-bit", "÷", "H2D ÷", "128K fp8", "128K 16-bit",
                                          "÷", "H2D ÷"], rows),
         "Real RULER data, fp8 against bf16 (the bf16 column is the policy sweep's run, another process "
         "on another GPU: the H200):", provenance("ruler_fp8_4k.json"), provenance("ruler_fp8_8k.json"),
