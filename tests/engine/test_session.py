@@ -60,8 +60,8 @@ def test_three_turns_equal_one_shot(mode, kw, n):
     """Turns of 300, 40 and 90 tokens (block and page boundaries crossed, Quest reading a part of
     the pages): each answer equals one-shot generation over the whole conversation on an LLM
     without prefix caching; with prefix caching (offload) a follow-up turn reuses the conversation
-    so far and prefills only the last answer and its prompt; the pool is whole once the cache is
-    cleared."""
+    so far, the answers' KV included, and prefills only its prompt and the last answer's last token
+    (never fed to a decode step); the pool is whole once the cache is cleared."""
     m = tiny_random()
     cache = mode == "offload"
     llm = LLM(m, mode=mode, max_model_len=1024, max_num_seqs=n, prefix_caching=cache, **SDPA, **kw)
@@ -70,9 +70,10 @@ def test_three_turns_equal_one_shot(mode, kw, n):
     assert answers == _one_shot(LLM(m, mode=mode, max_model_len=1024, **SDPA, **kw), prompts, answers)
     assert outs[1].prompt_token_ids == answers[0] + prompts[1]
     if cache:
-        assert [o.timings["history_tokens"] for o in outs] == [0, 300, 346]
-        assert [o.num_cached_tokens for o in outs] == [0, 300, 346]
-        assert [o.timings["chunk_tokens"] for o in outs] == [300, 46, 96]  # last answer + prompt
+        assert [len(a) for a in answers] == [6, 6, 6]
+        assert [o.timings["history_tokens"] for o in outs] == [0, 305, 351]  # 300 + 5, 300 + 6 + 40 + 5
+        assert [o.num_cached_tokens for o in outs] == [0, 305, 351]
+        assert [o.timings["chunk_tokens"] for o in outs] == [300, 41, 91]  # last answer token + prompt
         assert [o.timings["history_recomputed_tokens"] for o in outs] == [0, 0, 0]
         eng = llm.offload
         assert eng.sequences() == []
@@ -85,8 +86,9 @@ def test_three_turns_equal_one_shot(mode, kw, n):
 
 def test_follow_up_turn_prefills_only_new_tokens_and_without_caching_all():
     """The same conversation with and without prefix caching: equal answers; with it the second
-    turn prefills its 6 + 20 new tokens, without it all 326, and says it computed the first
-    turn's 300 again."""
+    turn finds the first turn's prompt and answer (but its last token, never fed to a decode step)
+    and prefills 1 + 20 tokens, without it all 326, and says it computed the first turn's 300
+    again."""
     m = tiny_random()
     prompts = _prompts([300, 20], seed=2)
     kw = dict(mode="offload", kv_block_size=32, max_model_len=1024, **SDPA)
@@ -94,7 +96,7 @@ def test_follow_up_turn_prefills_only_new_tokens_and_without_caching_all():
     b, plain = _conversation(LLM(m, **kw), prompts)
     assert a == b
     t, u = cached[1].timings, plain[1].timings
-    assert (t["prefix_reused_tokens"], t["chunk_tokens"], t["history_recomputed_tokens"]) == (300, 26, 0)
+    assert (t["prefix_reused_tokens"], t["chunk_tokens"], t["history_recomputed_tokens"]) == (305, 21, 0)
     assert "prefix_reused_tokens" not in u and plain[1].num_cached_tokens == 0
     assert (u["history_tokens"], u["chunk_tokens"], u["history_recomputed_tokens"]) == (0, 326, 300)
     assert t["prefill_ms"] > 0 and u["prefill_ms"] > 0
@@ -115,8 +117,8 @@ def test_evicted_conversation_prefills_again_and_answers_the_same(n):
     c2 = sc.generate(p[3], SP)
     a2 = sa.generate(p[3], SP)
     assert [[first[0], a2.token_ids], [first[2], c2.token_ids]] == want
-    assert c2.timings["history_recomputed_tokens"] == 0 and c2.timings["history_tokens"] == 180
-    assert a2.timings["history_recomputed_tokens"] > 0 and a2.timings["history_tokens"] < 180
+    assert c2.timings["history_recomputed_tokens"] == 0 and c2.timings["history_tokens"] == 180 + 5
+    assert a2.timings["history_recomputed_tokens"] > 0 and a2.timings["history_tokens"] < 180 + 5
     assert llm.prefix_cache.stats().evictions > 0
     for s in (sa, sb, sc):
         s.close()

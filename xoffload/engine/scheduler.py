@@ -208,6 +208,7 @@ class Scheduler:
         its queue and, if it was running, its KV is released."""
         if seq.status == RUNNING:
             self.running.remove(seq)
+            seq.finish_reason = reason  # the store may keep a finished answer's KV (kv.answers)
             self.capacity.release(seq)
         elif seq.status == WAITING:
             self.waiting.remove(seq)

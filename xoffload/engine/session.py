@@ -5,7 +5,8 @@ Each turn is a plain request of the engine loop whose prompt is the whole conver
 ``prefix_caching=True`` automatic prefix caching finds the conversation's KV and the turn prefills
 only the tokens past it, so the turns of many conversations share decode steps with each other
 and with plain requests (vLLM's way: a conversation kept between turns is cached blocks). In
-``offload`` mode the blocks live in the pinned pool for the engine's lifetime; in ``resident``
+``offload`` mode the blocks live in the pinned pool for the engine's lifetime (each answer's KV
+too, registered when its request finishes: :mod:`xoffload.kv.answers`); in ``resident``
 mode in the open store's GPU pool, which holds them while the engine is busy (a turn after the
 engine went idle prefills the conversation again). Under pool pressure the prefix cache evicts
 the least recently used blocks that no running request holds (never a running turn's); a turn

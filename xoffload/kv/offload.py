@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
+from .answers import KeptAnswers
 from .chunk import ChunkedPrefill
 from .fp8 import Fp8Region, Fp8RowPool, pool_read_bytes
 from .staging import LayerStaging, PrefillStaging
@@ -13,7 +14,7 @@ from .base import (TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _Stage
                    _pool_memory_limit, _to_device, _top_sum)
 
 
-class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
+class OffloadBatchKV(KeptAnswers, ChunkedPrefill, _CachedPrompts, BatchKV):
     """``offload`` (direct or uva decode, no decode policy): every prompt's KV in the offload
     runtime's pinned CPU pool, the generated tokens in a paged GPU tail pool (blocks of
     :data:`TAIL_BLOCK`).
@@ -135,6 +136,7 @@ class OffloadBatchKV(ChunkedPrefill, _CachedPrompts, BatchKV):
         kv = seq.kv
         if kv is None:
             return
+        self.keep_answer(seq, 0, self._prompt_blocks(seq))  # generated token j is tail row j
         self._admitted.pop(kv["key"], None)
         self._reserved -= self._prompt_blocks(seq)
         self.tail.free(kv["key"])

@@ -133,7 +133,9 @@ class Admission(Protocol):
         ...
 
     def release(self, seq) -> None:
-        """Free everything ``seq`` holds (idempotent); shared prefix blocks stay cached."""
+        """Free everything ``seq`` holds (idempotent); shared prefix blocks stay cached. A store
+        that caches prefixes first registers a finished (``seq.finish_reason`` ``stop`` /
+        ``length``) answer's KV with its prompt (:mod:`~xoffload.kv.answers`)."""
         ...
 
     def prefill_start(self, seq) -> int:

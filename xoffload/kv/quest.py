@@ -10,6 +10,7 @@ from ..runtime.allocator import BlockAllocator
 from .fp8 import Fp8Region, Fp8RowPool
 from .page_cache import BatchPageCache
 from .staging import PrefillStaging
+from .answers import KeptAnswers
 from .chunk import ChunkedPrefill
 from .quest_prefix import QuestPrefill
 from .quest_stats import QuestStats
@@ -17,7 +18,7 @@ from .base import (SUMMARY_BLOCK, TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, 
                        _join, _pool_memory_limit, _to_device, _top_sum)
 
 
-class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV):
+class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV):
     """``offload`` (or ``resident``) + :class:`~xoffload.sparse.QuestDecode`: the batched Quest store
     (docs/DESIGN.md, "The batched Quest store", says why each choice was made). Over a runtime whose
     pool is on the model's device (``pool_placement="device"``, ``resident``) pages are read in
@@ -312,6 +313,7 @@ class OffloadQuestBatchKV(QuestStats, QuestPrefill, ChunkedPrefill, _CachedPromp
         kv = seq.kv
         if kv is None:
             return
+        self.keep_answer(seq, kv["plan"].resident_prompt_tokens, self._pool_blocks(seq))  # after sink + recent
         key = kv["key"]
         self._admitted.pop(key, None)
         self._reserved -= self._pool_blocks(seq)

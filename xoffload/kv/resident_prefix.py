@@ -18,6 +18,8 @@ pool has, and an allocation can always evict what only the cache holds.
 Decode writes the new tokens after the prompt: into the sequence's own blocks, or into rows past
 the registered tokens of its prompt's partly filled last block, which no other holder reads (a
 sequence sharing that block copies it before writing, and reads only the registered rows).
+A sequence that finishes (``stop`` / ``length``) registers its answer too, so a conversation's
+next turn in the same epoch prefills only its new tokens.
 
 The cache lives as long as the store's pool (one store epoch: while the engine is busy, e.g. one
 ``generate`` call, at any ``max_num_seqs``); reuse across epochs is the offload mode's (its pool
@@ -116,7 +118,18 @@ class ResidentPrefixBatchKV(ResidentBatchKV):
     def release(self, seq):
         if seq.kv is not None:
             self._reserved -= _blocks(seq.final_len, self.block)
+            self._keep_answer(seq)
         super().release(seq)
+
+    def _keep_answer(self, seq) -> None:
+        """A finished answer (``stop`` / ``length``) is written in the sequence's blocks after its
+        prompt: register prompt + answer (the tokens fed to a decode step whose ids the host has
+        read) so that the conversation's next turn in this store epoch prefills only what follows."""
+        k = min(seq.n_out - 1, len(seq.tokens))
+        if self.cache is None or seq.kv.get("table") is None or k <= 0 \
+                or getattr(seq, "finish_reason", None) not in ("stop", "length"):
+            return
+        self.cache.insert(seq.key, list(seq.req.ids) + list(seq.tokens[:k]))
 
     def sink(self, seq):
         table, T, start = seq.kv["table"], seq.prompt_len, seq.kv["start"]
