@@ -10,20 +10,12 @@ import pytest
 import torch
 
 from xoffload.engine import LLM, SamplingParams
-from xoffload.models import random_model
 from xoffload.sparse import QuestDecode
+
+from engine.llm_helpers import tiny_random
 
 SDPA = {"prefill_attn": "sdpa"}
 QUEST = QuestDecode(token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=(0,))
-_MODEL = []
-
-
-def tiny_random():
-    if not _MODEL:  # weights scaled so greedy tokens vary
-        _MODEL.append(random_model("tiny-llama", dtype=torch.float32, device="cpu", seed=1, std=0.15))
-    return _MODEL[0]
-
-
 POLICIES = [pytest.param({}, id="dense"), pytest.param({"sparse_decode": QUEST}, id="quest")]
 
 

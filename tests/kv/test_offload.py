@@ -189,3 +189,63 @@ def test_gpu_staging_copies_delayed_on_their_stream(monkeypatch):
     monkeypatch.setattr(staging, "gather_blocks", slow)
     for graphs in (True, False):
         assert [o.token_ids for o in _generate(m, prompts, sp, cuda_graph=graphs, **kw)[1]] == want, graphs
+
+
+def _pool_sequence(n_tokens, device, dtype):
+    """An offload runtime holding one sequence of ``n_tokens`` tokens of random K/V in 3 layers."""
+    from xoffload.runtime import OffloadRuntime
+
+    eng = OffloadRuntime(num_layers=3, num_kv_heads=2, head_dim=16, max_tokens=1024, block_size=BLOCK,
+                         num_blocks=64, dtype=dtype, device=device)
+    sid = eng.add_sequence()
+    g = torch.Generator().manual_seed(5)
+    kv = [(torch.randn(n_tokens, 2, 16, generator=g).to(device, dtype),
+           torch.randn(n_tokens, 2, 16, generator=g).to(device, dtype)) for _ in range(3)]
+    for layer, (k, v) in enumerate(kv):
+        eng.offload_layer(sid, layer, k, v)
+    return eng, sid, kv
+
+
+def test_prefix_reader_reads_each_layer_once_and_one_ahead():
+    """Layers asked in order are handed from the read started at the layer before (two of three),
+    equal to the sequence's K/V; a layer asked out of order is read at once."""
+    from xoffload.kv.staging import PrefixReader
+
+    eng, sid, kv = _pool_sequence(37, "cpu", torch.float32)
+    r = PrefixReader(eng, sid, 37, 3)
+    for layer in range(3):
+        k, v = r.get(layer)
+        assert torch.equal(k, kv[layer][0]) and torch.equal(v, kv[layer][1])
+    assert r.reads_ahead == 2
+    r2 = PrefixReader(eng, sid, 20, 3)
+    k, v = r2.get(1)  # not the layer read ahead (none): read now
+    assert torch.equal(k, kv[1][0][:20]) and r2.reads_ahead == 0
+    k, v = r2.get(2)
+    assert torch.equal(v, kv[2][1][:20]) and r2.reads_ahead == 1
+    with pytest.raises(ValueError):
+        PrefixReader(eng, sid, 0, 3)
+
+
+@pytest.mark.cuda
+def test_gpu_prefix_reader_delayed_reads_on_their_stream(monkeypatch):
+    """Reads on a copy stream, their readers on the current one: with every read delayed ~2 ms on
+    the copy stream, each layer's prefix as the current stream sees it is the sequence's K/V."""
+    import xoffload.kv.staging as staging
+
+    eng, sid, kv = _pool_sequence(300, "cuda", torch.float16)
+    real = eng.fetch_blocks
+
+    def slow(*a, **k):
+        torch.cuda._sleep(2_000_000)
+        return real(*a, **k)
+
+    monkeypatch.setattr(eng, "fetch_blocks", slow)
+    r = staging.PrefixReader(eng, sid, 300, 3)
+    got = []
+    for layer in range(3):
+        k, v = r.get(layer)
+        got.append((k.clone(), v.clone()))
+    torch.cuda.synchronize()
+    assert r.reads_ahead == 2
+    for (k, v), (k0, v0) in zip(got, kv):
+        assert torch.equal(k, k0) and torch.equal(v, v0)

@@ -20,7 +20,8 @@ in chunks of 4K: ~15 GB, ~0.3 s at ~50 GB/s, against ~2.6 s of prefill compute).
 from __future__ import annotations
 
 from ..kernels import flash_attn_with_lse
-from .base import _StagedSink, _blocks
+from .base import _StagedSink
+from .staging import PrefixReader
 
 __all__ = ["ChunkedPrefill", "DEFAULT_CHUNK_TOKENS"]
 
@@ -66,9 +67,10 @@ class ChunkedPrefill:
             stage.copied(layer, ev)
             events.append(ev)
 
-        def history(layer, q):
-            k, v = eng.fetch_blocks(sid, layer, list(range(_blocks(start, self.block))))
-            return flash_attn_with_lse(q[None], k[None, :start], v[None, :start], causal=False,
-                                       softmax_scale=self.scale)
+        reader = PrefixReader(eng, sid, start, self.cfg.num_layers) if start else None
+
+        def history(layer, q):  # the chunks before this one, read from the pool a layer ahead
+            k, v = reader.get(layer)
+            return flash_attn_with_lse(q[None], k[None], v[None], causal=False, softmax_scale=self.scale)
 
         return _StagedSink(buffers, done, history if start else None)

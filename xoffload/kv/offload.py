@@ -9,7 +9,7 @@ from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_
 from .answers import KeptAnswers
 from .chunk import ChunkedPrefill
 from .fp8 import Fp8Region, Fp8RowPool, pool_read_bytes
-from .staging import LayerStaging, PrefillStaging
+from .staging import LayerStaging, PrefillStaging, PrefixReader
 from .base import (TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _StagedSink, _blocks, _join,
                    _pool_memory_limit, _to_device, _top_sum)
 
@@ -184,12 +184,13 @@ class OffloadBatchKV(KeptAnswers, ChunkedPrefill, _CachedPrompts, BatchKV):
                 self.cache.insert(sid, seq.req.ids)  # later sequences of this call may share the prompt
 
         start = seq.kv["start"]
+        reader = PrefixReader(self.eng, sid, start, self.cfg.num_layers) if start else None
 
         def history(layer, q):
-            """The reused prefix of ``layer`` (every block, read from the pool) for the prompt's
-            remaining queries ``q [T, Hq, D]``."""
-            k, v = self.eng.fetch_blocks(sid, layer, list(range(_blocks(start, self.block))))
-            return flash_attn_with_lse(q[None], k[None, :start], v[None, :start], causal=False, softmax_scale=self.scale)
+            """The reused prefix of ``layer`` (every block, read from the pool a layer ahead) for the
+            prompt's remaining queries ``q [T, Hq, D]``."""
+            k, v = reader.get(layer)
+            return flash_attn_with_lse(q[None], k[None], v[None], causal=False, softmax_scale=self.scale)
 
         return _StagedSink(buffers, done, history if start else None)
 

@@ -9,7 +9,8 @@ prompt at prefill (the page summaries, min/max of K per page and the exact chann
 sequence from the prompt's whole pages; the resident sink and recent tokens in the GPU tail; the
 dense layers' rows in the GPU dense pool) needs every token of the layer. :class:`WholeLayer` hands
 the model the tail ``[r, T)`` of a ``[T]`` staging pair per layer and fills its head ``[0, r)``
-from the pool (one :meth:`~xoffload.runtime.OffloadRuntime.fetch_blocks` per layer), so the store's
+from the pool (one :meth:`~xoffload.runtime.OffloadRuntime.fetch_blocks` per layer, a layer ahead:
+:class:`~.staging.PrefixReader`), so the store's
 ``done`` sees the whole layer's K/V, as a fresh prefill's, without a concatenation; the same rows
 serve the chunk's attention to the reused prefix (:meth:`WholeLayer.history`: every reused token,
 dense, as :class:`~xoffload.kv.offload.OffloadBatchKV`'s sink). Only the new rows are copied
@@ -25,6 +26,7 @@ import torch
 from ..kernels import flash_attn_with_lse
 from ..sparse.quest import choose_channels
 from .base import SUMMARY_BLOCK, _StagedSink, _to_device
+from .staging import PrefixReader
 
 __all__ = ["WholeLayer", "QuestPrefill"]
 
@@ -43,6 +45,7 @@ class WholeLayer:
         self.eng, self.stage, self.sid = eng, stage, sid
         self.start, self.T, self.scale = int(start), int(T), scale
         self._whole = None
+        self.reader = PrefixReader(eng, sid, self.start, eng.num_layers) if self.start else None
 
     def buffers(self, layer: int, t: int):
         """The model's K/V rows of ``layer`` (``[t, Hkv, D]``, ``t = T - start``): the tail of a
@@ -51,11 +54,10 @@ class WholeLayer:
         if r + t != self.T:
             raise ValueError(f"a prompt of {self.T} tokens with {r} reused prefills {self.T - r} tokens, got {t}")
         k, v = self.stage.buffers(self.eng, layer, self.T)
-        if r:
-            blk = self.eng.block_size
-            kp, vp = self.eng.fetch_blocks(self.sid, layer, list(range(-(-r // blk))))
-            k[:r].copy_(kp[:r])
-            v[:r].copy_(vp[:r])
+        if r:  # (read one layer ahead)
+            kp, vp = self.reader.get(layer)
+            k[:r].copy_(kp)
+            v[:r].copy_(vp)
             del kp, vp
         self._whole = (layer, k, v)
         return k[r:], v[r:]

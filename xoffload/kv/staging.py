@@ -1,7 +1,8 @@
 """Staging between the offload runtime's pinned pool and the GPU: the buffers a layerwise prefill
 writes each layer's K/V into before they are copied out to the pool (:class:`PrefillStaging`),
-and the two buffers dense decode copies each layer's prompt blocks into ahead of its attention
-(:class:`LayerStaging`)."""
+the two buffers dense decode copies each layer's prompt blocks into ahead of its attention
+(:class:`LayerStaging`), and a reused prefix read back one layer ahead of a prefill past it
+(:class:`PrefixReader`)."""
 from __future__ import annotations
 
 import contextlib
@@ -11,7 +12,7 @@ import torch
 from ..kernels import gather_blocks
 from ..kernels.checks import check_int
 
-__all__ = ["PrefillStaging", "LayerStaging"]
+__all__ = ["PrefillStaging", "LayerStaging", "PrefixReader"]
 
 
 class PrefillStaging:
@@ -160,3 +161,59 @@ class LayerStaging:
             ev.record(torch.cuda.current_stream(self.device))
             self._stream.wait_event(ev)
         self._stage(layer + 2)
+
+
+class PrefixReader:
+    """The K/V of a sequence's first ``n_tokens`` tokens, read back from the offload pool layer by
+    layer for a prefill that continues them (a follow-up over a cached conversation, a chunk after
+    the chunks before it), each layer's read started while the layer before it computes.
+
+    :meth:`get` of layer ``l`` hands that layer's prefix (read ahead, or now if it was not) and
+    starts layer ``l + 1``'s read: :meth:`~xoffload.runtime.OffloadRuntime.fetch_blocks` (the
+    gather kernel over the pinned pool; it waits for the layer's pool writes itself) on a copy
+    stream of its own, behind an event the current stream waits on in the next :meth:`get`. A
+    prefill's layers come in order, so every read but the first overlaps a layer's compute; a
+    follow-up's prefill is bound by these reads (8B shape, 32K tokens: 4.3 GB over PCIe). Off
+    CUDA the read runs at once, in the same order. Memory: one more layer's prefix on the device.
+
+    Args:
+        engine: the :class:`~xoffload.runtime.OffloadRuntime`; seq: its sequence id;
+        n_tokens: tokens of the prefix (>= 1); num_layers: the model's layers.
+    """
+
+    def __init__(self, engine, seq: int, n_tokens: int, num_layers: int):
+        self.eng, self.seq, self.n, self.L = engine, seq, check_int("n_tokens", n_tokens, 1), int(num_layers)
+        self.ids = list(range(-(-self.n // engine.block_size)))
+        dev = torch.device(engine.device)
+        self._stream = torch.cuda.Stream(dev) if dev.type == "cuda" else None
+        self._next = None  # (layer, k, v, event)
+        self.reads_ahead = 0  # layers handed from a read started before they were asked for
+
+    def _start(self, layer: int):
+        cs = self._stream
+        if cs is None:
+            return (layer,) + tuple(self.eng.fetch_blocks(self.seq, layer, self.ids)) + (None,)
+        with torch.cuda.stream(cs):
+            k, v = self.eng.fetch_blocks(self.seq, layer, self.ids)
+            ev = torch.cuda.Event()
+            ev.record(cs)
+        return layer, k, v, ev
+
+    def get(self, layer: int):
+        """``(k, v)`` ``[n_tokens, Hkv, D]`` of ``layer``'s prefix on the device, the current stream
+        ordered after their read; starts layer ``layer + 1``'s read. Raises what ``fetch_blocks``
+        raises."""
+        got, self._next = self._next, None
+        if got is not None and got[0] == layer:
+            self.reads_ahead += 1
+        else:
+            got = (layer,) + tuple(self.eng.fetch_blocks(self.seq, layer, self.ids)) + (None,)
+        _, k, v, ev = got
+        if ev is not None:  # read on the copy stream: order the current stream after it
+            cur = torch.cuda.current_stream(k.device)
+            cur.wait_event(ev)
+            k.record_stream(cur)
+            v.record_stream(cur)
+        if layer + 1 < self.L:
+            self._next = self._start(layer + 1)
+        return k[:self.n], v[:self.n]
