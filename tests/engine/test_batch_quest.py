@@ -314,8 +314,10 @@ def test_admission_waits_for_summary_room_and_refuses_what_never_fits(monkeypatc
     ref = [r.token_ids for r in _alone(m, prompts, sp, 512)]
     el = 4  # fp32
     per_block = 2 * (m.cfg.num_layers - 1) * m.cfg.num_kv_heads * kb.SUMMARY_BLOCK * m.cfg.head_dim * el
-    c = m.cfg  # the tail pool's bytes (3 rows of sink + recent + new, blocks of 64, one scratch block)
-    tail_blocks = sum(-(-(POL.plan(len(p)).resident_prompt_tokens + 3) // kb.TAIL_BLOCK) for p in prompts)
+    # the tail pool's bytes (3 rows of the most sink + recent tokens of a prompt up to each one's
+    # length, + new tokens; blocks of 64, one scratch block)
+    c = m.cfg
+    tail_blocks = sum(-(-(POL.largest_plan(len(p))[2] + 3) // kb.TAIL_BLOCK) for p in prompts)
     tail_bytes = 2 * c.num_layers * (tail_blocks + 1) * kb.TAIL_BLOCK * c.num_kv_heads * c.head_dim * el
     # the limit leaves room for the tails and one summary block
     monkeypatch.setattr(kb, "_gpu_kv_limit_bytes", lambda dev, headroom: tail_bytes + per_block)
@@ -497,3 +499,33 @@ def test_exact_channels_batched_equal_alone_and_full_budget_equals_dense(mode, k
     dense = [o.token_ids for o in LLM(m, **base).generate(prompts, sp)]
     full = LLM(m, sparse_decode=dataclasses.replace(pol, token_budget=1024), **base)
     assert [full.generate(p, sp)[0].token_ids for p in prompts] == dense
+
+
+@pytest.mark.parametrize("mode,pol", [("offload", POL), ("offload", dataclasses.replace(POL, cache_pages=0)),
+                                      ("offload", dataclasses.replace(POL, reuse_bias=1.0)), ("resident", POL)])
+def test_a_later_shorter_prompt_reading_more_pages_equals_alone(mode, pol):
+    """The store opens for a 250-token prompt (2 pages per step, 58 resident tokens); requests
+    that join while it decodes are shorter but read more pages per step (160 tokens: 3) or keep
+    more tokens resident (175 tokens: 63, a second tail block): the store's rows are sized for
+    any prompt up to its longest, so each gives its tokens alone (offload with and without the
+    page cache and the reuse bias, and over the device pool)."""
+    m = tiny_random()
+    lens = [250, 160, 175]
+    plans = [pol.plan(n) for n in lens]
+    assert [p.pages_per_step for p in plans] == [2, 3, 2] and [p.resident_prompt_tokens for p in plans] == [58, 48, 63]
+    prompts = _prompts(lens, seed=41)
+    sps = [SamplingParams(max_tokens=7, ignore_eos=True)] * 3
+    kw = {"mode": mode, "kv_block_size": 32, "prefill_attn": "sdpa"}
+    ref = [LLM(m, max_model_len=300, sparse_decode=pol, **kw).generate(p, sp)[0].token_ids
+           for p, sp in zip(prompts, sps)]
+    llm = LLM(m, max_model_len=300, sparse_decode=pol, max_num_seqs=3, **kw)
+    eng, done = llm.engine, {}
+    eng.add_request("a", prompts[0], sps[0])
+    done.update({o.request_id: o for o in eng.step() if o.finished})
+    eng.add_request("b", prompts[1], sps[1])
+    eng.add_request("c", prompts[2], sps[2])
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [done[r].token_ids for r in "abc"] == ref
+    assert llm.engine.stats["max_running"] == 3  # one store epoch: they shared decode steps
+    assert llm.offload.sequences() == []

@@ -195,7 +195,7 @@ def test_device_pool_sizing_cut_to_memory_and_refused_when_nothing_fits(monkeypa
     kw = dict(max_model_len=256, max_num_seqs=4, sparse_decode=POL, **KW)
     tok = c.kv_bytes_per_token(m.dtype)
     summ = (c.num_layers - 1) * c.num_kv_heads * 2 * c.head_dim * 4 / 16
-    tails = 4 * (POL.plan(256).resident_prompt_tokens + dr.TAIL_NEW_TOKENS) * tok
+    tails = 4 * (POL.largest_plan(256)[2] + dr.TAIL_NEW_TOKENS) * tok  # the most resident up to 256
     monkeypatch.setattr(dr, "_pool_memory_limit", lambda *a: int(tails + 5.5 * 32 * (tok + summ)))
     llm = LLM(m, **kw)
     assert llm.offload.allocator.num_blocks == 5

@@ -125,6 +125,24 @@ def test_plan_edge_cases():
     assert isinstance(p, DecodePlan)
 
 
+@pytest.mark.parametrize("budget,P,sink,recent", [(96, 16, 16, 32), (100, 32, 5, 7), (None, 16, 0, 0),
+                                                   (40, 64, 70, 200), (2048, 32, 32, 128), (1, 16, 16, 32)])
+def test_largest_plan_is_the_most_of_every_shorter_prompt(budget, P, sink, recent):
+    """largest_plan(T) equals the most candidates, pages per step and resident tokens over the
+    plans of every prompt length 1..T (looked at directly), and a shorter prompt can read more
+    pages per step than the longest (what a batched store must be sized for)."""
+    pol = QuestDecode(token_budget=budget, page_size=P, sink_tokens=sink, recent_tokens=recent)
+    most = [0, 0, 0]
+    for T in range(1, 700):
+        p = pol.plan(T)
+        most = [max(most[0], p.num_candidates), max(most[1], p.pages_per_step), max(most[2], p.resident_prompt_tokens)]
+        assert pol.largest_plan(T) == tuple(most), T
+    q = QuestDecode(token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32)
+    assert q.plan(250).pages_per_step == 2 and q.plan(160).pages_per_step == 3 and q.largest_plan(250)[1] == 3
+    with pytest.raises(ValueError, match="max_prompt_len"):
+        pol.largest_plan(0)
+
+
 def test_select_pages_through_block_table_and_out():
     """Rows go through the sequence's block table (pages inside pool blocks) and into out."""
     P, B = 16, 64

@@ -46,7 +46,7 @@ def device_pool_blocks(model, config) -> int:
     tok = c.kv_bytes_per_token(model.dtype)  # K and V of every layer
     sparse = len(pol.sparse_layers(c.num_layers))
     summ = sparse * c.num_kv_heads * (2 * c.head_dim + pol.page_size * pol.exact_channels) * el / pol.page_size
-    tails = n * (pol.plan(config.max_model_len).resident_prompt_tokens + TAIL_NEW_TOKENS) * tok
+    tails = n * (pol.largest_plan(config.max_model_len)[2] + TAIL_NEW_TOKENS) * tok
     return int(min(cap, max(0, (limit - tails) // ((tok + summ) * B))))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import merge_attention_states, paged_decode_attn_with_lse
+from ..kernels.page_cache import MAX_SLOTS
 from ..kernels.topk import topk_ids
 from ..runtime.allocator import BlockAllocator
 from .fp8 import Fp8Region, Fp8RowPool
@@ -58,8 +59,10 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
     LSE. With a page cache (``fused_tail``, :attr:`FUSE_TAIL`) a sparse layer's tail rows follow the
     cache's in one row store and the launch reads ``[k_r cached pages | tail pages]`` per row: one
     attention call and no merge, as the one-request store did. FP8 (pool, caches, tail; the
-    summaries and GPU dense pool stay 16-bit; no fused tail with page scales): :mod:`.fp8`. ``N`` / ``K`` are the largest candidate / per-step page counts the store was sized for;
-    each row keeps its own plan (:meth:`QuestDecode.plan`), so its pages are those of the
+    summaries and GPU dense pool stay 16-bit; no fused tail with page scales): :mod:`.fp8`.
+    ``N`` / ``K`` are the most candidate / per-step pages of any prompt up to the longest the
+    store was sized for (:meth:`QuestDecode.largest_plan`: a later, shorter request may read
+    more); each row keeps its own plan (:meth:`QuestDecode.plan`), so its pages are those of the
     one-request store. Padding rows have length 0 and write into the tail's scratch block.
     """
 
@@ -102,12 +105,15 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
             self.cap_blocks += prefix_cache.evictable_blocks()
         self._keys = 0
         plans = [pol.plan(max(s.prompt_len, 1)) for s in seqs]
-        self.N = max([p.num_candidates for p in plans] + [0])
-        self.K = max([p.pages_per_step for p in plans] + [0]) if self.sparse else 0
+        # the per-row widths: those of any prompt up to the longest, so that a request admitted
+        # later (shorter, but reading more pages or keeping more tokens resident) fits its row
+        n_most, k_most, res_most = pol.largest_plan(self.max_prompt)
+        self.N, self.K = n_most, (k_most if self.sparse else 0)
         # the GPU memory free for the pools, measured before any of them is allocated
         limit = _pool_memory_limit(model, seqs, config, self.device)
         R = self.buckets[-1]
-        tail_need = [p.resident_prompt_tokens + self._new(s) for p, s in zip(plans, seqs)] + [1]
+        # (each as the most a prompt up to its length keeps resident: a later, shorter one may keep more)
+        tail_need = [pol.largest_plan(max(s.prompt_len, 1))[2] + self._new(s) for s in seqs] + [1]
         tail_blocks = _top_sum([_blocks(n, TAIL_BLOCK) for n in tail_need], self.max_num_seqs)
         el = torch.empty((), dtype=self.dtype).element_size()
         # (fp8: 1-byte codes and a 4-byte scale per token and KV head)
@@ -121,7 +127,10 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
         per_db = 2 * len(self.dense) * self.block * hkv * d * el
         self._dl = {l: i for i, l in enumerate(sorted(self.dense))}
         self._slot_bytes = sb = BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype, self.scales)
-        cmax = max([self._want_c(p) for p in plans] + [0]) if not self.on_device else 0
+        cmax = 0
+        if not self.on_device and self.K and pol.cache_pages != 0 and self.K <= MAX_SLOTS:
+            # at least a step's pages of any row (a later request may read more than these)
+            cmax = max([self._want_c(p) for p in plans] + [self.K])
         S = min(self.max_num_seqs, len(seqs))  # the most that run at once in this call
         mem = self._plan_memory(S, sneed, dneed, per_sb, per_db, sb, cmax, limit)
         self.cache_limited = False
@@ -145,7 +154,8 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
         # the memory left after the tails, summaries and dense pool; none when a step's pages do not fit
         # with a cache, the sparse layers' tail rows follow the cache's in one row store ("fused"):
         # one attention call over [cached pages | tail], as the one-request store did
-        self.pcache, rp = None, _blocks(max(tail_need), TAIL_BLOCK)
+        # a row's tail table: any prompt up to the longest with the most new tokens
+        self.pcache, rp = None, _blocks(max(tail_need + [res_most + max(self.max_new - 1, 0)]), TAIL_BLOCK)
         self.fused = bool(self.FUSE_TAIL and cmax and mem["slots"] >= self.K) and TAIL_BLOCK % P == 0 \
             and self.scales != "page"  # page-scaled cache rows and token-scaled tail rows: two calls
         if cmax and mem["slots"] >= self.K:
@@ -206,26 +216,6 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
         free = None if limit is None else left - ((ndb + 1) * per_db if dense_on else 0)
         slots = BatchPageCache.slots_that_fit(cmax, S, slot_bytes, free) if cmax else 0
         return {"nsb": nsb, "memory_limited": limited, "ndb": ndb, "dense_on": dense_on, "slots": slots}
-
-    @property
-    def summary_bytes(self) -> int:
-        """Bytes of the GPU summary pool."""
-        return self.summ.nbytes
-
-    def describe(self) -> dict:
-        """The call's choices: ``dense_on_gpu``, ``pool`` (``"host"`` / ``"device"``), ``memory_limited``
-        (the summary pool was cut to the free GPU memory), pool sizes (``summary_pages``, bytes of the
-        summary / tail / dense pools), ``N`` / ``K`` (padded candidate and per-step page counts)."""
-        return {"store": type(self).__name__, "dense_on_gpu": self.dense_on_gpu, "pool": self.eng.pool.placement,
-                "memory_limited": self.memory_limited, "summary_pages": self.sum_alloc.num_blocks * SUMMARY_BLOCK,
-                "summary_bytes": self.summ.nbytes, "tail_bytes": self.tail.nbytes,
-                "dense_pool_bytes": self.dpool.nbytes if self.dpool is not None else 0,
-                "candidate_pages": self.N, "pages_per_step": self.K,
-                "cache_slots": self.pcache.C if self.pcache is not None else 0,
-                "cache_bytes": self.pcache.nbytes if self.pcache is not None else 0,
-                "run_limit": self.run_limit, "cache_limited": self.cache_limited, "fused_tail": self.fused,
-                "kv_cache_dtype": "fp8" if self.fp8 else str(self.dtype).replace("torch.", ""),
-                "kv_scale_page": self.eng.pool.scale_page, "pool_bytes_per_token": self.eng.pool.bytes_per_token}
 
     @staticmethod
     def _new(seq) -> int:

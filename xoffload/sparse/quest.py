@@ -285,6 +285,23 @@ class QuestDecode(DecodePolicy):
         return DecodePlan(prompt_len=T, page_size=P, sink_len=sink_len, tail_start=tail_start,
                           first_page=first, num_candidates=n_cand, pages_per_step=k)
 
+    def largest_plan(self, max_prompt_len: int) -> tuple:
+        """``(num_candidates, pages_per_step, resident_prompt_tokens)``: the most of each over the
+        plans of every prompt of ``1 .. max_prompt_len`` tokens (the widths a batched store sized
+        for prompts up to that length needs: a shorter prompt may read more pages per step, or
+        keep more tokens resident, than a longer one, its page-aligned tail holding fewer or
+        more of the budget's tokens).
+
+        The candidates never decrease with the prompt length; the pages per step are largest at
+        the longest prompt whose tail is exactly ``recent_tokens`` (the resident tokens are then
+        fewest and the candidates most) and the resident tokens at the longest whose tail is
+        ``page_size - 1`` tokens more, so only the last ``page_size`` lengths are looked at.
+        Raises ValueError for ``max_prompt_len < 1``."""
+        T = check_int("max_prompt_len", max_prompt_len, 1)
+        plans = [self.plan(t) for t in range(max(1, T - self.page_size + 1), T + 1)]
+        return (max(p.num_candidates for p in plans), max(p.pages_per_step for p in plans),
+                max(p.resident_prompt_tokens for p in plans))
+
 
 def choose_channels(kp: torch.Tensor, r: int) -> torch.Tensor:
     """The ``r`` key channels per KV head where a page's min/max bound is loosest: the largest
