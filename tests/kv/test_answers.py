@@ -131,3 +131,24 @@ def test_resident_keeps_an_answer_while_the_store_is_open():
         want = [s.generate(p1, sp).token_ids, s.generate(p2, sp).token_ids]
     assert [first.token_ids, second.token_ids] == want
     assert (second.num_cached_tokens, second.timings["chunk_tokens"]) == (120 + 6, 1 + 10)
+
+
+@pytest.mark.parametrize("mode", ["offload", "resident"])
+def test_a_sparse_answer_below_the_top_layer_is_not_kept(mode):
+    """Quest selecting pages in layer 0 of two: the answer's layer-1 K/V were computed from
+    attention to the selected pages, not what a prefill of the answer computes, so the answer is
+    not kept (the next turn finds only the prompt and prefills the answer) and three turns answer
+    as without prefix caching; with every page read (a budget covering the context) it is kept."""
+    p1, p2, p3 = _ids(200, 8), _ids(20, 9), _ids(30, 10)
+    sp = SamplingParams(max_tokens=8, ignore_eos=True)
+    low = QuestDecode(token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=())
+    full = QuestDecode(token_budget=None, page_size=16, sink_tokens=16, recent_tokens=32, dense_layers=())
+    for pol, kept in ((low, False), (full, True)):
+        runs = {}
+        for pc in (True, False):
+            llm = LLM(tiny_random(), mode=mode, kv_block_size=32, max_model_len=512, prefix_caching=pc,
+                      sparse_decode=pol, **SDPA)
+            with llm.session() as s:
+                runs[pc] = [s.generate(p, sp) for p in (p1, p2, p3)]
+        assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]], pol
+        assert runs[True][1].num_cached_tokens == (200 + 7 if kept else 200), pol

@@ -15,8 +15,11 @@ decode step, and on a GPU those the host had not yet read).
 
 It is skipped, and the next turn prefills the answer as before, when the pool cannot take the
 answer's blocks without touching what admitted requests were promised, for aborted and failed
-requests, and for fp8 pools (a page-scaled pool writes a page's scale once, with the page; the
-tail's codes carry token scales).
+requests, for fp8 pools (a page-scaled pool writes a page's scale once, with the page; the
+tail's codes carry token scales), and for a sparse decode whose page selection reaches a layer
+below the top one (the answer's K/V above it were computed from attention to the selected pages,
+not those a prefill of the answer computes: the next turn's tokens would depend on whether the
+cache held the answer).
 """
 from __future__ import annotations
 

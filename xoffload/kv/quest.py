@@ -217,6 +217,11 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
         slots = BatchPageCache.slots_that_fit(cmax, S, slot_bytes, free) if cmax else 0
         return {"nsb": nsb, "memory_limited": limited, "ndb": ndb, "dense_on": dense_on, "slots": slots}
 
+    def _exact_decode(self, plan) -> bool:
+        """Whether a sequence of ``plan`` decodes as dense attention would (every candidate page read,
+        or no page-selecting layer below the top one, whose output feeds no layer's K/V)."""
+        return plan.dense or not self.sparse or min(self.sparse) == self.cfg.num_layers - 1
+
     @staticmethod
     def _new(seq) -> int:
         return max(seq.req.max_new - 1, 0)
@@ -303,7 +308,8 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
         kv = seq.kv
         if kv is None:
             return
-        self.keep_answer(seq, kv["plan"].resident_prompt_tokens, self._pool_blocks(seq))  # after sink + recent
+        if self._exact_decode(kv["plan"]):  # else the answer's K/V are not those a prefill computes
+            self.keep_answer(seq, kv["plan"].resident_prompt_tokens, self._pool_blocks(seq))  # after sink + recent
         key = kv["key"]
         self._admitted.pop(key, None)
         self._reserved -= self._pool_blocks(seq)
