@@ -324,3 +324,29 @@ def test_history_routes_by_chunk_rows_and_reads_the_reused_prefix(monkeypatch):
             assert max_err(o[0], ro) <= tol, n
             assert_lse_match(lse[0], rl)
     st.close()
+
+
+@pytest.mark.parametrize("kw", [pytest.param({"mode": "offload"}, id="offload"),
+                                pytest.param({"mode": "offload", "sparse_decode": QuestDecode(
+                                    token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32,
+                                    dense_layers=(0,))}, id="offload-quest"),
+                                pytest.param({"mode": "resident", "sparse_decode": QuestDecode(
+                                    token_budget=96, page_size=16, sink_tokens=16, recent_tokens=32,
+                                    dense_layers=(0,))}, id="resident-quest")])
+def test_a_prompt_that_fills_the_pool_runs_with_prefix_caching(kw):
+    """A pool of exactly a 300-token prompt's ten blocks, prefix caching on: the prompt runs (no
+    copy-on-write block to spare: none is reserved), as without caching; a second prompt sharing
+    the first's 100 tokens (a prefix ending inside a block) then reuses its whole blocks only
+    (96 tokens), with the same tokens as without caching; the pool is whole at the end."""
+    base, extra = _prompts([300, 200], seed=21)
+    second = base[:100] + extra
+    runs = {}
+    for pc in (True, False):
+        llm = LLM(tiny_random(), kv_block_size=32, max_model_len=512, kv_cache_tokens=320, prefix_caching=pc,
+                  **SDPA, **kw)
+        outs = [llm.generate(p, SP)[0] for p in (base, second)]
+        assert [o.finish_reason for o in outs] == ["length", "length"]
+        runs[pc] = outs
+    assert [o.token_ids for o in runs[True]] == [o.token_ids for o in runs[False]]
+    assert [o.num_cached_tokens for o in runs[True]] == [0, 96]
+    llm.offload.allocator.check()

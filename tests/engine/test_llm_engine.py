@@ -389,3 +389,49 @@ def test_generate_warns_once_when_max_tokens_passes_max_model_len():
         llm.generate(prompts, SamplingParams(max_tokens=30), length_warning="raise")
     with pytest.raises(ValueError, match="length_warning"):
         llm.generate(prompts, length_warning="loud")
+
+
+def test_a_short_request_behind_one_the_store_cannot_hold_is_not_held_up():
+    """A long answer opens the store for its 20-token prompt; a 40-token prompt then waits for a
+    store sized for it, but the 5-token, 2-token request behind it is backfilled and finishes at
+    once, with its tokens alone; the 40-token one runs after the long answer, with its own."""
+    from xoffload.models import random_model
+
+    m = random_model("tiny-llama", dtype=torch.float32, device="cpu", seed=1, std=0.15)
+    g = torch.Generator().manual_seed(3)
+    p_long, p_x, p_y = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (20, 40, 5))
+    kw = dict(mode="offload", kv_block_size=32, max_model_len=512, prefill_attn="sdpa")
+    llm = LLM(m, max_num_seqs=3, **kw)
+    eng, done, step = llm.engine, {}, 0
+    eng.add_request("long", p_long, SamplingParams(max_tokens=60, ignore_eos=True))
+    eng.step()
+    eng.add_request("x", p_x, SamplingParams(max_tokens=6, ignore_eos=True))
+    eng.add_request("y", p_y, SamplingParams(max_tokens=2, ignore_eos=True))
+    while eng.has_unfinished_requests():
+        step += 1
+        done.update({o.request_id: (step, o.token_ids) for o in eng.step() if o.finished})
+    assert done["y"][0] <= 2 and done["x"][0] > done["long"][0]
+    alone = LLM(m, **kw)
+    for rid, p, n in (("x", p_x, 6), ("y", p_y, 2)):
+        assert done[rid][1] == alone.generate(p, SamplingParams(max_tokens=n, ignore_eos=True))[0].token_ids
+
+
+def test_a_store_that_raises_at_admission_ends_the_call_and_keeps_serving(monkeypatch):
+    """The store's admit raising (a GPU allocation failing) ends the call with that error instead
+    of leaving the request in no queue (the call then never returned); the next call runs and no
+    block is leaked."""
+    from xoffload.kv.offload import OffloadBatchKV
+
+    llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=256, max_num_seqs=2)
+    sp = SamplingParams(max_tokens=3, ignore_eos=True)
+    real = OffloadBatchKV.admit
+
+    def failing(self, seq):
+        raise RuntimeError("no memory for the tail")
+
+    monkeypatch.setattr(OffloadBatchKV, "admit", failing)
+    with pytest.raises(RuntimeError, match="no memory for the tail"):
+        llm.generate([[1, 2, 3], [4, 5, 6]], sp)
+    monkeypatch.setattr(OffloadBatchKV, "admit", real)
+    assert [len(o.token_ids) for o in llm.generate([[1, 2, 3], [4, 5, 6]], sp)] == [3, 3]
+    assert llm.offload.sequences() == [] and llm.offload.num_free_blocks == llm.offload.allocator.num_blocks

@@ -87,3 +87,50 @@ def test_capacity_blocks_in_order_and_refuses_what_never_fits():
         Scheduler(0, 10, cap)
     with pytest.raises(ValueError, match="max_num_batched_tokens"):
         Scheduler(1, 0, cap)
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_requests_behind_a_blocked_head_backfill_within_the_running_horizon(chunked):
+    """The head cannot be held by this store (its check raises): the requests behind it that fit
+    and need no more steps than the running one still may (50 - 10 = 40 here) are admitted past
+    it in order (EASY backfilling); one asking more steps and one that does not fit beside the
+    others stay queued, in order; with nothing running
+    nothing is backfilled (the engine opens a store for the head)."""
+    cap = Tokens(200)
+    s = Scheduler(4, 10_000, cap)
+    run = _seq(0, 20, 50)
+    s.add(run)
+    admit = (lambda: s.admit(short=64)) if chunked else s.admit
+    assert admit() == [run]
+    run.n_out = 10  # 40 more steps at most
+    head, fits, long_steps, too_big, also = (_seq(1, 250, 4), _seq(2, 30, 40), _seq(3, 10, 41), _seq(4, 150, 4),
+                                             _seq(5, 40, 8))
+    for q in (head, fits, long_steps, too_big, also):
+        s.add(q, check=False)
+    assert s.blocked is head
+    assert admit() == [fits, also] and cap.used == 69 + 69 + 47
+    assert list(s.waiting) == [head, long_steps, too_big] and s.blocked is head
+    for q in (run, fits, also):
+        s.finish(q, "length")
+    assert admit() == [] and s.blocked is head  # nothing running: no horizon, nothing overtakes
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_store_that_raises_at_admission_loses_no_sequence(chunked):
+    """capacity.admit raising (e.g. a GPU allocation failing) leaves the sequence waiting, in
+    order, with a long one held back by chunked admission still before it."""
+    class Failing(Tokens):
+        def admit(self, seq):
+            if seq.index == 2:
+                raise RuntimeError("no memory")
+            super().admit(seq)
+
+    s = Scheduler(4, 10_000, Failing(10_000))
+    seqs = [_seq(0, 100), _seq(1, 100), _seq(2, 10)]
+    for q in seqs:
+        s.add(q)
+    admit = (lambda: s.admit(short=50, long_busy=False)) if chunked else s.admit
+    with pytest.raises(RuntimeError, match="no memory"):
+        admit()
+    assert seqs[2].status == WAITING and seqs[2] in s.waiting
+    assert [q for q in s.running + list(s.waiting)] == seqs

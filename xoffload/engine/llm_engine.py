@@ -14,8 +14,9 @@ then with :data:`~.runner.HEADROOM` more prompt (within the free GPU memory: a c
 next turn is its last prompt plus the answer and a question), and
 closed when the engine is idle again (its pinned host pool and the prefix cache live as long as the
 engine). A request that arrives while the store is open and fits it joins the running batch at the
-next step; one the store cannot hold waits (and the requests behind it: first in, first out) until
-the running ones are done, then a store sized for it opens. A request that can never fit (the
+next step; one the store cannot hold waits until the running ones are done, then a store sized
+for it opens (the requests behind it that the store holds and that end within the running ones'
+steps are backfilled past it: :mod:`.scheduler`). A request that can never fit (the
 pinned pool, ``kv_cache_tokens``) is refused by :meth:`add_request`; one the GPU memory cannot
 hold ends with ``finish_reason == "error"``.
 """

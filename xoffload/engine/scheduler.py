@@ -3,8 +3,8 @@
 The split follows nano-vllm's (a *sequence* record, a *scheduler* of queues, and a KV store that
 owns the memory and answers whether a sequence fits): :class:`Sequence` is one request's state
 while it is served, :class:`Scheduler` admits waiting sequences in submission order (first in,
-first out; a sequence that does not fit yet blocks the ones behind it, so none overtakes another)
-while
+first out; a sequence that does not fit yet blocks the ones behind it, so none overtakes another,
+except past a head the store can never hold: backfilling, below) while
 
 * fewer than ``max_num_seqs`` run,
 * the prompt tokens admitted since the last decode step stay within ``max_num_batched_tokens``
@@ -16,9 +16,14 @@ while
   preempted.
 
 A sequence queued without a check (one that arrived after the store was sized) is checked when it
-reaches the head of the queue; if the store cannot hold it (``capacity.check`` raises), admission
-stops and :attr:`Scheduler.blocked` names it: the engine opens a store sized for it once the
-running sequences are done. Finished sequences leave at once (:meth:`Scheduler.finish` returns
+reaches the head of the queue; if the store cannot hold it (``capacity.check`` raises),
+:attr:`Scheduler.blocked` names it: the engine opens a store sized for it once the running
+sequences are done. Until then the sequences behind it are *backfilled* (EASY backfilling, Lifka
+1995: a job may overtake the blocked head when it delays nothing the head waits for): one that the
+store can hold and that needs no more decode steps than the longest of the running ones still
+may (its ``max_new`` within their largest remaining ``max_new - n_out``) is admitted past the
+head, so a short request does not wait for a long one to finish; the store epoch ends no later
+than without it. Finished sequences leave at once (:meth:`Scheduler.finish` returns
 their KV), and the next :meth:`Scheduler.admit` fills their places: continuous batching. No
 tensors here: the scheduler is tested on the CPU with a counting capacity.
 """
@@ -174,32 +179,70 @@ class Scheduler:
                 break
             if not self.capacity.can_admit(seq):
                 break
-            self.waiting.popleft()
-            self.capacity.admit(seq)
-            seq.status = RUNNING
-            self.running.append(seq)
+            self._start(seq)
             new.append(seq)
             tokens += n
+        new += self._backfill(tokens if new else None)
         self.max_running = max(self.max_running, len(self.running))
         return new
 
-    def _admit_chunked(self, short: int, long_busy: bool) -> list:
-        new, held = [], []
-        while self.waiting and len(self.running) < self.max_num_seqs and self.blocked is None:
-            seq = self.waiting[0]
+    def _backfill(self, tokens: int | None, short: int | None = None) -> list:
+        """Admit, in order, the waiting sequences behind a :attr:`blocked` head that the store can
+        hold and that finish within the running ones' largest remaining decode steps (module
+        docstring); ``tokens``: the prompt tokens admitted since the last decode step (None:
+        none yet); ``short``: with chunked prefill, only prompts of at most that many tokens."""
+        if self.blocked is None or not self.running:
+            return []
+        horizon = max(s.req.max_new - s.n_out for s in self.running)
+        new = []
+        for seq in list(self.waiting)[1:]:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            if seq.req.max_new > horizon:
+                continue
+            if not seq.checked:
+                try:
+                    self.capacity.check(seq)
+                except ValueError:
+                    continue
+                seq.checked = True
             n = self.capacity.prefill_tokens(seq) if hasattr(self.capacity, "prefill_tokens") else seq.prompt_len
-            if n > short and long_busy:
-                held.append(self.waiting.popleft())  # its place is kept (put back below)
+            if short is not None and n > short:
+                continue
+            if short is None and tokens is not None and tokens + n > self.max_num_batched_tokens:
                 continue
             if not self.capacity.can_admit(seq):
-                break
-            self.waiting.popleft()
-            self.capacity.admit(seq)
-            seq.status = RUNNING
-            self.running.append(seq)
+                continue
+            self._start(seq)
             new.append(seq)
-            long_busy = long_busy or n > short
-        self.waiting.extendleft(reversed(held))
+            tokens = n if tokens is None else tokens + n
+        return new
+
+    def _start(self, seq: Sequence) -> None:
+        """Admit waiting ``seq``: the store reserves its KV first, so a store that raises leaves it
+        waiting (the engine then ends it with the error) and no sequence is lost."""
+        self.capacity.admit(seq)
+        self.waiting.remove(seq)
+        seq.status = RUNNING
+        self.running.append(seq)
+
+    def _admit_chunked(self, short: int, long_busy: bool) -> list:
+        new, held = [], []
+        try:
+            while self.waiting and len(self.running) < self.max_num_seqs and self.blocked is None:
+                seq = self.waiting[0]
+                n = self.capacity.prefill_tokens(seq) if hasattr(self.capacity, "prefill_tokens") else seq.prompt_len
+                if n > short and long_busy:
+                    held.append(self.waiting.popleft())  # its place is kept (put back below)
+                    continue
+                if not self.capacity.can_admit(seq):
+                    break
+                self._start(seq)
+                new.append(seq)
+                long_busy = long_busy or n > short
+        finally:
+            self.waiting.extendleft(reversed(held))
+        new += self._backfill(None, short)
         self.max_running = max(self.max_running, len(self.running))
         return new
 

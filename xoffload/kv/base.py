@@ -404,37 +404,3 @@ class _StagedSink:
     def done(self, layer, k, v):
         self._done(layer, k, v)
 
-
-class _CachedPrompts:
-    """Prefix caching of the batched offload stores (a :class:`~xoffload.runtime.PrefixCache` over
-    the engine's pool, pinned or on the device, in ``self.cache``, or None): a sequence's pool
-    sequence starts at its prefill on the longest cached prefix of its prompt (``kv["sid"]`` None
-    until then)."""
-
-    #: the engine passes its prefix cache to :meth:`open` (``prefix_cache=``)
-    takes_prefix_cache = True
-
-    def prefill_start(self, seq) -> int:
-        """With a prefix cache: start ``seq``'s pool sequence on the longest cached prefix of its
-        prompt (now, so that it sees the prompts prefilled before it in this call). With an fp8
-        pool of page scales the prefix is cut back to a whole number of scale pages (the page
-        after it is written whole, with one scale, from its first token)."""
-        kv = seq.kv
-        if kv["sid"] is None:
-            ids = seq.req.ids[:-1]
-            n = self._aligned(self.cache.peek(ids))
-            if n < len(ids):
-                ids = ids[:n]
-            kv["sid"], kv["start"] = self.cache.add_sequence(ids)
-        return kv["start"]
-
-    def _aligned(self, n: int) -> int:
-        """``n`` cut back to a multiple of the pool's fp8 scale page (unchanged for 16-bit pools or
-        token scales)."""
-        p = self.eng.scale_page if getattr(self.eng, "fp8", False) else 1
-        return n - n % p if p > 1 else n
-
-    def prefill_tokens(self, seq) -> int:
-        if self.cache is None:
-            return seq.prompt_len
-        return seq.prompt_len - self._aligned(self.cache.peek(seq.req.ids[:-1]))

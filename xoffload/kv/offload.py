@@ -7,14 +7,15 @@ import torch
 
 from ..kernels import flash_attn_with_lse, merge_attention_states, paged_decode_attn_with_lse
 from .answers import KeptAnswers
+from .cached_prompts import CachedPrompts
 from .chunk import ChunkedPrefill
 from .fp8 import Fp8Region, Fp8RowPool, pool_read_bytes
 from .staging import LayerStaging, PrefillStaging, PrefixReader
-from .base import (TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _StagedSink, _blocks, _join,
+from .base import (TAIL_BLOCK, BatchKV, RowPool, _Region, _StagedSink, _blocks, _join,
                    _pool_memory_limit, _to_device, _top_sum)
 
 
-class OffloadBatchKV(KeptAnswers, ChunkedPrefill, _CachedPrompts, BatchKV):
+class OffloadBatchKV(KeptAnswers, ChunkedPrefill, CachedPrompts, BatchKV):
     """``offload`` (direct or uva decode, no decode policy): every prompt's KV in the offload
     runtime's pinned CPU pool, the generated tokens in a paged GPU tail pool (blocks of
     :data:`TAIL_BLOCK`).
@@ -97,9 +98,7 @@ class OffloadBatchKV(KeptAnswers, ChunkedPrefill, _CachedPrompts, BatchKV):
         self.table = first if self.staged else torch.zeros_like(first)
 
     def _prompt_blocks(self, seq) -> int:
-        # with a prefix cache, one more: a shared, partly filled last block is copied before the
-        # sequence writes into it (copy-on-write), the new block allocated while the old one is held
-        return _blocks(seq.prompt_len, self.block) + (1 if self.cache is not None else 0)
+        return _blocks(seq.prompt_len, self.block)  # (+ a copy-on-write block when there is room: _reserve)
 
     @staticmethod
     def _new(seq) -> int:
@@ -128,17 +127,18 @@ class OffloadBatchKV(KeptAnswers, ChunkedPrefill, _CachedPrompts, BatchKV):
         self._keys += 1
         sid = self.eng.add_sequence() if self.cache is None else None
         self._admitted[key] = seq
-        self._reserved += self._prompt_blocks(seq)
+        held = self._reserve(seq, self._prompt_blocks(seq))
+        self._reserved += held
         seq.kv = {"key": key, "sid": sid, "start": 0, "tail": self.tail.reserve(key, self._new(seq)), "events": [],
-                  "joined": False}
+                  "joined": False, "held": held, "cow": held > self._prompt_blocks(seq)}
 
     def release(self, seq):
         kv = seq.kv
         if kv is None:
             return
-        self.keep_answer(seq, 0, self._prompt_blocks(seq))  # generated token j is tail row j
+        self.keep_answer(seq, 0, kv["held"])  # generated token j is tail row j
         self._admitted.pop(kv["key"], None)
-        self._reserved -= self._prompt_blocks(seq)
+        self._reserved -= kv["held"]
         self.tail.free(kv["key"])
         if kv["sid"] is not None:
             self.eng.free(kv["sid"])

@@ -12,14 +12,15 @@ from .fp8 import Fp8Region, Fp8RowPool
 from .page_cache import BatchPageCache
 from .staging import PrefillStaging
 from .answers import KeptAnswers
+from .cached_prompts import CachedPrompts
 from .chunk import ChunkedPrefill
 from .quest_prefix import QuestPrefill
 from .quest_stats import QuestStats
-from .base import (SUMMARY_BLOCK, TAIL_BLOCK, BatchKV, RowPool, _CachedPrompts, _Region, _blocks,
+from .base import (SUMMARY_BLOCK, TAIL_BLOCK, BatchKV, RowPool, _Region, _blocks,
                        _join, _pool_memory_limit, _to_device, _top_sum)
 
 
-class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill, _CachedPrompts, BatchKV):
+class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill, CachedPrompts, BatchKV):
     """``offload`` (or ``resident``) + :class:`~xoffload.sparse.QuestDecode`: the batched Quest store
     (docs/DESIGN.md, "The batched Quest store", says why each choice was made). Over a runtime whose
     pool is on the model's device (``pool_placement="device"``, ``resident``) pages are read in
@@ -233,11 +234,6 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
     def _prompt_blocks(self, seq) -> int:
         return _blocks(seq.prompt_len, self.block)
 
-    def _pool_blocks(self, seq) -> int:
-        # with a prefix cache, one more: a shared, partly filled last block is copied before the
-        # sequence writes into it (copy-on-write), the new block allocated while the old one is held
-        return self._prompt_blocks(seq) + (1 if self.cache is not None else 0)
-
     @classmethod
     def open(cls, model, config, shared, seqs, prefix_cache=None, pool_placement="host") -> "OffloadQuestBatchKV":
         """ValueError when ``shared``'s pool is not where the store table says (``pool_placement``)."""
@@ -248,7 +244,7 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
 
     def _needs(self, seq) -> tuple:
         p = self.policy.plan(seq.prompt_len)
-        return (self._pool_blocks(seq), _blocks(p.resident_prompt_tokens + self._new(seq), TAIL_BLOCK),
+        return (self._prompt_blocks(seq), _blocks(p.resident_prompt_tokens + self._new(seq), TAIL_BLOCK),
                 _blocks(self._summary_pages(p), SUMMARY_BLOCK))
 
     def check(self, seq):
@@ -300,19 +296,20 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
                 self.eng.free(sid)
             raise
         self._admitted[key] = seq
-        self._reserved += nb
+        held = self._reserve(seq, nb)  # (+ a copy-on-write block when there is room)
+        self._reserved += held
         seq.kv = {"key": key, "sid": sid, "start": 0, "plan": p, "tail": tail, "stab": self.sum_alloc.table(key),
-                  "dtab": dtab, "events": [], "joined": False, "cslot": cslot}
+                  "dtab": dtab, "events": [], "joined": False, "cslot": cslot, "held": held, "cow": held > nb}
 
     def release(self, seq):
         kv = seq.kv
         if kv is None:
             return
         if self._exact_decode(kv["plan"]):  # else the answer's K/V are not those a prefill computes
-            self.keep_answer(seq, kv["plan"].resident_prompt_tokens, self._pool_blocks(seq))  # after sink + recent
+            self.keep_answer(seq, kv["plan"].resident_prompt_tokens, kv["held"])  # after sink + recent
         key = kv["key"]
         self._admitted.pop(key, None)
-        self._reserved -= self._pool_blocks(seq)
+        self._reserved -= kv["held"]
         self.tail.free(key)
         if self.sum_alloc.has(key):
             self.sum_alloc.free(key)
