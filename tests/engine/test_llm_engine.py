@@ -435,3 +435,52 @@ def test_a_store_that_raises_at_admission_ends_the_call_and_keeps_serving(monkey
     monkeypatch.setattr(OffloadBatchKV, "admit", real)
     assert [len(o.token_ids) for o in llm.generate([[1, 2, 3], [4, 5, 6]], sp)] == [3, 3]
     assert llm.offload.sequences() == [] and llm.offload.num_free_blocks == llm.offload.allocator.num_blocks
+
+
+def test_a_failed_allocation_at_admission_ends_that_request_alone(monkeypatch):
+    """A pool allocation failing while a request joins (ValueError from the store's admit) ends
+    that request with the error; the one already running goes on to its last token, and a session
+    whose turn failed so takes its next turn."""
+    from xoffload.kv.offload import OffloadBatchKV
+
+    llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=256, max_num_seqs=2)
+    eng, sp = llm.engine, SamplingParams(max_tokens=6, ignore_eos=True)
+    real = OffloadBatchKV.admit
+
+    def failing(self, seq):
+        if seq.request_id == "b":
+            raise ValueError("the tail pool is out of blocks")
+        return real(self, seq)
+
+    monkeypatch.setattr(OffloadBatchKV, "admit", failing)
+    eng.add_request("a", [1, 2, 3], sp)
+    eng.step()
+    eng.add_request("b", [4, 5, 6], sp)
+    done = {}
+    while eng.has_unfinished_requests():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert done["a"].finish_reason == "length" and len(done["a"].token_ids) == 6
+    assert done["b"].finish_reason == "error" and "out of blocks" in str(done["b"].error)
+    monkeypatch.setattr(OffloadBatchKV, "admit", lambda self, seq: (_ for _ in ()).throw(RuntimeError("boom")))
+    with llm.session() as s:
+        with pytest.raises(RuntimeError, match="boom"):
+            s.generate([7, 8, 9], sp)
+        monkeypatch.setattr(OffloadBatchKV, "admit", real)
+        assert len(s.generate([7, 8, 9], sp).token_ids) == 6  # not left "in a turn"
+    assert llm.offload.sequences() == [] and llm.offload.num_free_blocks == llm.offload.allocator.num_blocks
+
+
+
+def test_a_tail_reservation_that_fails_leaves_no_pool_sequence(monkeypatch):
+    """The offload store's admit: the GPU tail's reservation failing (after the pool sequence was
+    opened, no prefix cache) frees that sequence; the request ends with the error."""
+    from xoffload.kv.base import RowPool
+
+    llm = LLM(tiny_random(), mode="offload", kv_block_size=32, max_model_len=256)
+    real = RowPool.reserve
+    monkeypatch.setattr(RowPool, "reserve", lambda *a, **k: (_ for _ in ()).throw(ValueError("no tail block")))
+    with pytest.raises(ValueError, match="no tail block"):
+        llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3))
+    monkeypatch.setattr(RowPool, "reserve", real)
+    assert llm.offload.sequences() == []
+    assert len(llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3, ignore_eos=True))[0].token_ids) == 3

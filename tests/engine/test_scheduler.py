@@ -134,3 +134,28 @@ def test_a_store_that_raises_at_admission_loses_no_sequence(chunked):
         admit()
     assert seqs[2].status == WAITING and seqs[2] in s.waiting
     assert [q for q in s.running + list(s.waiting)] == seqs
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_failed_allocation_at_admission_ends_that_sequence_alone(chunked):
+    """capacity.admit raising MemoryError / ValueError (a pool allocation that failed; the store is
+    unchanged) finishes that sequence alone with its error (take_failed); the ones behind it
+    are admitted in the same call."""
+    class Short(Tokens):
+        def admit(self, seq):
+            if seq.index == 1:
+                raise MemoryError("no tail block")
+            super().admit(seq)
+
+    cap = Short(10_000)
+    s = Scheduler(4, 10_000, cap)
+    seqs = [_seq(0, 10), _seq(1, 10), _seq(2, 10)]
+    for q in seqs:
+        s.add(q)
+    admit = (lambda: s.admit(short=50, long_busy=False)) if chunked else s.admit
+    assert admit() == [seqs[0], seqs[2]] and not s.waiting
+    failed = s.take_failed()
+    assert failed == [seqs[1]] and seqs[1].status == FINISHED and seqs[1].finish_reason == "error"
+    assert isinstance(seqs[1].error, MemoryError) and s.take_failed() == []
+    assert cap.used == 2 * seqs[0].final_len
+

@@ -220,6 +220,7 @@ class LLMEngine:
                     finished = r.step()
                 except BaseException as e:
                     self._fail_epoch(e)
+                    self._flush_finishing()  # their final outputs now: a waiting client is not left in a turn
                     raise
                 self._finishing.extend(finished)
                 self._collect(r)

@@ -160,6 +160,8 @@ class StepRunner:
             self._prefill_chunked()
         else:
             self._prefill_admitted(sched.admit())
+        for s in sched.take_failed():  # their admission raised: they end alone
+            self._fail(s, s.error, finished=True)
         self.log.poll(self.lag)
         done, self._failed = self._failed + self._retire(), []
         running = [s for s in sched.running if s.n_out]  # those whose prefill is done
@@ -272,14 +274,16 @@ class StepRunner:
         except (ValueError, TypeError, MemoryError) as e:
             self._fail(s, e)
 
-    def _fail(self, s: Sequence, e: BaseException) -> None:
-        """Finish ``s``, whose prefill raised ``e``, with ``error`` set."""
+    def _fail(self, s: Sequence, e: BaseException, finished: bool = False) -> None:
+        """Finish ``s``, whose prefill (or, ``finished`` by the scheduler, admission) raised ``e``,
+        with ``error`` set."""
         s.error = e
         s.marks.setdefault("t0", self.clock.mark())
         s.marks.setdefault("prefill", self.clock.mark())
         s.marks.setdefault("first", s.marks["prefill"])
         s.marks["end"] = s.marks["first"]
-        self.finish(s, "error")
+        if not finished:
+            self.finish(s, "error")
         self._failed.append(s)
 
     def _prefill(self, s: Sequence, started: bool = False) -> None:

@@ -22,10 +22,13 @@ sequences are done. Until then the sequences behind it are *backfilled* (EASY ba
 1995: a job may overtake the blocked head when it delays nothing the head waits for): one that the
 store can hold and that needs no more decode steps than the longest of the running ones still
 may (its ``max_new`` within their largest remaining ``max_new - n_out``) is admitted past the
-head, so a short request does not wait for a long one to finish; the store epoch ends no later
-than without it. Finished sequences leave at once (:meth:`Scheduler.finish` returns
-their KV), and the next :meth:`Scheduler.admit` fills their places: continuous batching. No
-tensors here: the scheduler is tested on the CPU with a counting capacity.
+head, so a short request does not wait for a long one to finish. The head keeps EASY's bound:
+it starts no later than the running requests' ``max_tokens`` allow; a running request that
+stops early or is aborted brings its start forward only as far as the backfilled ones have
+ended (they run to their end: no preemption). Finished sequences leave at once
+(:meth:`Scheduler.finish` returns their KV), and the next :meth:`Scheduler.admit` fills their
+places: continuous batching. No tensors here: the scheduler is tested on the CPU with a
+counting capacity.
 """
 from __future__ import annotations
 
@@ -138,6 +141,7 @@ class Scheduler:
         self.running: list = []
         self.num_finished = 0
         self.max_running = 0
+        self.failed: list = []
 
     def add(self, seq: Sequence, check: bool = True) -> None:
         """Queue ``seq`` (status waiting); with ``check``, ValueError (from ``capacity.check``)
@@ -179,9 +183,9 @@ class Scheduler:
                 break
             if not self.capacity.can_admit(seq):
                 break
-            self._start(seq)
-            new.append(seq)
-            tokens += n
+            if self._start(seq):
+                new.append(seq)
+                tokens += n
         new += self._backfill(tokens if new else None)
         self.max_running = max(self.max_running, len(self.running))
         return new
@@ -213,18 +217,33 @@ class Scheduler:
                 continue
             if not self.capacity.can_admit(seq):
                 continue
-            self._start(seq)
-            new.append(seq)
-            tokens = n if tokens is None else tokens + n
+            if self._start(seq):
+                new.append(seq)
+                tokens = n if tokens is None else tokens + n
         return new
 
-    def _start(self, seq: Sequence) -> None:
-        """Admit waiting ``seq``: the store reserves its KV first, so a store that raises leaves it
-        waiting (the engine then ends it with the error) and no sequence is lost."""
-        self.capacity.admit(seq)
+    def _start(self, seq: Sequence) -> bool:
+        """Admit waiting ``seq``: the store reserves its KV first. A ValueError / TypeError /
+        MemoryError from it (a pool allocation that failed; the store is left as it was) finishes
+        ``seq`` alone with ``error`` set (:meth:`take_failed`) and returns False; anything else
+        propagates with ``seq`` still waiting (the engine ends the epoch with it): no sequence
+        is lost."""
+        try:
+            self.capacity.admit(seq)
+        except (ValueError, TypeError, MemoryError) as e:
+            seq.error = e
+            self.finish(seq, "error")
+            self.failed.append(seq)
+            return False
         self.waiting.remove(seq)
         seq.status = RUNNING
         self.running.append(seq)
+        return True
+
+    def take_failed(self) -> list:
+        """The sequences whose admission failed since the last call (finished, ``error`` set)."""
+        out, self.failed = self.failed, []
+        return out
 
     def _admit_chunked(self, short: int, long_busy: bool) -> list:
         new, held = [], []
@@ -237,9 +256,9 @@ class Scheduler:
                     continue
                 if not self.capacity.can_admit(seq):
                     break
-                self._start(seq)
-                new.append(seq)
-                long_busy = long_busy or n > short
+                if self._start(seq):
+                    new.append(seq)
+                    long_busy = long_busy or n > short
         finally:
             self.waiting.extendleft(reversed(held))
         new += self._backfill(None, short)

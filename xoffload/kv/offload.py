@@ -126,11 +126,17 @@ class OffloadBatchKV(KeptAnswers, ChunkedPrefill, CachedPrompts, BatchKV):
         key = self._keys
         self._keys += 1
         sid = self.eng.add_sequence() if self.cache is None else None
+        try:
+            tail = self.tail.reserve(key, self._new(seq))
+        except BaseException:  # nothing of it is left behind
+            if sid is not None:
+                self.eng.free(sid)
+            raise
         self._admitted[key] = seq
         held = self._reserve(seq, self._prompt_blocks(seq))
         self._reserved += held
-        seq.kv = {"key": key, "sid": sid, "start": 0, "tail": self.tail.reserve(key, self._new(seq)), "events": [],
-                  "joined": False, "held": held, "cow": held > self._prompt_blocks(seq)}
+        seq.kv = {"key": key, "sid": sid, "start": 0, "tail": tail, "events": [], "joined": False, "held": held,
+                  "cow": held > self._prompt_blocks(seq)}
 
     def release(self, seq):
         kv = seq.kv
