@@ -178,7 +178,7 @@ class Scheduler:
         new, tokens = [], 0
         while self.waiting and len(self.running) < self.max_num_seqs and self.blocked is None:
             seq = self.waiting[0]
-            n = self.capacity.prefill_tokens(seq) if hasattr(self.capacity, "prefill_tokens") else seq.prompt_len
+            n = self._prefill_tokens(seq)
             if new and tokens + n > self.max_num_batched_tokens:
                 break
             if not self.capacity.can_admit(seq):
@@ -210,7 +210,7 @@ class Scheduler:
                 except ValueError:
                     continue
                 seq.checked = True
-            n = self.capacity.prefill_tokens(seq) if hasattr(self.capacity, "prefill_tokens") else seq.prompt_len
+            n = self._prefill_tokens(seq)
             if short is not None and n > short:
                 continue
             if short is None and tokens is not None and tokens + n > self.max_num_batched_tokens:
@@ -221,6 +221,11 @@ class Scheduler:
                 new.append(seq)
                 tokens = n if tokens is None else tokens + n
         return new
+
+    def _prefill_tokens(self, seq: Sequence) -> int:
+        """The tokens ``seq``'s prefill would compute now (``capacity.prefill_tokens``, else its prompt)."""
+        f = getattr(self.capacity, "prefill_tokens", None)
+        return f(seq) if f is not None else seq.prompt_len
 
     def _start(self, seq: Sequence) -> bool:
         """Admit waiting ``seq``: the store reserves its KV first. A ValueError / TypeError /
@@ -250,7 +255,7 @@ class Scheduler:
         try:
             while self.waiting and len(self.running) < self.max_num_seqs and self.blocked is None:
                 seq = self.waiting[0]
-                n = self.capacity.prefill_tokens(seq) if hasattr(self.capacity, "prefill_tokens") else seq.prompt_len
+                n = self._prefill_tokens(seq)
                 if n > short and long_busy:
                     held.append(self.waiting.popleft())  # its place is kept (put back below)
                     continue

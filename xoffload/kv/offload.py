@@ -98,7 +98,7 @@ class OffloadBatchKV(KeptAnswers, ChunkedPrefill, CachedPrompts, BatchKV):
         self.table = first if self.staged else torch.zeros_like(first)
 
     def _prompt_blocks(self, seq) -> int:
-        return _blocks(seq.prompt_len, self.block)  # (+ a copy-on-write block when there is room: _reserve)
+        return _blocks(seq.prompt_len, self.block)  # (+ a copy-on-write block where there is room: _reserve)
 
     @staticmethod
     def _new(seq) -> int:
@@ -133,10 +133,8 @@ class OffloadBatchKV(KeptAnswers, ChunkedPrefill, CachedPrompts, BatchKV):
                 self.eng.free(sid)
             raise
         self._admitted[key] = seq
-        held = self._reserve(seq, self._prompt_blocks(seq))
-        self._reserved += held
-        seq.kv = {"key": key, "sid": sid, "start": 0, "tail": tail, "events": [], "joined": False, "held": held,
-                  "cow": held > self._prompt_blocks(seq)}
+        seq.kv = {"key": key, "sid": sid, "start": 0, "tail": tail, "events": [], "joined": False,
+                  "held": self._reserve(seq, self._prompt_blocks(seq))}
 
     def release(self, seq):
         kv = seq.kv

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from ..kernels import merge_attention_states, paged_decode_attn_with_lse
-from ..kernels.page_cache import MAX_SLOTS
 from ..kernels.topk import topk_ids
 from ..runtime.allocator import BlockAllocator
+from ..sparse.quest import DecodePlan
 from .fp8 import Fp8Region, Fp8RowPool
 from .page_cache import BatchPageCache
 from .staging import PrefillStaging
@@ -80,7 +80,7 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
         super().__init__(model, config, shared, seqs)
         from types import SimpleNamespace
 
-        from ..sparse.quest import PageSummaries
+        from ..sparse.page_summaries import PageSummaries
 
         self.eng = shared
         self.on_device = shared.pool.placement == "device"
@@ -128,10 +128,9 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
         per_db = 2 * len(self.dense) * self.block * hkv * d * el
         self._dl = {l: i for i, l in enumerate(sorted(self.dense))}
         self._slot_bytes = sb = BatchPageCache.slot_bytes(len(self.sparse), hkv, d, P, self.dtype, self.scales)
-        cmax = 0
-        if not self.on_device and self.K and pol.cache_pages != 0 and self.K <= MAX_SLOTS:
-            # at least a step's pages of any row (a later request may read more than these)
-            cmax = max([self._want_c(p) for p in plans] + [self.K])
+        # the slots a row reading the most pages wants (a later request may read more than these)
+        widest = DecodePlan(self.max_prompt, P, 0, 0, 0, num_candidates=self.N, pages_per_step=self.K)
+        cmax = self._want_c(widest) if not self.on_device else 0
         S = min(self.max_num_seqs, len(seqs))  # the most that run at once in this call
         mem = self._plan_memory(S, sneed, dneed, per_sb, per_db, sb, cmax, limit)
         self.cache_limited = False
@@ -156,7 +155,7 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
         # with a cache, the sparse layers' tail rows follow the cache's in one row store ("fused"):
         # one attention call over [cached pages | tail], as the one-request store did
         # a row's tail table: any prompt up to the longest with the most new tokens
-        self.pcache, rp = None, _blocks(max(tail_need + [res_most + max(self.max_new - 1, 0)]), TAIL_BLOCK)
+        self.pcache, rp = None, _blocks(res_most + max(self.max_new - 1, 0), TAIL_BLOCK)
         self.fused = bool(self.FUSE_TAIL and cmax and mem["slots"] >= self.K) and TAIL_BLOCK % P == 0 \
             and self.scales != "page"  # page-scaled cache rows and token-scaled tail rows: two calls
         if cmax and mem["slots"] >= self.K:
@@ -296,10 +295,9 @@ class OffloadQuestBatchKV(KeptAnswers, QuestStats, QuestPrefill, ChunkedPrefill,
                 self.eng.free(sid)
             raise
         self._admitted[key] = seq
-        held = self._reserve(seq, nb)  # (+ a copy-on-write block when there is room)
-        self._reserved += held
         seq.kv = {"key": key, "sid": sid, "start": 0, "plan": p, "tail": tail, "stab": self.sum_alloc.table(key),
-                  "dtab": dtab, "events": [], "joined": False, "cslot": cslot, "held": held, "cow": held > nb}
+                  "dtab": dtab, "events": [], "joined": False, "cslot": cslot,
+                  "held": self._reserve(seq, nb)}  # (+ a copy-on-write block where there is room)
 
     def release(self, seq):
         kv = seq.kv

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels import flash_attn_with_lse
-from ..sparse.quest import choose_channels
+from ..sparse.page_summaries import choose_channels
 from .base import SUMMARY_BLOCK, _StagedSink, _to_device
 from .staging import PrefixReader
 
